@@ -1,0 +1,195 @@
+"""Build a Sudoku dataset in the reference on-disk format.
+
+Sources: the CSV files users download (columns source,q,a,rating; '.' = blank;
+a folder holding train.csv and test.csv, or one CSV that is split here), or
+puzzles generated on the fly with a unique solution.
+
+    python -m data_pipeline.build_sudoku --output-dir data/sudoku-small --generate 1000
+    python -m data_pipeline.build_sudoku --output-dir data/sudoku-extreme-1k-aug-1000 \\
+        --source-csv downloads/sudoku-extreme --subsample-size 1000 --num-aug 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
+from data_pipeline.sudoku import DEFAULT_MIN_GIVENS, augment, generate_puzzle
+
+SEQ_LEN = 81
+VOCAB_SIZE = 11  # pad 0, blank 1, digits 1..9 -> 2..10
+DEFAULT_TEST_FRACTION = 0.1  # held out when the source is not already split
+
+# ASCII byte -> digit (0 = blank); 255 flags a character that is not allowed.
+_CHAR_TO_DIGIT = np.full(256, 255, dtype=np.uint8)
+_CHAR_TO_DIGIT[ord(".")] = 0
+_CHAR_TO_DIGIT[ord("0") : ord("9") + 1] = np.arange(10)
+
+
+def _parse_grids(strings: list[str], path: Path, column: str) -> np.ndarray:
+    if any(len(s) != SEQ_LEN for s in strings):
+        raise ValueError(f"{path}: every '{column}' value must be {SEQ_LEN} characters")
+    digits = _CHAR_TO_DIGIT[np.frombuffer("".join(strings).encode("ascii"), dtype=np.uint8)]
+    if np.any(digits == 255):
+        raise ValueError(f"{path}: '{column}' may hold only '.', '0'-'9'")
+    return digits.reshape(len(strings), SEQ_LEN)
+
+
+def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(puzzles, solutions) as [N, 81] uint8 digits from a source,q,a,rating CSV."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"q", "a"} <= set(reader.fieldnames):
+            raise ValueError(f"{path}: expected a header with columns source,q,a,rating")
+        rows = [(row["q"], row["a"]) for row in reader]
+    puzzles = _parse_grids([q for q, _ in rows], path, "q")
+    solutions = _parse_grids([a for _, a in rows], path, "a")
+    if np.any(solutions == 0):
+        raise ValueError(f"{path}: answers ('a') must be complete grids")
+    return puzzles, solutions
+
+
+def _choose(rng: np.random.Generator, n: int, k: int | None) -> np.ndarray:
+    """Sorted indices of k rows drawn without replacement (all rows when k is None or >= n)."""
+    if k is None or k >= n:
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def _load_sources(
+    rng: np.random.Generator, generate: int | None, source_csv: Path | None, test_size: int | None, min_givens: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    if source_csv is not None and source_csv.is_dir():
+        missing = [name for name in ("train.csv", "test.csv") if not (source_csv / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{source_csv} lacks {missing}; pass the folder holding train.csv and test.csv")
+        train, test = read_csv(source_csv / "train.csv"), read_csv(source_csv / "test.csv")
+        keep = _choose(rng, len(test[0]), test_size)
+        return {"train": train, "test": (test[0][keep], test[1][keep])}
+
+    if source_csv is not None:
+        puzzles, solutions = read_csv(source_csv)
+    else:
+        assert generate is not None
+        pairs = [generate_puzzle(rng, min_givens) for _ in tqdm(range(generate), desc="generating sudoku")]
+        puzzles = np.stack([p for p, _ in pairs]).astype(np.uint8)
+        solutions = np.stack([s for _, s in pairs]).astype(np.uint8)
+    n = len(puzzles)
+    n_test = max(1, round(n * DEFAULT_TEST_FRACTION)) if test_size is None else test_size
+    if not 0 < n_test < n:
+        raise ValueError(f"test size {n_test} leaves no train or no test puzzles out of {n}")
+    order = rng.permutation(n)
+    test_idx, train_idx = order[:n_test], order[n_test:]
+    return {"train": (puzzles[train_idx], solutions[train_idx]), "test": (puzzles[test_idx], solutions[test_idx])}
+
+
+def _encode_split(
+    puzzles: np.ndarray, solutions: np.ndarray, num_aug: int, rng: np.random.Generator, desc: str
+) -> tuple[dict[str, np.ndarray], PuzzleDatasetMetadata]:
+    """Each original + its num_aug augmentations = one group of single-example puzzles."""
+    n, per_group = len(puzzles), 1 + num_aug
+    inputs = np.empty((n * per_group, SEQ_LEN), dtype=np.uint8)
+    labels = np.empty((n * per_group, SEQ_LEN), dtype=np.uint8)
+    row = 0
+    for puzzle, solution in zip(tqdm(puzzles, desc=desc), solutions):
+        inputs[row], labels[row] = puzzle, solution  # the first of a group is the original
+        for k in range(1, per_group):
+            inputs[row + k], labels[row + k] = augment(puzzle, solution, rng)
+        row += per_group
+    total = n * per_group
+    arrays = {
+        "inputs": inputs + 1,  # blank 0 -> 1, digit d -> d + 1
+        "labels": labels + 1,
+        "puzzle_identifiers": np.zeros(total, dtype=np.int32),  # all share the blank identifier
+        "puzzle_indices": np.arange(total + 1, dtype=np.int32),
+        "group_indices": np.arange(0, total + 1, per_group, dtype=np.int32),
+    }
+    metadata = PuzzleDatasetMetadata(
+        pad_id=0,
+        ignore_label_id=0,  # pad; Sudoku labels are full grids so nothing is ignored
+        blank_identifier_id=0,
+        vocab_size=VOCAB_SIZE,
+        seq_len=SEQ_LEN,
+        num_puzzle_identifiers=1,
+        total_groups=n,
+        mean_puzzle_examples=1.0,
+        # The reference Sudoku builder writes the group count here; we write the true
+        # puzzle count (as its ARC builder does) so it agrees with puzzle_indices.
+        total_puzzles=total,
+        sets=("all",),
+    )
+    return arrays, metadata
+
+
+def build_sudoku_dataset(
+    output_dir: str | Path,
+    *,
+    generate: int | None = None,
+    source_csv: str | Path | None = None,
+    test_size: int | None = None,
+    subsample_size: int | None = None,
+    num_aug: int = 0,
+    min_givens: int = DEFAULT_MIN_GIVENS,
+    seed: int = 0,
+) -> Path:
+    """Write <output_dir>/{train,test} and identifiers.json; returns output_dir.
+
+    Exactly one of `generate` (number of puzzles to create, split into train and
+    test) or `source_csv` (folder with train.csv/test.csv, or one CSV to split).
+    test_size: test puzzles to hold out or, for a folder, to keep from test.csv
+    (default: 10% held out / the whole test.csv). subsample_size: train puzzles
+    kept before augmentation. num_aug: augmented copies per train puzzle; the
+    test set is never augmented.
+    """
+    if (generate is None) == (source_csv is None):
+        raise ValueError("pass exactly one of generate or source_csv")
+    if num_aug < 0:
+        raise ValueError(f"num_aug must be >= 0, got {num_aug}")
+    output_dir = Path(output_dir)
+    rng = np.random.default_rng(seed)
+    sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, min_givens)
+
+    train_puzzles, train_solutions = sources["train"]
+    keep = _choose(rng, len(train_puzzles), subsample_size)
+    sources["train"] = (train_puzzles[keep], train_solutions[keep])
+
+    for split, (puzzles, solutions) in sources.items():
+        aug = num_aug if split == "train" else 0
+        arrays, metadata = _encode_split(puzzles, solutions, aug, rng, desc=f"encoding {split}")
+        write_split(str(output_dir), split, arrays, metadata)
+    write_identifiers(str(output_dir), ["<blank>"])
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--source-csv", help="folder with train.csv and test.csv, or one CSV file to split")
+    source.add_argument("--generate", type=int, metavar="N", help="generate N unique-solution puzzles")
+    parser.add_argument("--test-size", type=int, help="test puzzles (default: 10%% held out, or all of test.csv)")
+    parser.add_argument("--subsample-size", type=int, help="keep this many train puzzles")
+    parser.add_argument("--num-aug", type=int, default=0, help="augmented copies per train puzzle")
+    parser.add_argument("--min-givens", type=int, default=DEFAULT_MIN_GIVENS, help="givens left in generated puzzles")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = build_sudoku_dataset(
+        args.output_dir,
+        generate=args.generate,
+        source_csv=args.source_csv,
+        test_size=args.test_size,
+        subsample_size=args.subsample_size,
+        num_aug=args.num_aug,
+        min_givens=args.min_givens,
+        seed=args.seed,
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""On-disk puzzle dataset format, compatible with the TinyRecursiveModels builders.
+
+Layout of a dataset root::
+
+    <root>/identifiers.json                 # puzzle identifier id -> name
+    <root>/<split>/dataset.json             # PuzzleDatasetMetadata
+    <root>/<split>/<set>__inputs.npy        # [N, seq_len] token ids (uint8 when vocab fits)
+    <root>/<split>/<set>__labels.npy        # [N, seq_len] target ids, ignore_label_id = no loss
+    <root>/<split>/<set>__puzzle_identifiers.npy  # [P] int32, one per PUZZLE
+    <root>/<split>/<set>__puzzle_indices.npy      # [P + 1] int32 example offsets per puzzle
+    <root>/<split>/<set>__group_indices.npy       # [G + 1] int32 puzzle offsets per group
+
+A group is an original puzzle together with its augmentations. Roots may be
+local paths or fsspec URLs such as ``gs://bucket/prefix``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Mapping, Sequence
+
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+IGNORE_LABEL_ID = -100  # what the loss functions treat as "no target"
+FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
+_INDEX_FIELDS = ("puzzle_identifiers", "puzzle_indices", "group_indices")
+BUILD_HINT = "python -m data_pipeline.build_sudoku --output-dir {root} --generate 1000"
+
+
+class DatasetError(ValueError):
+    """A dataset is missing or malformed; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class PuzzleDatasetMetadata:
+    pad_id: int
+    ignore_label_id: int | None
+    blank_identifier_id: int
+    vocab_size: int
+    seq_len: int
+    num_puzzle_identifiers: int
+    total_groups: int
+    mean_puzzle_examples: float
+    total_puzzles: int
+    sets: tuple[str, ...]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["sets"] = list(self.sets)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> PuzzleDatasetMetadata:
+        d = json.loads(text)
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise DatasetError(f"dataset.json lacks fields {missing}")
+        d = {n: d[n] for n in names}  # extra keys from other writers are ignored
+        d["sets"] = tuple(d["sets"])
+        d["mean_puzzle_examples"] = float(d["mean_puzzle_examples"])
+        return cls(**d)
+
+
+@dataclass(frozen=True, eq=False)
+class PuzzleSplit:
+    """One set of one split, ready for batching.
+
+    ``puzzle_identifiers`` is per EXAMPLE (expanded through puzzle_indices);
+    labels hold IGNORE_LABEL_ID (-100) where the file held ignore_label_id.
+    """
+
+    metadata: PuzzleDatasetMetadata
+    inputs: np.ndarray  # [N, seq_len] int32
+    labels: np.ndarray  # [N, seq_len] int32
+    puzzle_identifiers: np.ndarray  # [N] int32
+    puzzle_indices: np.ndarray  # [P + 1] int32, as stored
+    group_indices: np.ndarray  # [G + 1] int32, as stored
+
+    def __len__(self) -> int:
+        return int(self.inputs.shape[0])
+
+
+def _join(root: str, *parts: str) -> str:
+    return "/".join([str(root).rstrip("/"), *parts])
+
+
+def _fs(root: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
+    """(filesystem, root without its protocol, is local) for a path or URL."""
+    fs, base = fsspec.core.url_to_fs(str(root))
+    return fs, base, isinstance(fs, LocalFileSystem)
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    # The reference builders store tokens as uint8; keep that whenever the vocab fits.
+    return np.dtype(np.uint8) if vocab_size <= 256 else np.dtype(np.int32)
+
+
+def validate_arrays(arrays: Mapping[str, np.ndarray], metadata: PuzzleDatasetMetadata, where: str) -> None:
+    """Raise DatasetError unless the arrays form a consistent set under metadata."""
+    missing = [k for k in FIELDS if k not in arrays]
+    if missing:
+        raise DatasetError(f"{where}: missing arrays {missing}")
+
+    def bad(msg: str) -> DatasetError:
+        return DatasetError(f"{where}: {msg}; rebuild the dataset")
+
+    inputs, labels = arrays["inputs"], arrays["labels"]
+    for name in FIELDS:
+        if not np.issubdtype(arrays[name].dtype, np.integer):
+            raise bad(f"{name} has dtype {arrays[name].dtype}, expected integers")
+    for name, arr in (("inputs", inputs), ("labels", labels)):
+        if arr.ndim != 2 or arr.shape[1] != metadata.seq_len:
+            raise bad(f"{name} has shape {arr.shape}, expected [N, seq_len={metadata.seq_len}]")
+    if labels.shape != inputs.shape:
+        raise bad(f"labels shape {labels.shape} != inputs shape {inputs.shape}")
+    pidx, gidx, pids = arrays["puzzle_indices"], arrays["group_indices"], arrays["puzzle_identifiers"]
+    for name in _INDEX_FIELDS:
+        if arrays[name].ndim != 1:
+            raise bad(f"{name} has shape {arrays[name].shape}, expected 1-D")
+    if pidx.size < 1 or pidx[0] != 0 or pidx[-1] != inputs.shape[0] or np.any(np.diff(pidx) < 0):
+        raise bad(f"puzzle_indices must rise from 0 to {inputs.shape[0]} examples")
+    if pids.shape[0] != pidx.size - 1:
+        raise bad(f"{pids.shape[0]} puzzle_identifiers for {pidx.size - 1} puzzles")
+    if gidx.size < 1 or gidx[0] != 0 or gidx[-1] != pidx.size - 1 or np.any(np.diff(gidx) < 0):
+        raise bad(f"group_indices must rise from 0 to {pidx.size - 1} puzzles")
+    if pids.size and (pids.min() < 0 or pids.max() >= metadata.num_puzzle_identifiers):
+        raise bad(f"puzzle_identifiers outside [0, {metadata.num_puzzle_identifiers})")
+
+
+def write_split(
+    root: str,
+    split: str,
+    arrays: Mapping[str, np.ndarray],
+    metadata: PuzzleDatasetMetadata,
+    set_name: str = "all",
+) -> None:
+    """Write one set of a split (reference dtypes) plus its dataset.json."""
+    validate_arrays(arrays, metadata, _join(root, split))
+    fs, base, _ = _fs(root)
+    where = _join(base, split)
+    fs.makedirs(where, exist_ok=True)
+    token_dtype = _token_dtype(metadata.vocab_size)
+    for name in FIELDS:
+        arr = np.asarray(arrays[name])
+        dtype = np.int32 if name in _INDEX_FIELDS else token_dtype
+        if name in ("inputs", "labels") and arr.size and (arr.min() < 0 or arr.max() >= metadata.vocab_size):
+            raise DatasetError(f"{_join(root, split)}: {name} holds ids outside [0, vocab_size={metadata.vocab_size})")
+        with fs.open(_join(where, f"{set_name}__{name}.npy"), "wb") as f:
+            np.save(f, arr.astype(dtype, copy=False))
+    with fs.open(_join(where, "dataset.json"), "w") as f:
+        f.write(metadata.to_json())
+
+
+def write_identifiers(root: str, names: Sequence[str]) -> None:
+    """Write identifiers.json: names[i] is the name of puzzle identifier i (0 = "<blank>")."""
+    fs, base, _ = _fs(root)
+    fs.makedirs(base, exist_ok=True)
+    with fs.open(_join(base, "identifiers.json"), "w") as f:
+        json.dump(list(names), f)
+
+
+def load_metadata(root: str, split: str) -> PuzzleDatasetMetadata:
+    fs, base, local = _fs(root)
+    path = _join(root, split, "dataset.json")  # as the user wrote it, for messages
+    if not fs.exists(_join(base, split, "dataset.json")):
+        what = "dataset" if not fs.exists(base) else f"split '{split}'"
+        if local:
+            fix = f"build it with `{BUILD_HINT.format(root=root)}`"
+        else:  # the builder writes locally; remote roots are uploaded copies
+            fix = f"build it locally with `{BUILD_HINT.format(root='DIR')}` and copy DIR to {root}"
+        raise DatasetError(f"{what} not found at {path}; {fix} or point the data path at an existing dataset root")
+    with fs.open(_join(base, split, "dataset.json"), "r") as f:
+        text = f.read()
+    try:
+        return PuzzleDatasetMetadata.from_json(text)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise DatasetError(f"{path}: unreadable metadata ({e}); rebuild the dataset") from e
+    except DatasetError as e:
+        raise DatasetError(f"{path}: {e}; rebuild the dataset") from e
+
+
+def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: str) -> np.ndarray:
+    if not fs.exists(path):
+        raise DatasetError(f"missing array file {shown}; rebuild the dataset")
+    if local:
+        return np.load(path, mmap_mode="r")  # page in lazily, no copy up front
+    with fs.open(path, "rb") as f:
+        return np.load(io.BytesIO(f.read()))
+
+
+def _as_int32(arr: np.ndarray) -> np.ndarray:
+    # Files storing int32 stay memory-mapped; narrower ones (the reference's uint8)
+    # are widened once into memory, so batches need no per-step conversion.
+    return arr if arr.dtype == np.int32 else np.array(arr, dtype=np.int32)
+
+
+def load_split(root: str, split: str, set_name: str = "all") -> PuzzleSplit:
+    """Load one set of one split from a local path or an fsspec URL (gs://...)."""
+    metadata = load_metadata(root, split)
+    if set_name not in metadata.sets:
+        raise DatasetError(f"{_join(root, split)} has sets {list(metadata.sets)}, not '{set_name}'")
+    fs, base, local = _fs(root)
+    raw = {}
+    for name in FIELDS:
+        file = f"{set_name}__{name}.npy"
+        raw[name] = _load_array(fs, local, _join(base, split, file), _join(root, split, file))
+    validate_arrays(raw, metadata, _join(root, split))
+
+    ignore = metadata.ignore_label_id
+    if ignore is None or ignore == IGNORE_LABEL_ID:
+        labels = _as_int32(raw["labels"])
+    else:
+        labels = np.array(raw["labels"], dtype=np.int32)  # in-memory copy, remapped in place
+        labels[labels == ignore] = IGNORE_LABEL_ID
+
+    puzzle_indices = np.array(raw["puzzle_indices"], dtype=np.int32)
+    per_puzzle_ids = np.array(raw["puzzle_identifiers"], dtype=np.int32)
+    return PuzzleSplit(
+        metadata=metadata,
+        inputs=_as_int32(raw["inputs"]),
+        labels=labels,
+        puzzle_identifiers=np.repeat(per_puzzle_ids, np.diff(puzzle_indices)),
+        puzzle_indices=puzzle_indices,
+        group_indices=np.array(raw["group_indices"], dtype=np.int32),
+    )

@@ -1,0 +1,58 @@
+"""Layers shared by the models, with logical axis names on every parameter."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_from_name(name: str):
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def dense_init(fan_in: int):
+    return nn.initializers.truncated_normal(stddev=fan_in**-0.5)
+
+
+class Attention(nn.Module):
+    """Non-causal multi-head attention with a fused qkv projection."""
+
+    hidden: int
+    heads: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        head_dim = self.hidden // self.heads
+        qkv_w = self.param("qkv", nn.with_logical_partitioning(dense_init(self.hidden), ("embed", "qkv", "heads", "head_dim")),
+                           (self.hidden, 3, self.heads, head_dim))
+        out_w = self.param("out", nn.with_logical_partitioning(dense_init(self.hidden), ("heads", "head_dim", "embed")),
+                           (self.heads, head_dim, self.hidden))
+        q, k, v = jnp.einsum("ble,ethd->tblhd", x, qkv_w.astype(self.dtype))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * head_dim**-0.5
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        return jnp.einsum("blhd,hde->ble", y, out_w.astype(self.dtype))
+
+
+class MlpBlock(nn.Module):
+    """SwiGLU feed-forward."""
+
+    features: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = x.shape[-1]
+        gate_up = self.param("gate_up", nn.with_logical_partitioning(dense_init(hidden), ("embed", "gate", "mlp")),
+                             (hidden, 2, self.features))
+        down = self.param("down", nn.with_logical_partitioning(dense_init(self.features), ("mlp", "embed")),
+                          (self.features, hidden))
+        gate, up = jnp.einsum("ble,egf->gblf", x, gate_up.astype(self.dtype))
+        return jnp.einsum("blf,fe->ble", jax.nn.silu(gate) * up, down.astype(self.dtype))

@@ -1,0 +1,83 @@
+"""Train a model on a device mesh: `python pretrain_jax.py [hydra overrides]`.
+
+Examples:
+  python pretrain_jax.py                                   # embedded defaults, CPU devices
+  python pretrain_jax.py +experiment=<group>/<variant>     # one variant of an experiment group
+  python pretrain_jax.py -m +experiment=<group>/a,<group>/b   # sweep
+  python pretrain_jax.py --cfg job                         # print the composed config
+
+Every process of a pod runs this same command (see experiments/launch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+# Hydra re-raises instead of printing a multi-line report; main() turns errors into one line.
+os.environ["HYDRA_FULL_ERROR"] = "1"
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from runtime.config import register_schemas, validate  # noqa: E402
+from runtime.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
+
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+register_schemas()
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. A failing process of a multi-process job leaves at once: a normal
+    exit would wait in JAX's shutdown barrier for peers that may never arrive."""
+    if code and "jax" in sys.modules:
+        import jax
+
+        if jax.distributed.is_initialized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)
+
+
+def _user_error(e: UserError) -> None:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    _exit(EXIT_USER_ERROR)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        config = validate(cfg, HydraConfig.get().runtime.choices.get("experiment"))
+        from runtime.trainer import run  # heavy imports (jax) only once the config is known to be good
+
+        code = run(config)
+    except UserError as e:  # exit here: Hydra would add its own line to a raised exception
+        _user_error(e)
+    except Exception:
+        traceback.print_exc()
+        _exit(1)
+    if code:
+        _exit(code)
+
+
+def main() -> None:
+    try:
+        _hydra_main()
+    except UserError as e:
+        _user_error(e)
+    except Exception as e:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(e, (HydraException, OmegaConfBaseException)):
+            print(f"error: invalid config: {one_line(e)}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Orbax checkpoints of the whole train state, local or gs://, written by every process.
+
+Each step directory holds two items: `state` (params, optimizer state, EMA, step, RNG, as
+sharded arrays) and `meta` (JSON: data position, W&B run id, config snapshot, last metrics).
+Saves are asynchronous: the train loop goes on while the arrays are written. Orbax writes
+a step to a temporary name and only then marks it complete (a rename locally, a
+commit_success file on GCS), and `latest_step` only ever sees complete steps, so a save cut
+off by a crash or an outage is never chosen for resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from runtime.errors import UserError, one_line
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    def __init__(self, directory: str, *, keep: int, async_save: bool):
+        # Orbax wants absolute paths; a local relative path is taken from the working directory.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True),
+                item_names=("state", "meta"),
+            )
+        except Exception as e:
+            raise UserError(f"cannot open checkpoint directory {directory}: {one_line(e)[:300]}; check the path "
+                            "(and for gs:// that the bucket exists and you can write to it)") from e
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+    def restore_state(self, step: int, abstract_state: Any) -> Any:
+        """Restore straight into the shardings carried by `abstract_state` (no gather on one host)."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+        except Exception as e:
+            raise UserError(f"checkpoint step {step} in {self.directory} does not fit this run's state "
+                            f"({one_line(e)[:300]}); resume with the config that wrote it, or use a new run.name") from e
+
+    def wait(self) -> None:
+        """Block until the in-flight async save is complete (raises if it failed)."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,283 @@
+"""Typed run configuration: the schema Hydra composes into, validation, and derived numbers.
+
+The flow is one-directional: Hydra composes `conf/` + overrides into a DictConfig; `validate`
+merges it into the structured schema below (unknown keys and wrong types fail here, as one
+line), converts it to dataclass instances and freezes them. `derive` then computes every
+number that depends on the config and the machine (batch per process, total steps, schedule,
+paths) in one place; the trainer only reads these two objects.
+
+Sections: `arch`, `data`, `optim`, `mesh`, `run` are Hydra groups; `train` (when things
+happen) and `distributed` (how processes join) live in conf/config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from models import ARCH_SCHEMAS
+from runtime.errors import UserError, one_line
+from runtime.frozen import Freezable, freeze
+
+
+@dataclass
+class DataConfig(Freezable):
+    name: str = MISSING  # dataset family: sudoku (more come with the recursive-model issue)
+    path: str = MISSING  # dataset root (reference on-disk format), local path or gs://bucket/prefix
+    train_split: str = "train"
+    eval_split: str = "test"
+    eval_max_examples: Optional[int] = None  # cap the eval set (None = all of it)
+    # Build a small dataset at `path` when it is missing (local paths only; demos and CI).
+    generate_if_missing: bool = False
+    generate_puzzles: int = 1000
+    generate_test_puzzles: int = 200
+    generate_num_aug: int = 0
+    generate_min_givens: int = 30
+    generate_seed: int = 0
+
+
+@dataclass
+class OptimConfig(Freezable):
+    name: str = "adamw"  # adamw
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 100  # linear warmup from step 1, then cosine to lr * lr_min_ratio
+    lr_min_ratio: float = 1.0  # 1.0 = constant after warmup
+    grad_clip_norm: Optional[float] = None
+    ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
+
+
+@dataclass
+class MeshConfig(Freezable):
+    # Device-mesh axis sizes; exactly one may be -1 (= the remaining devices).
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class WandbConfig(Freezable):
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "podrunner"
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig(Freezable):
+    dir: Optional[str] = None  # local path or gs://bucket/prefix; None = <output_dir>/checkpoints
+    keep: int = 3  # newest N kept
+    async_save: bool = True
+    resume: bool = True  # resume from the latest complete step found in `dir`
+
+
+@dataclass
+class RunConfig(Freezable):
+    # Where things go. group/name default to the +experiment=<group>/<variant> choice.
+    group: Optional[str] = None
+    name: Optional[str] = None
+    id: Optional[str] = None  # W&B run id; None = from the checkpoint, else a new one
+    root: str = "outputs"  # local root for metrics.jsonl, W&B files, manifest
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig(Freezable):
+    # When things happen.
+    seed: int = 0
+    global_batch_size: int = 64
+    steps: Optional[int] = None  # total optimizer steps; or give epochs
+    epochs: Optional[float] = None
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    checkpoint_every: int = 0  # 0 = only at the end
+    profile_start_step: Optional[int] = None  # jax.profiler trace window
+    profile_steps: int = 5
+
+
+@dataclass
+class DistributedConfig(Freezable):
+    # auto: JAX cluster detection on a TPU VM, explicit values as the fallback, else single.
+    mode: str = "auto"  # auto | single | cluster | explicit
+    coordinator_address: Optional[str] = None  # host or host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    port: int = 8482  # JAX's Cloud TPU coordinator port since 0.8.1 (8476 before)
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100  # a worker silent this long is declared dead
+    shutdown_timeout_s: int = 300
+
+
+@dataclass
+class Config(Freezable):
+    arch: Any = MISSING  # one of models.ARCH_SCHEMAS, chosen by the arch group
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    mesh: MeshConfig = MISSING
+    run: RunConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def register_schemas() -> None:
+    """Register the schema with Hydra: each conf/<group>/*.yaml extends its `base_*` entry."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="optim", name="base_optim", node=OptimConfig)
+    cs.store(group="mesh", name="base_mesh", node=MeshConfig)
+    cs.store(group="run", name="base_run", node=RunConfig)
+    for arch_name, schema in ARCH_SCHEMAS.items():
+        cs.store(group="arch", name=f"base_{arch_name}", node=schema)
+
+
+_CHOICES = {
+    ("optim", "name"): ("adamw",),
+    ("run", "wandb", "mode"): ("online", "offline", "disabled"),
+    ("distributed", "mode"): ("auto", "single", "cluster", "explicit"),
+}
+
+
+def validate(cfg: DictConfig, experiment: Optional[str] = None) -> Config:
+    """Composed DictConfig -> frozen typed Config, or one-line UserError.
+
+    `experiment` is Hydra's choice for the experiment group ("<group>/<variant>"), which names
+    the run unless run.group / run.name are set.
+    """
+    arch = cfg.get("arch")
+    if arch is None or OmegaConf.get_type(arch) not in ARCH_SCHEMAS.values():
+        raise UserError(f"arch must extend one of {sorted(ARCH_SCHEMAS)}; pick one with arch=<name>")
+    schema = OmegaConf.structured(Config)
+    schema.arch = OmegaConf.structured(OmegaConf.get_type(arch))
+    try:
+        merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
+        config: Config = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf's errors are multi-line; say it in one
+        raise UserError(f"invalid config: {one_line(e)}") from e
+
+    for path, allowed in _CHOICES.items():
+        value = config
+        for key in path:
+            value = getattr(value, key)
+        if value not in allowed:
+            raise UserError(f"{'.'.join(path)}={value!r} is not one of {list(allowed)}")
+    t = config.train
+    if (t.steps is None) == (t.epochs is None):
+        raise UserError("set exactly one of train.steps and train.epochs (the other =null)")
+    for name in ("global_batch_size", "log_every"):
+        if getattr(t, name) <= 0:
+            raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
+
+    group, _, variant = (experiment or "").rpartition("/")
+    if config.run.group is None:
+        config.run.group = group or (experiment or "default")
+    if config.run.name is None:
+        config.run.name = variant or "default"
+    return freeze(config)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every number derived from the config and the machine, computed once, printed once."""
+
+    num_processes: int
+    num_devices: int
+    mesh_shape: dict[str, int]
+    global_batch_size: int
+    per_process_batch_size: int
+    per_device_batch_size: float  # a batch shard spans data x fsdp devices; tensor replicas share it
+    train_examples: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: float
+    warmup_steps: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    output_dir: str
+    checkpoint_dir: str
+
+    def table(self) -> str:
+        rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    known = math.prod(s for s in sizes.values() if s != -1)
+    for axis, size in sizes.items():
+        if size == -1:
+            if num_devices % known:
+                raise UserError(
+                    f"mesh {sizes} cannot fill {num_devices} devices: {num_devices} is not divisible by "
+                    f"{known}; change mesh.* so the product divides the device count"
+                )
+            sizes[axis] = num_devices // known
+    if math.prod(sizes.values()) != num_devices:
+        raise UserError(
+            f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} = "
+            f"{math.prod(sizes.values())} devices, but this job has {num_devices}; set one mesh axis to -1 "
+            "or make the product equal the device count"
+        )
+    return sizes
+
+
+def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int) -> Plan:
+    """All derived numbers, with the checks that need the machine (before any compile)."""
+    t = config.train
+    mesh_shape = resolve_mesh_shape(config.mesh, num_devices)
+    batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
+    if t.global_batch_size % batch_shards:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} does not divide over data x fsdp = {batch_shards} "
+            f"devices; use a multiple of {batch_shards}"
+        )
+    if t.global_batch_size % num_processes:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} does not divide over {num_processes} processes"
+        )
+    steps_per_epoch = train_examples // t.global_batch_size
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"the training set has {train_examples} examples, fewer than one global batch "
+            f"({t.global_batch_size}); lower train.global_batch_size or use a larger dataset"
+        )
+    total_steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * steps_per_epoch))
+    output_dir = f"{config.run.root.rstrip('/')}/{config.run.group}/{config.run.name}"
+    return Plan(
+        num_processes=num_processes,
+        num_devices=num_devices,
+        mesh_shape=mesh_shape,
+        global_batch_size=t.global_batch_size,
+        per_process_batch_size=t.global_batch_size // num_processes,
+        per_device_batch_size=t.global_batch_size / batch_shards,
+        train_examples=train_examples,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        epochs=round(total_steps / steps_per_epoch, 4),
+        warmup_steps=min(config.optim.warmup_steps, total_steps),
+        log_every=t.log_every,
+        eval_every=t.eval_every or total_steps,
+        checkpoint_every=t.checkpoint_every or total_steps,
+        output_dir=output_dir,
+        checkpoint_dir=config.run.checkpoint.dir or f"{output_dir}/checkpoints",
+    )

@@ -1,0 +1,95 @@
+"""Feeding global batches: each process materialises only the rows its devices hold.
+
+The order comes from `data_pipeline.batching` (same on every process); this module works
+out which rows of the global batch live on this process's devices under the batch sharding,
+reads just those rows, and assembles the global array with
+`jax.make_array_from_process_local_data`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from data_pipeline.batching import epoch_permutation, eval_batch_indices
+
+BATCH_FIELDS = ("inputs", "labels", "puzzle_identifiers")
+
+
+def process_rows(sharding: NamedSharding, global_batch: int) -> slice:
+    """The contiguous block of global-batch rows held by this process's devices."""
+    index_map = sharding.addressable_devices_indices_map((global_batch,))
+    starts = sorted({(ix[0].start or 0, ix[0].stop if ix[0].stop is not None else global_batch) for ix in index_map.values()})
+    lo, hi = starts[0][0], starts[-1][1]
+    covered = sum(b - a for a, b in starts)
+    if covered != hi - lo:
+        raise ValueError(f"this process's batch rows are not contiguous: {starts}; reorder the mesh devices")
+    return slice(lo, hi)
+
+
+class BatchFeeder:
+    """Global batches for training (shuffled by (seed, step)) and eval (in order, padded)."""
+
+    def __init__(self, split: Any, sharding: NamedSharding, global_batch: int, seed: int, prefetch: bool = True):
+        self.split = split
+        self.sharding = sharding
+        self.global_batch = global_batch
+        self.seed = seed
+        self.rows = process_rows(sharding, global_batch)
+        self.num_examples = len(split.inputs)
+        self.steps_per_epoch = self.num_examples // global_batch
+        self._pool = ThreadPoolExecutor(1) if prefetch else None
+        self._pending: tuple[int, Any] | None = None
+
+    @lru_cache(maxsize=2)
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return epoch_permutation(self.seed, epoch, self.num_examples)
+
+    def _local_train_rows(self, step: int) -> dict[str, np.ndarray]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        start = within * self.global_batch
+        idx = self._permutation(epoch)[start + self.rows.start : start + self.rows.stop]
+        order = np.argsort(idx)  # read rows in file order (memory-mapped arrays), then restore the batch order
+        sorted_idx = idx[order]
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        return {f: np.asarray(getattr(self.split, f)[sorted_idx])[inverse] for f in BATCH_FIELDS}
+
+    def _assemble(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        out = {}
+        for name, rows in local.items():
+            global_shape = (self.global_batch,) + rows.shape[1:]
+            sharding = self.sharding if rows.ndim == 1 else NamedSharding(
+                self.sharding.mesh, jax.sharding.PartitionSpec(self.sharding.spec[0], *([None] * (rows.ndim - 1))))
+            out[name] = jax.make_array_from_process_local_data(sharding, rows, global_shape)
+        return out
+
+    def train_batch(self, step: int) -> dict[str, jax.Array]:
+        """Global batch number `step` (0-based); reads the next one in the background."""
+        if self._pending is not None and self._pending[0] == step:
+            local = self._pending[1].result()
+        else:
+            local = self._local_train_rows(step)
+        if self._pool is not None:
+            self._pending = (step + 1, self._pool.submit(self._local_train_rows, step + 1))
+        return self._assemble(local)
+
+    def eval_batches(self, max_examples: int | None = None):
+        """The eval set in order, as padded global batches with a `valid` mask; rows of padding
+        get label -100 so they count nowhere."""
+        n = self.num_examples if max_examples is None else min(max_examples, self.num_examples)
+        for b in range(-(-n // self.global_batch)):
+            idx, valid = eval_batch_indices(n, self.global_batch, b)
+            idx, valid = idx[self.rows], valid[self.rows]
+            local = {f: np.asarray(getattr(self.split, f)[idx]) for f in BATCH_FIELDS}
+            local["labels"] = np.where(valid[:, None], local["labels"], -100).astype(np.int32)
+            yield self._assemble(local)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

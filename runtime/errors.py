@@ -1,0 +1,33 @@
+"""The one exception type for bad user input.
+
+Anything a user can fix (an override, a dataset path, a mesh, a coordinator, a bucket,
+a checkpoint) raises `UserError` with one line that names the problem and the fix.
+`pretrain_jax.py` prints it as `error: ...` and exits with `EXIT_USER_ERROR`, before
+any long compile.
+"""
+
+EXIT_USER_ERROR = 2
+EXIT_NONFINITE = 3
+EXIT_HANG = 4
+
+
+class UserError(Exception):
+    """Bad input the user can fix; the message is one line naming the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))
+
+
+def one_line(exc: BaseException) -> str:
+    """Collapse an exception (and its cause chain) to one readable line."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).split("Config search path:")[0]  # Hydra appends its search path
+        text = text.split("full_key:")[0]  # OmegaConf appends key/object details
+        text = " ".join(text.split())
+        if text and all(text not in p for p in parts):
+            parts.append(text)
+        exc = exc.__cause__ or exc.__context__
+    return ": ".join(parts) if parts else "unknown error"

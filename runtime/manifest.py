@@ -1,0 +1,88 @@
+"""The run manifest: what ran, where, on what, and how it ended, written by process 0.
+
+It is produced from the live run (never filled in by hand): at start with status "running",
+and again at the end with the final metrics and exit status. It sits in the output
+directory and beside the checkpoints (so it survives with them on GCS), and goes to W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import jax
+
+PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "tensorstore", "hydra-core",
+            "wandb", "gcsfs", "google-cloud-storage", "numpy")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def package_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, resumed_from: int | None) -> dict[str, Any]:
+    devices = jax.devices()
+    return {
+        "run_id": run_id,
+        "status": "running",
+        "exit_code": None,
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "end_time": None,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "command": sys.argv,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "packages": package_versions(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "resumed_from_step": resumed_from,
+        "plan": plan,
+        "config": config,
+        "final_metrics": None,
+    }
+
+
+def finish(manifest: dict[str, Any], *, exit_code: int, status: str, final_metrics: dict[str, Any] | None) -> dict[str, Any]:
+    return manifest | {
+        "status": status,
+        "exit_code": exit_code,
+        "end_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "final_metrics": final_metrics,
+    }
+
+
+def write(manifest: dict[str, Any], *directories: str) -> list[str]:
+    """Write run_manifest.json into each directory (local or gs://); returns the paths."""
+    paths = []
+    for d in directories:
+        path = f"{d.rstrip('/')}/run_manifest.json"
+        fs, _, (p,) = fsspec.get_fs_token_paths(path)
+        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(p, "w") as f:
+            json.dump(manifest, f, indent=2, default=str)
+        paths.append(path)
+    return paths

@@ -1,0 +1,66 @@
+"""Throughput and model-FLOPs utilisation between log points."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import jax
+
+# Peak dense bf16 FLOP/s per JAX device, by device_kind prefix (vendor datasheets).
+PEAK_BF16_FLOPS = (
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),
+    ("TPU v6e", 918e12),
+    ("NVIDIA H100", 989e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA A100", 312e12),
+)
+
+
+def peak_flops_per_device(device: jax.Device) -> float | None:
+    for prefix, flops in PEAK_BF16_FLOPS:
+        if device.device_kind.startswith(prefix):
+            return flops
+    return None  # CPU and unknown kinds: no MFU
+
+
+class StepTimer:
+    """Steps/s, examples/s, tokens/s and MFU over the steps since the last lap.
+
+    `flops_per_step` is the compiled step's FLOPs per device (XLA cost analysis of the
+    partitioned program), so MFU = flops_per_step * steps/s / peak per device.
+    """
+
+    def __init__(self, global_batch: int, seq_len: int, flops_per_step: float | None, peak_flops: float | None):
+        self.global_batch, self.seq_len = global_batch, seq_len
+        self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
+        self._mark, self._paused, self._steps_at_mark = time.perf_counter(), 0.0, None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (eval, checkpoint saves) does not count as training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
+
+    def lap(self, done_steps: int) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed, steps = now - self._mark - self._paused, None
+        if self._steps_at_mark is not None:
+            steps = done_steps - self._steps_at_mark
+        self._mark, self._paused, self._steps_at_mark = now, 0.0, done_steps
+        if not steps or elapsed <= 0:
+            return {}  # the first lap includes start-up; report from the second on
+        rate = steps / elapsed
+        out = {"perf/steps_per_sec": rate, "perf/examples_per_sec": rate * self.global_batch,
+               "perf/tokens_per_sec": rate * self.global_batch * self.seq_len}
+        if self.flops_per_step and self.peak_flops:
+            out["perf/mfu"] = self.flops_per_step * rate / self.peak_flops
+        return out

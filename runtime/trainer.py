@@ -1,0 +1,231 @@
+"""One training run: join -> plan -> mesh -> state (fresh or resumed) -> loop -> final save.
+
+`run(config)` returns the process exit code. Everything a user can get wrong is checked
+before the first compile (config, dataset, mesh, batch, checkpoint directory and its
+compatibility), and reported as one line by `pretrain_jax.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from data_pipeline.puzzle_format import DatasetError, load_metadata, load_split
+from models import build_model
+from runtime import manifest as manifest_lib
+from runtime.checkpointing import Checkpoints
+from runtime.config import Config, Plan, derive, to_dict
+from runtime.data_feed import BatchFeeder
+from runtime.distributed import ProcessInfo, initialize
+from runtime.errors import EXIT_NONFINITE, UserError
+from runtime.metrics_sinks import MetricsSinks
+from runtime.perf import StepTimer, peak_flops_per_device
+from runtime.sharding import batch_sharding, describe, make_mesh
+from runtime.train_step import TrainState, build_steps, lr_schedule, make_optimizer, summarize
+
+log = logging.getLogger("runtime")
+
+
+def setup_logging(is_primary: bool) -> None:
+    """Process 0 logs progress; the others only warnings and errors."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger().setLevel(logging.INFO if is_primary else logging.WARNING)
+    for noisy in ("absl", "jax._src", "orbax", "etils"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def ensure_dataset(config: Config, info: ProcessInfo) -> None:
+    """Build the small generated dataset when asked and missing (local paths only)."""
+    data = config.data
+    if not data.generate_if_missing or data.path.startswith("gs://"):
+        return
+
+    def build_if_missing():
+        if not os.path.exists(os.path.join(data.path, data.train_split, "dataset.json")):
+            from data_pipeline.build_sudoku import build_sudoku_dataset
+
+            log.info("building a generated %s dataset at %s", data.name, data.path)
+            build_sudoku_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
+                                 test_size=data.generate_test_puzzles, num_aug=data.generate_num_aug,
+                                 min_givens=data.generate_min_givens, seed=data.generate_seed)
+
+    if info.is_primary:
+        build_if_missing()
+    if info.process_count > 1:
+        multihost_utils.sync_global_devices("dataset ready")
+        build_if_missing()  # workers with their own disks build the same (seeded) data
+
+
+def new_run_id(config: Config) -> str:
+    """A W&B-safe id agreed by all processes (process 0's random draw, broadcast)."""
+    if config.run.id:
+        return config.run.id
+    token = multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32))
+    name = re.sub(r"[^a-zA-Z0-9_-]", "-", config.run.name)[:40]
+    return f"{name}-{int(token[0]):08x}"
+
+
+def check_resumable(meta: dict[str, Any], config: Config, directory: str, step: int) -> None:
+    """Refuse to resume a checkpoint written for a different model, data order or batch."""
+    saved = meta.get("config", {})
+    now = to_dict(config)
+    for section, keys in (("arch", None), ("train", ("seed", "global_batch_size")), ("data", ("name", "path"))):
+        old, new = saved.get(section, {}), now[section]
+        for key in keys or sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise UserError(
+                    f"checkpoint step {step} in {directory} was written with {section}.{key}={old.get(key)!r}, this run "
+                    f"has {new.get(key)!r}; use the same value to resume, or a new run.name (or run.checkpoint.dir) to start fresh")
+
+
+def evaluate(steps, params, feeder: BatchFeeder, max_examples: int | None) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for batch in feeder.eval_batches(max_examples):
+        for k, v in jax.device_get(steps.eval(params, batch)).items():
+            totals[k] = totals.get(k, 0) + float(v)
+    return {f"eval/{k}": float(v) for k, v in summarize(totals).items()} if totals else {}
+
+
+def run(config: Config) -> int:
+    setup_logging(is_primary=True)
+    info = initialize(config.distributed)
+    setup_logging(info.is_primary)
+    ensure_dataset(config, info)
+    try:
+        train_meta = load_metadata(config.data.path, config.data.train_split)
+        train_split = load_split(config.data.path, config.data.train_split)
+        eval_split = load_split(config.data.path, config.data.eval_split)
+    except DatasetError as e:
+        raise UserError(str(e)) from e
+    plan = derive(config, num_processes=info.process_count, num_devices=info.global_devices,
+                  train_examples=len(train_split))
+    log.info("plan:\n%s", plan.table())
+
+    mesh = make_mesh(plan.mesh_shape)
+    model = build_model(config.arch, vocab_size=train_meta.vocab_size, seq_len=train_meta.seq_len)
+    schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    steps = build_steps(model, make_optimizer(config.optim, schedule), schedule, mesh,
+                        train_meta.seq_len, config.optim.ema_rate)
+    ckpt = Checkpoints(plan.checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
+    start_step, meta = ckpt.latest_step(), None
+    if start_step is not None:
+        if not config.run.checkpoint.resume:
+            raise UserError(f"{plan.checkpoint_dir} already holds checkpoints (latest step {start_step}) and "
+                            "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
+        meta = ckpt.read_meta(start_step)
+        check_resumable(meta, config, plan.checkpoint_dir, start_step)
+        state = ckpt.restore_state(start_step, steps.abstract_state)
+        log.info("resumed from step %d of %s", start_step, plan.checkpoint_dir)
+    else:
+        state = steps.init(jax.random.key_data(jax.random.key(config.train.seed)))
+    log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
+    run_id = meta["run_id"] if meta else new_run_id(config)
+    position = int(meta["data_position"]["next_batch"]) if meta else 0
+
+    feeder = BatchFeeder(train_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed)
+    eval_feeder = BatchFeeder(eval_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed, prefetch=False)
+    config_dict = to_dict(config)
+    sinks = MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=config.run.wandb.mode,
+                         wandb_project=config.run.wandb.project, wandb_entity=config.run.wandb.entity,
+                         group=config.run.group, name=config.run.name, run_id=run_id, config=config_dict,
+                         total_steps=plan.total_steps, start_step=position, tags=list(config.run.wandb.tags),
+                         progress_bar=config.run.progress_bar)
+    manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
+                                         resumed_from=start_step)
+    if info.is_primary:
+        manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
+
+    status, exit_code, final = "failed", 1, None
+    try:
+        exit_code, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position, run_id,
+                                      config_dict, seq_len=train_meta.seq_len)
+        status = "completed" if exit_code == 0 else "nonfinite"
+        return exit_code
+    finally:
+        feeder.close()
+        try:
+            ckpt.wait()
+        finally:
+            ckpt.close()
+        if info.is_primary:
+            manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
+            paths = manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
+            sinks.save_file(paths[0])
+            if final:
+                sinks.set_summary(final)
+        sinks.close(exit_code)
+
+
+def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
+               ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
+               seq_len: int) -> tuple[int, dict | None]:
+    """The loop: step, log, eval, checkpoint, NaN guard, profiler window. Returns (exit code, final metrics)."""
+    if position >= plan.total_steps:
+        log.info("nothing to do: the checkpoint is at step %d of %d", position, plan.total_steps)
+        return 0, None
+    t0 = time.perf_counter()
+    first_batch = feeder.train_batch(position)
+    compiled = steps.train.lower(state, first_batch).compile()
+    flops = (compiled.cost_analysis() or {}).get("flops")
+    log.info("compiled train step in %.1fs; %s FLOPs/step/device", time.perf_counter() - t0, flops)
+    timer = StepTimer(plan.global_batch_size, seq_len, flops, peak_flops_per_device(jax.devices()[0]))
+    pending: list[tuple[int, dict]] = []  # device metrics not yet checked/logged
+    last_good_ckpt = ckpt.latest_step()
+    train_metrics: dict[str, float] = {}  # means over the last log interval
+    eval_metrics: dict[str, float] = {}
+    profile = config.train.profile_start_step
+
+    def drain() -> bool:
+        """Fetch pending metrics; False if any step produced a non-finite loss or gradient."""
+        fetched = jax.device_get([m for _, m in pending])
+        bad = [s for (s, _), m in zip(pending, fetched) if not m["finite"]]
+        if bad:
+            log.error("non-finite loss or gradient at step %d; stopping. Last good checkpoint: %s", bad[0],
+                      f"step {last_good_ckpt} in {plan.checkpoint_dir}" if last_good_ckpt is not None else "none")
+            return False
+        if fetched:
+            train_metrics.update({f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"})
+        pending.clear()
+        return True
+
+    timer.lap(position)
+    batch = first_batch
+    for step in range(position, plan.total_steps):
+        if profile is not None and step == profile:
+            jax.profiler.start_trace(f"{plan.output_dir}/profile")
+        state, metrics = compiled(state, batch)
+        done = step + 1  # optimizer steps taken == index of the next global batch
+        last = done == plan.total_steps
+        if not last:
+            batch = feeder.train_batch(done)  # host work overlaps the step running on device
+        pending.append((done, metrics))
+        if profile is not None and done == profile + config.train.profile_steps:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+        if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last:
+            if not drain():
+                return EXIT_NONFINITE, None
+            if done % plan.log_every == 0 or last:
+                sinks.log(done, train_metrics | timer.lap(done))
+        if done % plan.eval_every == 0 or last:
+            with timer.paused():
+                params = state.ema_params if state.ema_params is not None else state.params
+                eval_metrics = evaluate(steps, params, eval_feeder, config.data.eval_max_examples)
+                sinks.log(done, eval_metrics)
+        if done % plan.checkpoint_every == 0 or last:
+            with timer.paused():
+                meta = {"step": done, "run_id": run_id, "config": config_dict, "metrics": train_metrics | eval_metrics,
+                        "data_position": {"next_batch": done, "examples_seen": done * plan.global_batch_size,
+                                          "epoch": done / plan.steps_per_epoch,
+                                          "global_batch_size": plan.global_batch_size, "seed": config.train.seed}}
+                ckpt.save(done, state, meta)
+                last_good_ckpt = done
+    return 0, train_metrics | eval_metrics

@@ -1,0 +1,428 @@
+"""Local GCS emulator for tests (helper module, not a test file).
+
+Runs ``gcp-storage-emulator`` as a *subprocess* on 127.0.0.1 so a test can
+SIGKILL it mid-operation (simulated GCS outage) and start it again on the same
+port and the same on-disk data directory.
+
+Typical use::
+
+    from gcs_emulator import start_gcs_emulator
+
+    with start_gcs_emulator(tmp_path) as emu:   # started and answering
+        emu.apply_env()                         # this process -> emulator
+        emu.create_bucket("bkt")
+        ...  # google-cloud-storage / gcsfs / tensorstore / Orbax on gs://bkt
+        emu.stop()                              # SIGKILL: outage
+        emu.start()                             # same port, same data
+    # closed: process killed and reaped, env restored
+
+Child processes: ``subprocess.Popen(..., env=emu.child_env())``.
+
+Environment (see ``docs/notes_gcs_emulator.md`` for the reasons):
+
+* ``STORAGE_EMULATOR_HOST``: google-cloud-storage (-> AnonymousCredentials,
+  read when a ``Client`` is built) and gcsfs (read on every request).
+* ``TENSORSTORE_GCS_HTTP_URL``: tensorstore ``gcs`` kvstore, i.e. Orbax array
+  data. Read when the kvstore is opened.
+* ``GOOGLE_AUTH_TOKEN_FOR_TESTING``: tensorstore uses this fixed bearer token
+  instead of probing ADC files / the GCE metadata server.
+* ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``: read when ``gcsfs`` is *first
+  imported*; otherwise gcsfs probes the bucket type over gRPC and stalls.
+* ``FSSPEC_GS_TOKEN=anon``: gcsfs skips its credential search (fsspec reads
+  ``FSSPEC_*`` at import; ``apply_env`` also patches the live fsspec config).
+* ``NO_GCE_CHECK=true``, ``CLOUDSDK_CONFIG=<empty dir>``,
+  ``GOOGLE_CLOUD_PROJECT``: google-auth never probes the metadata server nor
+  picks up a developer's gcloud credentials; a project is set.
+* ``NO_PROXY``/``no_proxy`` get ``127.0.0.1,localhost`` appended.
+* ``GOOGLE_APPLICATION_CREDENTIALS`` is *removed* (``UNSET_VARS``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Mapping, MutableMapping, Optional
+
+__all__ = [
+    "Emulator",
+    "EmulatorError",
+    "UNSET_VARS",
+    "free_port",
+    "gcs_emulator_fixture",
+    "reset_gcs_client_caches",
+    "start_gcs_emulator",
+]
+
+HOST = "127.0.0.1"
+DEFAULT_PROJECT = "test-project"
+# Variables removed from the environment of anything talking to the emulator.
+UNSET_VARS = ("GOOGLE_APPLICATION_CREDENTIALS",)
+
+# Live emulators of this process, killed at interpreter exit as a last resort.
+_LIVE: dict[int, "Emulator"] = {}
+
+# The child sets PR_SET_PDEATHSIG(SIGKILL) before importing the emulator, so it
+# dies with the process (strictly: the thread) that started it, even if pytest
+# itself is SIGKILLed. It also exits if that parent already died.
+_LAUNCHER = r"""
+import os, sys
+parent = int(sys.argv.pop(1))
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes, signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except Exception:
+        pass
+if os.getppid() != parent:
+    sys.exit(3)
+import runpy
+sys.argv[0] = "gcp_storage_emulator"
+runpy.run_module("gcp_storage_emulator", run_name="__main__", alter_sys=True)
+"""
+
+
+class EmulatorError(RuntimeError):
+    pass
+
+
+def free_port(host: str = HOST) -> int:
+    """A currently unused TCP port on ``host`` (inherently racy, but short)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _append_no_proxy(value: Optional[str]) -> str:
+    items = [v for v in (value or "").split(",") if v.strip()]
+    for h in (HOST, "localhost"):
+        if h not in items:
+            items.append(h)
+    return ",".join(items)
+
+
+def reset_gcs_client_caches() -> None:
+    """Drop cached gcsfs/epath filesystems and Orbax's cached bucket objects.
+
+    gcsfs caches directory listings per filesystem instance and fsspec caches
+    instances; epath caches the fsspec filesystem; Orbax caches
+    ``storage.Client().get_bucket``. Call this between tests that use
+    different emulators (different ports or wiped data) in one process, or
+    after another process wrote to the same prefix.
+    """
+    if "gcsfs" in sys.modules:
+        import gcsfs  # pylint: disable=import-outside-toplevel
+
+        for cls in {gcsfs.GCSFileSystem, gcsfs.core.GCSFileSystem}:
+            for fs in list(getattr(cls, "_cache", {}).values()):
+                with contextlib.suppress(Exception):
+                    fs.invalidate_cache()
+            cls.clear_instance_cache()
+    if "etils.epath" in sys.modules:
+        with contextlib.suppress(Exception):
+            from etils.epath import backend  # pylint: disable=import-outside-toplevel
+
+            backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # noqa: SLF001
+    mod = sys.modules.get("orbax.checkpoint._src.path.gcs_utils")
+    if mod is not None and hasattr(mod.get_bucket, "cache_clear"):
+        mod.get_bucket.cache_clear()
+
+
+class Emulator:
+    """A gcp-storage-emulator subprocess bound to ``127.0.0.1:port``.
+
+    Data lives on disk under ``data_dir/.cloudstorage`` (objects as files plus
+    a ``.meta`` JSON index rewritten after every mutation), so it survives
+    ``stop()`` / ``start()``.
+    """
+
+    def __init__(
+        self,
+        data_dir: os.PathLike | str,
+        *,
+        port: Optional[int] = None,
+        project: str = DEFAULT_PROJECT,
+        log_path: Optional[os.PathLike | str] = None,
+        quiet: bool = True,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = int(port) if port else free_port()
+        self.host = HOST
+        self.project = project
+        self.quiet = quiet
+        self.log_path = Path(log_path) if log_path else self.data_dir / "emulator.log"
+        self._gcloud_dir = self.data_dir / "gcloud-config-empty"
+        self._gcloud_dir.mkdir(exist_ok=True)
+        self._proc: Optional[subprocess.Popen] = None
+        self._saved_env: Optional[dict[str, Optional[str]]] = None
+
+    # ------------------------------------------------------------------ info
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def storage_dir(self) -> Path:
+        """Where the emulator keeps objects (``<bucket>/<object>``) and ``.meta``."""
+        return self.data_dir / ".cloudstorage"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Variables to set for this or a child process (see module doc)."""
+        return {
+            "STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "gcs-emulator-fake-token",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "FSSPEC_GS_TOKEN": "anon",
+            "NO_GCE_CHECK": "true",
+            "CLOUDSDK_CONFIG": str(self._gcloud_dir),
+            "GOOGLE_CLOUD_PROJECT": self.project,
+            "NO_PROXY": _append_no_proxy(os.environ.get("NO_PROXY")),
+            "no_proxy": _append_no_proxy(os.environ.get("no_proxy")),
+        }
+
+    def child_env(self, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """A full environment for ``subprocess``: ``base`` (default os.environ)
+        plus ``env`` minus ``UNSET_VARS``."""
+        out = dict(os.environ if base is None else base)
+        for k in UNSET_VARS:
+            out.pop(k, None)
+        out.update(self.env)
+        return out
+
+    # ------------------------------------------------------------- lifecycle
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 30.0) -> "Emulator":
+        """Start (or restart) on the same port and data dir; wait until it answers."""
+        if self.is_running():
+            return self
+        self._proc = None
+        cmd = [
+            sys.executable,
+            "-c",
+            _LAUNCHER,
+            str(os.getpid()),
+            "--data-dir",
+            str(self.data_dir),
+            "start",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        if self.quiet:
+            cmd.append("--quiet")
+        env = dict(os.environ)
+        # The emulator's own settings (data dir is also passed with --data-dir).
+        env.update(
+            STORAGE_BASE=str(self.data_dir),
+            STORAGE_DIR=".cloudstorage",
+            PYTHONUNBUFFERED="1",
+        )
+        deadline = time.monotonic() + timeout
+        last_err: Optional[BaseException] = None
+        while True:
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n--- start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
+                log.flush()
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # own process group; Ctrl-C in pytest won't hit it
+                    close_fds=True,
+                )
+            _LIVE[self._proc.pid] = self
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break
+                if self._ping():
+                    return self
+                time.sleep(0.05)
+            rc = self._proc.poll()
+            self._kill()
+            if rc is None or time.monotonic() >= deadline:
+                raise EmulatorError(
+                    f"gcp-storage-emulator did not answer on {self.url} within {timeout}s; "
+                    f"log: {self.log_path}\n{self._log_tail()}"
+                )
+            # Exited early, most often "Address already in use" right after a kill.
+            last_err = EmulatorError(f"emulator exited rc={rc}\n{self._log_tail()}")
+            time.sleep(0.2)
+            if time.monotonic() >= deadline:
+                raise last_err
+
+    def stop(self) -> None:
+        """SIGKILL the emulator (simulated outage) and reap it. Data stays on disk."""
+        self._kill()
+
+    def close(self) -> None:
+        """Stop the emulator and restore any env changed by ``apply_env``."""
+        self._kill()
+        self.restore_env()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        _LIVE.pop(proc.pid, None)
+        if proc.poll() is None:
+            # start_new_session=True makes pgid == pid: this kills exactly the
+            # group we created (the emulator is a single process with threads).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            raise EmulatorError(f"emulator pid {proc.pid} did not die after SIGKILL")
+
+    def _ping(self) -> bool:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(self.url + "/", timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    # ----------------------------------------------------------------- env
+    def apply_env(self, environ: Optional[MutableMapping[str, str]] = None) -> None:
+        """Point this process at the emulator (``close()`` restores the env).
+
+        Must run before ``gcsfs`` is first imported (its gRPC/HNS switch is
+        read at import); raises if it was already imported with that switch
+        on. Also patches the live fsspec config (``FSSPEC_GS_TOKEN``) and
+        drops cached gcsfs/epath/Orbax client objects.
+        """
+        environ = os.environ if environ is None else environ
+        if self._saved_env is None:
+            keys = set(self.env) | set(UNSET_VARS)
+            self._saved_env = {k: environ.get(k) for k in keys}
+        for k in UNSET_VARS:
+            environ.pop(k, None)
+        environ.update(self.env)
+        gcsfs = sys.modules.get("gcsfs")
+        if gcsfs is not None and gcsfs.GCSFileSystem.__name__ != "GCSFileSystem":
+            raise EmulatorError(
+                "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false "
+                f"was set (gcsfs.GCSFileSystem is {gcsfs.GCSFileSystem.__name__}); "
+                "set it before anything imports gcsfs (e.g. at the top of conftest.py)."
+            )
+        if "fsspec" in sys.modules:
+            import fsspec.config  # pylint: disable=import-outside-toplevel
+
+            fsspec.config.conf.setdefault("gs", {})["token"] = "anon"
+            fsspec.config.conf.setdefault("gcs", {})["token"] = "anon"
+        reset_gcs_client_caches()
+
+    def restore_env(self, environ: Optional[MutableMapping[str, str]] = None) -> None:
+        environ = os.environ if environ is None else environ
+        saved, self._saved_env = self._saved_env, None
+        if saved is None:
+            return
+        for k, v in saved.items():
+            if v is None:
+                environ.pop(k, None)
+            else:
+                environ[k] = v
+        reset_gcs_client_caches()
+
+    # ------------------------------------------------------------- buckets
+    def create_bucket(self, name: str) -> None:
+        """Create ``name`` via the JSON API (idempotent: 409 is fine)."""
+        body = json.dumps({"name": name}).encode()
+        req = urllib.request.Request(
+            f"{self.url}/storage/v1/b?project={self.project}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=10) as r:
+                if r.status != 200:
+                    raise EmulatorError(f"create_bucket({name}) -> HTTP {r.status}")
+        except urllib.error.HTTPError as e:
+            if e.code != 409:
+                raise EmulatorError(f"create_bucket({name}) -> HTTP {e.code}: {e.read()!r}") from e
+
+    # ------------------------------------------------------- context manager
+    def __enter__(self) -> "Emulator":
+        if not self.is_running():
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Emulator(url={self.url!r}, pid={self.pid}, data_dir={str(self.data_dir)!r})"
+
+
+def start_gcs_emulator(
+    tmp_dir: os.PathLike | str,
+    *,
+    port: Optional[int] = None,
+    project: str = DEFAULT_PROJECT,
+    timeout: float = 30.0,
+) -> Emulator:
+    """Start an emulator with data under ``tmp_dir/gcs-emulator``; returns it
+    running. Use it as a context manager (or call ``close()``)."""
+    emu = Emulator(Path(tmp_dir) / "gcs-emulator", port=port, project=project)
+    emu.start(timeout=timeout)
+    return emu
+
+
+def gcs_emulator_fixture(scope: str = "function", *, apply_env: bool = True):
+    """Build a pytest fixture yielding a started :class:`Emulator`.
+
+    In a conftest or test module: ``gcs_emulator = gcs_emulator_fixture()``.
+    With ``apply_env`` the process env points at it for the fixture's life.
+    """
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    @pytest.fixture(scope=scope)
+    def _fixture(tmp_path_factory) -> Iterator[Emulator]:
+        emu = start_gcs_emulator(tmp_path_factory.mktemp("gcs"))
+        try:
+            if apply_env:
+                emu.apply_env()
+            yield emu
+        finally:
+            emu.close()
+
+    return _fixture
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for emu in list(_LIVE.values()):
+        with contextlib.suppress(Exception):
+            emu._kill()  # noqa: SLF001

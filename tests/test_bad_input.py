@@ -1,0 +1,77 @@
+"""Every bad input is one line naming the fix, a non-zero exit, and comes before any compile."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from conftest import base_overrides, run_pretrain
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_one_line_error(proc, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == errors[0]  # the last thing said, nothing after it
+    assert "Traceback" not in proc.stderr and "compiled train step" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("train.stepz=3", ["train.stepz"]),                     # unknown key
+    ("arch=tiny_transfomer", ["arch/tiny_transfomer", "tiny_transformer"]),  # typo'd group: lists the options
+    ("optim.lr=abc", ["optim.lr=abc", "could not be converted"]),  # wrong type
+    ("+experiment=example/smal", ["experiment/example/smal"]),  # typo'd experiment variant
+    ("run.wandb.mode=onine", ["run.wandb.mode", "offline"]),
+])
+def test_config_errors(override, needles):
+    assert_one_line_error(run_pretrain([override], check=False), *needles)
+
+
+def test_mesh_that_does_not_match_devices(sudoku_dir, tmp_path):
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["mesh.data=3"], check=False)
+    assert_one_line_error(proc, "3 devices, but this job has 8")
+
+
+def test_batch_that_does_not_divide(sudoku_dir, tmp_path):
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["train.global_batch_size=12"], check=False)
+    assert_one_line_error(proc, "global_batch_size=12", "multiple of 8")
+
+
+def test_missing_dataset(tmp_path):
+    proc = run_pretrain([f"data.path={tmp_path}/nope", "data.generate_if_missing=false", f"run.root={tmp_path}"],
+                        check=False)
+    assert_one_line_error(proc, f"{tmp_path}/nope", "build_sudoku")
+
+
+def test_unreachable_coordinator(tmp_path):
+    proc = run_pretrain([f"distributed.coordinator_address=127.0.0.1:{free_port()}", "distributed.num_processes=2",
+                         "distributed.process_id=1", "distributed.initialization_timeout_s=3"], check=False)
+    assert_one_line_error(proc, "did not answer within 3s")
+
+
+def test_partial_distributed_values():
+    proc = run_pretrain(["distributed.coordinator_address=127.0.0.1:1234"], check=False)
+    assert_one_line_error(proc, "distributed.num_processes", "distributed.process_id")
+
+
+def test_incompatible_checkpoint_is_refused_and_left_intact(sudoku_dir, tmp_path):
+    run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=2))
+    ckpt = tmp_path / "test" / "t" / "checkpoints"
+    before = sorted(p.name for p in ckpt.iterdir())
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=4) + ["arch.hidden=48"], check=False)
+    assert_one_line_error(proc, "arch.hidden=32", "48", "run.name")
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written, nothing removed
+
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=4) + ["run.checkpoint.resume=false"], check=False)
+    assert_one_line_error(proc, "already holds checkpoints", "run.name")
+    assert sorted(p.name for p in ckpt.iterdir()) == before

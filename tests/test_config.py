@@ -1,0 +1,85 @@
+"""Config composition, validation into a frozen typed object, and derived numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import REPO
+from runtime.config import Config, derive, register_schemas, resolve_mesh_shape, validate
+from runtime.errors import UserError
+
+register_schemas()
+
+
+def composed(*overrides: str, experiment: str | None = None):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return validate(cfg, experiment)
+
+
+def test_defaults_validate_into_frozen_typed_config():
+    config = composed()
+    assert isinstance(config, Config)
+    assert config.arch.name == "tiny_transformer" and config.arch.hidden == 64
+    assert config.run.group == "default" and config.run.name == "default"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.arch.hidden = 5
+
+
+def test_overrides_and_experiment_naming():
+    config = composed("optim.lr=0.5", "+experiment=example/small", experiment="example/small")
+    assert config.train.steps == 100 and config.optim.lr == 0.5  # the variant's value, and the override's
+    assert (config.run.group, config.run.name) == ("example", "small")
+    config = composed("train.steps=7", "+experiment=example/small", experiment="example/small")
+    assert config.train.steps == 7  # the command line wins over the variant file
+    assert (config.run.group, config.run.name) == ("example", "small")
+
+
+@pytest.mark.parametrize("override", ["train.stepz=3", "arch.hiden=3", "optim.lr=abc", "train.steps=1.5",
+                                      "mesh.data=x", "arch=no_such_arch"])
+def test_bad_overrides_raise(override):
+    with pytest.raises(Exception):
+        composed(override)
+
+
+def test_steps_or_epochs_exactly_one():
+    with pytest.raises(UserError, match="exactly one of train.steps and train.epochs"):
+        composed("train.epochs=2")
+    config = composed("train.steps=null", "train.epochs=2.5")
+    plan = derive(config, num_processes=2, num_devices=8, train_examples=2000)
+    assert plan.steps_per_epoch == 2000 // 64 and plan.total_steps == 78  # ceil(2.5 * 31)
+
+
+def test_derived_numbers():
+    config = composed("mesh=fsdp", "train.global_batch_size=32", "optim.warmup_steps=1000")
+    plan = derive(config, num_processes=2, num_devices=8, train_examples=1000)
+    assert plan.mesh_shape == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert plan.per_process_batch_size == 16 and plan.per_device_batch_size == 4
+    assert plan.warmup_steps == plan.total_steps == 200  # warmup is capped at the run length
+    assert plan.checkpoint_dir == "outputs/default/default/checkpoints"
+
+
+@pytest.mark.parametrize("mesh,devices,message", [
+    ((3, 1, 1), 8, "3 devices, but this job has 8"),
+    ((-1, 3, 1), 8, "not divisible by 3"),
+    ((2, 2, 1), 8, "4 devices, but this job has 8"),
+])
+def test_mesh_mismatch_is_user_error(mesh, devices, message):
+    from runtime.config import MeshConfig
+
+    with pytest.raises(UserError, match=message):
+        resolve_mesh_shape(MeshConfig(*mesh), devices)
+
+
+def test_batch_must_divide_over_data_and_fsdp():
+    config = composed("train.global_batch_size=12", "mesh.data=-1")
+    with pytest.raises(UserError, match="does not divide over data x fsdp = 8"):
+        derive(config, num_processes=1, num_devices=8, train_examples=100)
+    # tensor-parallel replicas share a batch shard: 12 divides over data x fsdp = 4
+    config = composed("train.global_batch_size=12", "mesh.data=-1", "mesh.tensor=2")
+    assert derive(config, num_processes=1, num_devices=8, train_examples=100).per_device_batch_size == 3

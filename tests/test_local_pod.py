@@ -1,0 +1,230 @@
+"""Tests for experiments/local_pod.py and `launch.py local`, with throwaway worker scripts."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from experiments.local_pod import process_env, run_local_pod, with_device_count
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = REPO_ROOT / "experiments" / "launch.py"
+
+# Shared by the JAX workers: join the pod from the launcher's environment.
+# jax reads JAX_COORDINATOR_ADDRESS itself, but not the process count / id.
+JAX_INIT = """
+import os, sys, time
+import jax
+jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                           process_id=int(os.environ["JAX_PROCESS_ID"]))
+"""
+
+
+def write_script(tmp_path: Path, name: str, body: str, *, jax: bool = False) -> str:
+    path = tmp_path / name
+    path.write_text((JAX_INIT if jax else "") + textwrap.dedent(body))
+    return str(path)
+
+
+def run(tmp_path: Path, script: str, processes: int, overrides: Sequence[str] = (), **kw) -> tuple[int, str]:
+    out = io.StringIO()
+    kw.setdefault("timeout", 60)
+    rc = run_local_pod(processes, kw.pop("devices", 1), list(overrides), script=script,
+                       stream=out, **kw)
+    return rc, out.getvalue()
+
+
+def lines_of(output: str, i: int) -> list[str]:
+    return [line[len(f"[p{i}] "):] for line in output.splitlines() if line.startswith(f"[p{i}] ")]
+
+
+def alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie (orphans may wait for a slow reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+# --- environment -------------------------------------------------------------------------
+
+def test_with_device_count_replaces_and_keeps_other_flags():
+    assert with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
+    flags = "--a=1 --xla_force_host_platform_device_count=2 --b"
+    assert with_device_count(flags, 8) == "--a=1 --b --xla_force_host_platform_device_count=8"
+
+
+def test_process_env():
+    env = process_env(1, 2, 4, 1234, {"FOO": "bar", "XLA_FLAGS": "--x"},
+                      base_env={"XLA_FLAGS": "--xla_force_host_platform_device_count=9", "KEEP": "1"})
+    assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:1234"
+    assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"]) == ("2", "1")
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["XLA_FLAGS"] == "--x --xla_force_host_platform_device_count=4"
+    assert env["FOO"] == "bar" and env["KEEP"] == "1"
+
+
+# --- real JAX pod --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_processes_join_and_reduce(tmp_path):
+    script = write_script(tmp_path, "worker.py", jax=True, body="""
+    import jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    # Global array 0..7, each process contributing its 4 local values.
+    n = jax.local_device_count()
+    local = np.arange(n, dtype=np.float32) + jax.process_index() * n
+    arr = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), local)
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(arr)
+    print(f"RESULT process={jax.process_index()}/{jax.process_count()} "
+          f"local={jax.local_device_count()} global={jax.device_count()} "
+          f"sum={float(total.addressable_data(0))}")
+    """)
+    rc, out = run(tmp_path, script, 2, devices=4)
+    assert rc == 0, out
+    for i in range(2):
+        results = [l for l in lines_of(out, i) if l.startswith("RESULT")]
+        assert results == [f"RESULT process={i}/2 local=4 global=8 sum=28.0"], out
+
+
+@pytest.mark.slow
+def test_failure_kills_the_rest(tmp_path):
+    script = write_script(tmp_path, "worker.py", jax=True, body="""
+    import subprocess
+    grandchild = subprocess.Popen(["sleep", "1000"])
+    print(f"PIDS {os.getpid()} {grandchild.pid}", flush=True)
+    if jax.process_index() == 1:
+        time.sleep(0.5)
+        # os._exit: a plain sys.exit would sit in jax.distributed's atexit shutdown
+        # barrier (300 s by default) waiting for process 0.
+        os._exit(3)
+    time.sleep(1000)
+    """)
+    start = time.monotonic()
+    rc, out = run(tmp_path, script, 2)
+    elapsed = time.monotonic() - start
+    assert rc == 3, out
+    assert elapsed < 30, out
+    assert "[launch] process 1 failed (exit code 3)" in out
+    pids = [int(p) for i in range(2) for l in lines_of(out, i) if l.startswith("PIDS")
+            for p in l.split()[1:]]
+    assert len(pids) == 4, out
+    deadline = time.monotonic() + 5  # orphaned grandchildren are reaped by init, give it a moment
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
+
+
+# --- output, exit codes, signals (plain Python workers) ------------------------------------
+
+def test_prefixes_and_log_files(tmp_path):
+    script = write_script(tmp_path, "worker.py", """
+    import os, sys
+    i = os.environ["JAX_PROCESS_ID"]
+    for k in range(200):
+        print(f"out {i} {k} " + "x" * 200)
+        print(f"err {i} {k}", file=sys.stderr)
+    sys.stdout.write("no newline at the end")
+    """)
+    rc, out = run(tmp_path, script, 2, log_dir=tmp_path / "logs")
+    assert rc == 0, out
+    for line in out.splitlines():
+        assert re.fullmatch(r"\[launch\] .*|\[p(\d)\] (out \1 \d+ x{200}|err \1 \d+|no newline at the end)",
+                            line), line
+    for i in range(2):
+        ours = lines_of(out, i)
+        assert [l for l in ours if l.startswith("out")] == [f"out {i} {k} " + "x" * 200 for k in range(200)]
+        assert [l for l in ours if l.startswith("err")] == [f"err {i} {k}" for k in range(200)]
+        log = (tmp_path / "logs" / f"process_{i}.log").read_text().splitlines()
+        assert log == ours  # same lines, unprefixed
+
+
+def test_overrides_reach_argv_intact_via_cli(tmp_path):
+    script = write_script(tmp_path, "worker.py", """
+    import json, os, sys
+    print("ARGV " + json.dumps(sys.argv[1:]))
+    """)
+    overrides = ["run.name=\"a b 'c'\"", "x=1", "--flag-like", "spaces  twice", ""]
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCH), "local", "--processes", "2", "--script", script, "--", *overrides],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i in range(2):
+        argvs = [json.loads(l[5:]) for l in lines_of(proc.stdout, i) if l.startswith("ARGV ")]
+        assert argvs == [overrides], proc.stdout
+
+
+def test_exit_codes(tmp_path):
+    script = write_script(tmp_path, "worker.py", """
+    import os, signal, sys, time
+    if os.environ["JAX_PROCESS_ID"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1000)
+    """)
+    rc, out = run(tmp_path, script, 2)
+    assert rc == 128 + signal.SIGKILL
+    assert "[launch] process 1 failed (killed by SIGKILL)" in out
+
+    hang = write_script(tmp_path, "hang.py", "import time; time.sleep(1000)\n")
+    start = time.monotonic()
+    rc, out = run(tmp_path, hang, 2, timeout=1)
+    assert rc == 124 and time.monotonic() - start < 10
+    assert "[launch] timeout" in out
+
+
+def _launch_and_signal(tmp_path: Path, body: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    script = write_script(tmp_path, "worker.py", body)
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCH), "local", "-n", "2", "--script", script, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    while sum("READY" in l for l in seen) < 2:  # both workers have installed their handlers
+        line = proc.stdout.readline()
+        assert line, "".join(seen)
+        seen.append(line)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.stdout.read()  # EOF when the launcher exits
+    proc.wait(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out), time.monotonic() - start
+
+
+def test_sigterm_is_forwarded(tmp_path):
+    # Workers "save a checkpoint" on SIGTERM and exit cleanly.
+    done, elapsed = _launch_and_signal(tmp_path, """
+    import os, signal, sys, time
+    def on_term(*_):
+        print("checkpoint saved", flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("READY", flush=True)
+    time.sleep(1000)
+    """)
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout
+    assert done.stdout.count("checkpoint saved") == 2, done.stdout
+    assert elapsed < 10
+
+
+def test_sigterm_then_sigkill_after_grace(tmp_path):
+    # Like a JAX process whose preemption handler swallows SIGTERM.
+    done, elapsed = _launch_and_signal(tmp_path, """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("READY", flush=True)
+    time.sleep(1000)
+    """, "--grace-period", "1")
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout
+    assert "killing the remaining processes" in done.stdout
+    assert 1 <= elapsed < 10

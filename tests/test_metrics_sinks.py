@@ -1,0 +1,195 @@
+"""MetricsSinks: JSONL, offline W&B (read back from its transaction log) and no-op workers.
+
+Starts three offline W&B runs in total (about 0.5 s for the first, much less after).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax scalars only; never probe for a TPU
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runtime.metrics_sinks import JSONL_NAME, MetricsSinks
+
+try:
+    from wandb_offline import read_offline_runs  # tests/ on sys.path (rootdir-style tests)
+except ImportError:  # tests/ imported as a package
+    from tests.wandb_offline import read_offline_runs
+
+
+@pytest.fixture(autouse=True)
+def _isolated_wandb_env(monkeypatch, tmp_path_factory):
+    # A WANDB_* variable from the developer's shell or CI must not change the run under test,
+    # and W&B's own config/cache must not land in the home directory.
+    for var in [v for v in os.environ if v.startswith("WANDB_")]:
+        monkeypatch.delenv(var)
+    home = tmp_path_factory.mktemp("wandb_home")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(home / "data"))
+
+
+def make_sinks(output_dir, *, mode="offline", is_primary=True, start_step=0, config=None,
+               total_steps=10):
+    return MetricsSinks(
+        is_primary=is_primary,
+        output_dir=output_dir,
+        wandb_mode=mode,
+        wandb_project="podrunner-tests",
+        wandb_entity=None,
+        group="sweep-a",
+        name="trm-seed0",
+        run_id="runid0123",
+        config=config if config is not None else {"model": {"depth": 2}, "lr": 3e-4},
+        total_steps=total_steps,
+        start_step=start_step,
+        tags=["test"],
+    )
+
+
+def strict_json_lines(path):
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line, parse_constant=reject) for line in f]
+
+
+def user_keys(row):
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def test_offline_run_round_trip(tmp_path, capsys):
+    config = {"model": {"depth": 2, "hidden": 64}, "lr": 3e-4, "data": ["a", "b"]}
+    logged = {
+        0: {"train/loss": jnp.float32(2.5), "train/lr": np.float64(1e-4), "train/tokens": np.int32(7)},
+        1: {"train/loss": 2.0, "train/lr": 2e-4, "train/examples_per_sec": 1234.5},
+        2: {"train/loss": float("nan"), "eval/exact_accuracy": jnp.asarray(0.25)},
+    }
+    manifest = tmp_path / "run_manifest.json"
+    manifest.write_text('{"git": "abc"}')
+    out = tmp_path / "out"
+
+    sinks = make_sinks(out, config=config)
+    for step, metrics in logged.items():
+        sinks.log(step, metrics)
+        # Flushed per call: a crash or preemption must not lose rows already logged.
+        assert len(strict_json_lines(out / JSONL_NAME)) == step + 1
+    sinks.set_summary({"eval/exact_accuracy": np.float32(0.25), "final/status": "ok"})
+    sinks.save_file(manifest)
+    sinks.close(exit_code=0)
+    sinks.close(exit_code=3)  # idempotent: must not finish twice or change the exit code
+
+    # JSONL: one strict-JSON row per log call, jax/numpy scalars as Python numbers, NaN as "nan".
+    rows = strict_json_lines(out / JSONL_NAME)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(isinstance(r["time"], float) for r in rows)
+    assert {k: v for k, v in rows[0].items() if k not in ("step", "time")} == {
+        "train/loss": 2.5, "train/lr": 1e-4, "train/tokens": 7}
+    assert isinstance(rows[0]["train/tokens"], int)
+    assert rows[2]["train/loss"] == "nan" and rows[2]["eval/exact_accuracy"] == 0.25
+
+    # W&B: the offline transaction log holds exactly what was logged.
+    (run,) = read_offline_runs(out)
+    assert (run.run_id, run.group, run.name, run.project) == (
+        "runid0123", "sweep-a", "trm-seed0", "podrunner-tests")
+    assert run.tags == ["test"]
+    assert run.config == config
+    assert [r["_step"] for r in run.history] == [0, 1, 2]
+    assert user_keys(run.history[0]) == {"train/loss": 2.5, "train/lr": 1e-4, "train/tokens": 7}
+    assert user_keys(run.history[1]) == {
+        "train/loss": 2.0, "train/lr": 2e-4, "train/examples_per_sec": 1234.5}
+    assert math.isnan(run.history[2]["train/loss"])  # W&B keeps the real NaN
+    assert run.history[2]["eval/exact_accuracy"] == 0.25
+    assert run.summary["eval/exact_accuracy"] == 0.25
+    assert run.summary["final/status"] == "ok"
+    assert "run_manifest.json" in run.files
+    assert (run.path / "files" / "run_manifest.json").read_text() == '{"git": "abc"}'
+    assert run.exit_code == 0
+
+    # Progress bar went to stderr with the headline metrics; stdout untouched.
+    captured = capsys.readouterr()
+    assert "loss=" in captured.err and "ex/s=" in captured.err and "lr=" in captured.err
+    assert "2/10" in captured.err  # the bar follows the logged step
+    assert captured.out == ""
+
+
+def test_resume_appends_and_keeps_run_id(tmp_path):
+    # 400 rows make the first transaction log span several 32 KiB blocks, so the reader's
+    # block-boundary path (records split FIRST/MIDDLE/LAST) is exercised too.
+    out, split, total = tmp_path / "out", 400, 405
+    first = make_sinks(out, total_steps=total)
+    for step in range(split):
+        first.log(step, {"train/loss": 1.0 / (step + 1), "train/lr": step * 1e-6})
+    first.close(exit_code=1)  # e.g. preempted
+
+    second = make_sinks(out, start_step=split, total_steps=total)
+    for step in range(split, total):
+        second.log(step, {"train/loss": 1.0 / (step + 1), "train/lr": step * 1e-6})
+    second.close()
+
+    rows = strict_json_lines(out / JSONL_NAME)
+    assert [r["step"] for r in rows] == list(range(total))  # appended, not truncated
+    assert [r["train/loss"] for r in rows] == [1.0 / (s + 1) for s in range(total)]
+
+    runs = read_offline_runs(out)
+    assert [r.run_id for r in runs] == ["runid0123", "runid0123"]
+    assert runs[0].path != runs[1].path  # offline: each resume is its own run directory
+    assert next(runs[0].path.glob("run-*.wandb")).stat().st_size > 2 * 32768
+    assert [[h["_step"] for h in r.history] for r in runs] == [
+        list(range(split)), list(range(split, total))]
+    assert [h["train/loss"] for r in runs for h in r.history] == [
+        1.0 / (s + 1) for s in range(total)]
+    assert [r.exit_code for r in runs] == [1, 0]
+
+
+def test_non_primary_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    for mode in ("offline", "online"):  # "online" must not even try to reach W&B
+        sinks = make_sinks(out, mode=mode, is_primary=False)
+        sinks.log(0, {"train/loss": 1.0})
+        sinks.set_summary({"eval/exact_accuracy": 1.0})
+        sinks.save_file(manifest)
+        sinks.close()
+    assert list(out.iterdir()) == []
+    assert capsys.readouterr() == ("", "")  # no progress bar on other workers
+
+
+def test_disabled_mode_writes_only_jsonl(tmp_path):
+    out = tmp_path / "out"
+    with make_sinks(out, mode="disabled") as sinks:
+        sinks.log(0, {"train/loss": 1.0})
+        sinks.set_summary({"eval/exact_accuracy": 1.0})
+        sinks.save_file(__file__)
+    assert sorted(p.name for p in out.iterdir()) == [JSONL_NAME]
+    assert [r["step"] for r in strict_json_lines(out / JSONL_NAME)] == [0]
+
+
+def test_non_finite_values_are_strict_json(tmp_path):
+    out = tmp_path / "out"
+    with make_sinks(out, mode="disabled") as sinks:
+        sinks.log(5, {
+            "a": float("nan"), "b": float("inf"), "c": -math.inf,
+            "d": np.float32("nan"), "e": jnp.asarray(jnp.inf), "f": 1.5,
+        })
+    (row,) = strict_json_lines(out / JSONL_NAME)
+    assert {k: row[k] for k in "abcdef"} == {
+        "a": "nan", "b": "inf", "c": "-inf", "d": "nan", "e": "inf", "f": 1.5}
+    assert math.isnan(float(row["a"])) and float(row["c"]) == -math.inf  # round-trips
+
+
+def test_rejects_non_scalar_metrics(tmp_path):
+    with make_sinks(tmp_path, mode="disabled") as sinks:
+        with pytest.raises(ValueError, match="scalar"):
+            sinks.log(0, {"train/loss": np.ones(3)})
+        with pytest.raises(ValueError, match="reserved"):
+            sinks.log(0, {"step": 1})

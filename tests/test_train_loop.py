@@ -1,0 +1,107 @@
+"""The train loop on one process x 8 CPU devices: resume after a kill, NaN guard, eval,
+profiler window, EMA, manifest, and parameters that are created sharded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+
+
+def launch(overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *overrides], cwd=REPO, env=child_env(8),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_after_step(proc: subprocess.Popen, metrics: "os.PathLike", step: int, timeout: float = 240) -> None:
+    """SIGKILL the run (by pid) as soon as its metrics file shows `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and any(r.get("step", 0) >= step for r in read_jsonl(metrics)):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"run ended or stalled before step {step}: rc={proc.returncode}\n{proc.stdout.read()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_losses(sudoku_dir, tmp_path):
+    steps = 60
+    common = ["train.checkpoint_every=5", "run.checkpoint.keep=2", "optim.ema_rate=0.9"]
+    run_pretrain(base_overrides(sudoku_dir, tmp_path / "a", steps=steps) + common)
+    reference = train_losses(tmp_path / "a" / "test" / "t")
+
+    out = tmp_path / "b" / "test" / "t"
+    kill_after_step(launch(base_overrides(sudoku_dir, tmp_path / "b", steps=steps) + common), out / "metrics.jsonl", 12)
+    complete = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert complete and complete[-1] < steps  # killed mid-run, with some complete checkpoint behind it
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path / "b", steps=steps) + common)
+    resumed_at = int(proc.stderr.split("resumed from step ")[1].split()[0])
+    assert resumed_at == complete[-1]
+    losses = {s: v for s, v in train_losses(out).items() if s > resumed_at}
+    assert sorted(losses) == list(range(resumed_at + 1, steps + 1))
+    assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-6, abs=1e-7)
+    manifest = json.loads((out / "run_manifest.json").read_text())
+    assert manifest["resumed_from_step"] == resumed_at and manifest["status"] == "completed"
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(sudoku_dir, tmp_path):
+    overrides = base_overrides(sudoku_dir, tmp_path, steps=8) + ["train.checkpoint_every=1"]
+    run_pretrain(overrides + ["train.steps=2"])  # a good checkpoint at steps 1 and 2
+    proc = run_pretrain(overrides + ["optim.lr=1e30"], check=False)  # resumes at 2, then blows up
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    out = tmp_path / "test" / "t"
+    assert "non-finite loss or gradient at step 4" in proc.stderr or "non-finite loss or gradient at step 3" in proc.stderr
+    assert "Last good checkpoint: step" in proc.stderr
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    bad = int(proc.stderr.split("non-finite loss or gradient at step ")[1].split(";")[0])
+    assert max(steps) < bad  # nothing at or after the bad step was saved
+    assert json.loads((out / "run_manifest.json").read_text())["status"] == "nonfinite"
+
+
+def test_eval_profile_and_outputs(sudoku_dir, tmp_path):
+    run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=6) + ["train.eval_every=3", "train.profile_start_step=2",
+                                                                  "train.profile_steps=2"])
+    out = tmp_path / "test" / "t"
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(0 <= r["eval/token_accuracy"] <= 1 for r in evals)
+    perf = [r for r in rows if "perf/examples_per_sec" in r]
+    assert perf and all(r["perf/examples_per_sec"] == pytest.approx(16 * r["perf/steps_per_sec"]) for r in perf)
+    assert list((out / "profile").rglob("*.xplane.pb")), "profiler trace missing"
+    manifest = json.loads((out / "run_manifest.json").read_text())
+    assert manifest["device_count"] == 8 and manifest["packages"]["jax"] == jax.__version__
+    assert manifest["final_metrics"]["eval/loss"] == evals[-1]["eval/loss"]
+    assert json.loads((out / "checkpoints" / "run_manifest.json").read_text())["status"] == "completed"
+
+
+def test_parameters_are_created_sharded():
+    from models import TinyTransformerConfig, build_model
+    from runtime.config import MeshConfig, OptimConfig, resolve_mesh_shape
+    from runtime.sharding import make_mesh
+    from runtime.train_step import build_steps, lr_schedule, make_optimizer
+
+    mesh = make_mesh(resolve_mesh_shape(MeshConfig(data=1, fsdp=4, tensor=2), 8))
+    model = build_model(TinyTransformerConfig(hidden=64, heads=4), vocab_size=16, seq_len=8)
+    schedule = lr_schedule(OptimConfig(), 10, 1)
+    steps = build_steps(model, make_optimizer(OptimConfig(), schedule), schedule, mesh, 8, 0.99)
+    state = steps.init(jax.random.key_data(jax.random.key(0)))
+    qkv = state.params["Block_0"]["Attention_0"]["qkv"]  # [embed, 3, heads, head_dim]
+    assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)
+    assert qkv.addressable_shards[0].data.shape == (16, 3, 2, 16)  # 1/8 of it per device
+    mu = state.opt_state[0][0].mu["Block_0"]["Attention_0"]["qkv"]
+    assert mu.sharding == qkv.sharding and state.ema_params["embed"].sharding == state.params["embed"].sharding
+    # vocab 16 over tensor=2 divides; embed 64 over fsdp=4 divides
+    assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
