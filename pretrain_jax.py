@@ -21,6 +21,7 @@ os.environ["HYDRA_FULL_ERROR"] = "1"
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from runtime.config import register_schemas, validate  # noqa: E402
@@ -43,6 +44,17 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
+def _swept_values(hydra_cfg) -> str | None:
+    """In a sweep (-m), this job's values of the swept keys, e.g. "train.seed=1"; else None."""
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()} - {"experiment", "+experiment"}
+    return ",".join(t for t in hydra_cfg.overrides.task if t.split("=", 1)[0] in swept) or None
+
+
 def _user_error(e: UserError) -> None:
     print(f"error: {e}", file=sys.stderr, flush=True)
     _exit(EXIT_USER_ERROR)
@@ -51,7 +63,8 @@ def _user_error(e: UserError) -> None:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
-        config = validate(cfg, HydraConfig.get().runtime.choices.get("experiment"))
+        hydra_cfg = HydraConfig.get()
+        config = validate(cfg, hydra_cfg.runtime.choices.get("experiment"), sweep_job=_swept_values(hydra_cfg))
         from runtime.trainer import run  # heavy imports (jax) only once the config is known to be good
 
         code = run(config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -148,11 +149,13 @@ _CHOICES = {
 }
 
 
-def validate(cfg: DictConfig, experiment: Optional[str] = None) -> Config:
+def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optional[str] = None) -> Config:
     """Composed DictConfig -> frozen typed Config, or one-line UserError.
 
     `experiment` is Hydra's choice for the experiment group ("<group>/<variant>"), which names
-    the run unless run.group / run.name are set.
+    the run unless run.group / run.name are set. In a sweep (`-m`), `sweep_job` holds the job's
+    values of the swept keys ("train.seed=1"), appended to the name so that each job of the
+    sweep has its own run directory and checkpoints.
     """
     arch = cfg.get("arch")
     if arch is None or OmegaConf.get_type(arch) not in ARCH_SCHEMAS.values():
@@ -186,6 +189,8 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None) -> Config:
         config.run.group = group or (experiment or "default")
     if config.run.name is None:
         config.run.name = variant or "default"
+        if sweep_job:
+            config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
     return freeze(config)
 
 

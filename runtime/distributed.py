@@ -4,7 +4,8 @@
 - explicit: coordinator address, process count and process id from the config, or from
   JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (the local pod simulator
   sets these), or derived from the TPU VM's worker metadata (TPU_WORKER_ID and
-  TPU_WORKER_HOSTNAMES, which the TPU runtime exports on every worker);
+  TPU_WORKER_HOSTNAMES in the environment, else the metadata server's agent-worker-number
+  and worker-network-endpoints): worker 0 hosts the coordinator;
 - cluster: JAX's own auto-detection (`jax.distributed.initialize()` with no arguments),
   used on a TPU VM of a multi-host slice or another environment JAX recognises;
 - single: nothing to join.
@@ -19,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -63,29 +65,74 @@ def _with_port(address: str, port: int) -> str:
 
 
 def explicit_values(cfg: DistributedConfig, env: Mapping[str, str]) -> Optional[Explicit]:
-    """Explicit coordinator values, first complete source wins: config, JAX_* env, TPU worker env."""
+    """Explicit coordinator values; the first complete source wins: config, JAX_* environment,
+    TPU worker environment (TPU_WORKER_ID + TPU_WORKER_HOSTNAMES), TPU VM metadata server."""
     sources = [
         ("config", cfg.coordinator_address, cfg.num_processes, cfg.process_id),
         ("environment", env.get("JAX_COORDINATOR_ADDRESS"), env.get("JAX_NUM_PROCESSES"), env.get("JAX_PROCESS_ID")),
     ]
-    hostnames = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    hostnames = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if hostnames and env.get("TPU_WORKER_ID") is not None:
-        # Worker metadata: worker 0 hosts the coordinator.
-        sources.append(("TPU worker metadata", hostnames[0].strip(), len(hostnames), env["TPU_WORKER_ID"]))
+        sources.append((TPU_METADATA, hostnames[0], len(hostnames), env["TPU_WORKER_ID"]))  # worker 0 coordinates
     for source, address, count, pid in sources:
         given = [v is not None and v != "" for v in (address, count, pid)]
         if all(given):
-            try:
-                count, pid = int(count), int(pid)
-            except ValueError:
-                raise UserError(f"distributed values from {source} are not integers: num_processes={count!r} process_id={pid!r}")
-            if not 0 <= pid < count:
-                raise UserError(f"process_id {pid} is outside [0, {count}) (from {source}); give each worker a distinct id below num_processes")
-            return Explicit(_with_port(str(address), cfg.port), count, pid, source)
+            return _checked(source, str(address), count, pid, cfg.port)
         if any(given) and source == "config":
             missing = [n for n, g in zip(("coordinator_address", "num_processes", "process_id"), given) if not g]
-            raise UserError(f"distributed.{', distributed.'.join(missing)} missing: give all three of coordinator_address, num_processes, process_id, or none")
+            raise UserError(f"distributed.{', distributed.'.join(missing)} missing: give all three of "
+                            "coordinator_address, num_processes, process_id, or none")
+    endpoints = worker_metadata(env)
+    if endpoints is not None:
+        worker, hosts = endpoints
+        return _checked(TPU_METADATA, hosts[0], len(hosts), worker, cfg.port)
     return None
+
+
+TPU_METADATA = "TPU worker metadata"
+
+
+def _checked(source: str, address: str, count, pid, port: int) -> Explicit:
+    try:
+        count, pid = int(count), int(pid)
+    except ValueError:
+        raise UserError(f"distributed values from {source} are not integers: num_processes={count!r} process_id={pid!r}")
+    if not 0 <= pid < count:
+        raise UserError(f"process_id {pid} is outside [0, {count}) (from {source}); give each worker a distinct id "
+                        "below num_processes")
+    return Explicit(_with_port(address, port), count, pid, source)
+
+
+def worker_metadata(env: Mapping[str, str]) -> Optional[tuple[int, list[str]]]:
+    """(worker number, worker hosts) from the TPU VM metadata server, or None off a TPU VM.
+
+    Asked only on a TPU VM or when GCE_METADATA_IP points at a metadata server (as JAX honours
+    it), so machines without one never wait on it.
+    """
+    endpoint = env.get("GCE_METADATA_IP")
+    if endpoint is None and not _on_tpu_vm():
+        return None
+    base = f"http://{endpoint or 'metadata.google.internal'}/computeMetadata/v1/instance/attributes"
+
+    def get(key: str) -> str:
+        request = urllib.request.Request(f"{base}/{key}", headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read().decode().strip()
+
+    try:
+        worker = int(get("agent-worker-number"))
+        # Either plain hostnames or name:id:ip triples.
+        hosts = [e.split(":")[-1] for e in get("worker-network-endpoints").split(",") if e.strip()]
+    except (OSError, ValueError) as e:
+        log.warning("TPU VM metadata server gave no worker endpoints (%s)", e)
+        return None
+    return (worker, hosts) if hosts else None
+
+
+def _on_tpu_vm() -> bool:
+    from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
+
+    return bool(running_in_cloud_tpu_vm)
 
 
 def cluster_detected() -> bool:
@@ -132,7 +179,7 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
     if cfg.mode == "explicit" and explicit is None:
         raise UserError("distributed.mode=explicit needs coordinator_address, num_processes and process_id "
                         "(config, JAX_* environment or TPU worker metadata)")
-    user_given = explicit is not None and explicit.source != "TPU worker metadata"
+    user_given = explicit is not None and explicit.source != TPU_METADATA
     if cfg.mode == "cluster" or (cfg.mode == "auto" and not user_given and cluster_detected()):
         try:
             jax.distributed.initialize(**_timeouts(cfg))

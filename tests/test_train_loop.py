@@ -105,3 +105,12 @@ def test_parameters_are_created_sharded():
     assert mu.sharding == qkv.sharding and state.ema_params["embed"].sharding == state.params["embed"].sharding
     # vocab 16 over tensor=2 divides; embed 64 over fsdp=4 divides
     assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+
+
+def test_sweep_runs_each_job_in_its_own_directory(sudoku_dir, tmp_path):
+    overrides = [o for o in base_overrides(sudoku_dir, tmp_path, steps=2) if not o.startswith("run.name=")]
+    run_pretrain(["-m", *overrides, "train.seed=0,1"])
+    runs = sorted((tmp_path / "test").iterdir())
+    assert [r.name.rsplit("train.seed=", 1)[1].split(",")[0] for r in runs] == ["0", "1"]
+    first, second = (train_losses(r) for r in runs)
+    assert sorted(first) == sorted(second) == [1, 2] and first != second  # different seeds, both ran

@@ -1,0 +1,120 @@
+"""Distributed init: where the explicit values come from, the fallback order, and a real
+2-process join through the TPU VM metadata path (a metadata server on loopback per worker)."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import REPO, base_overrides, child_env
+from runtime import distributed
+from runtime.config import DistributedConfig
+from runtime.errors import UserError
+from test_bad_input import free_port
+
+
+def test_explicit_values_sources_and_order():
+    cfg = DistributedConfig(port=9999)
+    assert distributed.explicit_values(cfg, {}) is None
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert distributed.explicit_values(cfg, env) == distributed.Explicit("10.0.0.2:1234", 4, 3, "environment")
+    tpu = {"TPU_WORKER_HOSTNAMES": "10.0.0.5,10.0.0.6,10.0.0.7", "TPU_WORKER_ID": "2"}
+    assert distributed.explicit_values(cfg, tpu) == distributed.Explicit("10.0.0.5:9999", 3, 2, distributed.TPU_METADATA)
+    # config beats the environment, which beats the TPU worker variables
+    cfg = DistributedConfig(coordinator_address="host0", num_processes=2, process_id=1, port=7777)
+    assert distributed.explicit_values(cfg, env | tpu) == distributed.Explicit("host0:7777", 2, 1, "config")
+    assert distributed.explicit_values(DistributedConfig(), env | tpu).source == "environment"
+
+
+@pytest.mark.parametrize("cfg,env,message", [
+    (DistributedConfig(coordinator_address="h:1"), {}, "distributed.num_processes, distributed.process_id missing"),
+    (DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2), {}, "process_id 2 is outside [0, 2)"),
+    (DistributedConfig(), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "not integers"),
+])
+def test_bad_explicit_values(cfg, env, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        distributed.explicit_values(cfg, env)
+
+
+class MetadataServer:
+    """A fake GCE metadata server answering the two attributes a TPU VM worker has."""
+
+    def __init__(self, worker: int, endpoints: str):
+        attributes = {"agent-worker-number": str(worker), "worker-network-endpoints": endpoints}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                key = self.path.rsplit("/", 1)[-1]
+                ok = self.headers.get("Metadata-Flavor") == "Google" and key in attributes
+                self.send_response(200 if ok else 404)
+                self.end_headers()
+                self.wfile.write(attributes.get(key, "").encode() if ok else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_worker_metadata_from_metadata_server():
+    server = MetadataServer(1, "unknown:unknown:10.1.0.4,unknown:unknown:10.1.0.5")
+    try:
+        assert distributed.worker_metadata({"GCE_METADATA_IP": server.address}) == (1, ["10.1.0.4", "10.1.0.5"])
+        explicit = distributed.explicit_values(DistributedConfig(port=8482), {"GCE_METADATA_IP": server.address})
+        assert explicit == distributed.Explicit("10.1.0.4:8482", 2, 1, distributed.TPU_METADATA)
+    finally:
+        server.close()
+
+
+def test_detection_failure_falls_back_to_worker_metadata(monkeypatch):
+    calls = []
+
+    def fake_initialize(**kwargs):
+        calls.append(kwargs)
+        if "coordinator_address" not in kwargs:
+            raise RuntimeError("auto-detection broke")
+
+    monkeypatch.setattr(distributed, "cluster_detected", lambda: True)
+    monkeypatch.setattr(distributed, "_wait_for_coordinator", lambda *a: None)
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", fake_initialize)
+    monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
+    env = {"TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.2", "TPU_WORKER_ID": "1"}
+    distributed.initialize(DistributedConfig(port=1234, initialization_timeout_s=7), env)
+    assert "coordinator_address" not in calls[0]  # auto-detection first
+    assert calls[1]["coordinator_address"] == "127.0.0.1:1234" and calls[1]["process_id"] == 1
+    assert calls[1]["num_processes"] == 2 and calls[1]["initialization_timeout"] == 7
+
+    calls.clear()  # without a fallback the failure is one clear error
+    with pytest.raises(UserError, match="auto-detection failed"):
+        distributed.initialize(DistributedConfig(), {})
+
+
+@pytest.mark.slow
+def test_two_workers_join_through_metadata_server(sudoku_dir, tmp_path):
+    port = free_port()
+    servers = [MetadataServer(i, "127.0.0.1,127.0.0.1") for i in range(2)]
+    try:
+        procs = [subprocess.Popen(
+            [sys.executable, str(REPO / "pretrain_jax.py"), *base_overrides(sudoku_dir, tmp_path, steps=2),
+             f"distributed.port={port}", "distributed.initialization_timeout_s=60"],
+            cwd=REPO, env=child_env(4, GCE_METADATA_IP=servers[i].address), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for s in servers:
+            s.close()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, out[-3000:]
+        assert f"process {i}/2, local devices 4, global devices 8, platform cpu (explicit)" in out
