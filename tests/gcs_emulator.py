@@ -85,6 +85,23 @@ if sys.platform.startswith("linux"):
         pass
 if os.getppid() != parent:
     sys.exit(3)
+if os.environ.get("GCS_EMULATOR_ATOMIC_WRITES", "1") == "1":
+    # Upstream writes files (objects and the .meta index, rewritten after every
+    # mutation) with truncate+write: a SIGKILL mid-write leaves an empty .meta
+    # and the next start dies with JSONDecodeError. Write temp file + rename.
+    import gcp_storage_emulator.storage as _st
+    _orig_write_bytes = _st._FileStore.write_bytes
+    def _atomic_write_bytes(self, rel, content):
+        if self._use_memory:
+            return _orig_write_bytes(self, rel, content)
+        rel = self._norm(rel)
+        path = self._disk_path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(".%s.tmp-%d" % (path.name, os.getpid()))
+        with open(tmp, "wb") as f:
+            f.write(content)
+        os.replace(tmp, path)
+    _st._FileStore.write_bytes = _atomic_write_bytes
 import runpy
 sys.argv[0] = "gcp_storage_emulator"
 runpy.run_module("gcp_storage_emulator", run_name="__main__", alter_sys=True)
@@ -153,6 +170,7 @@ class Emulator:
         project: str = DEFAULT_PROJECT,
         log_path: Optional[os.PathLike | str] = None,
         quiet: bool = True,
+        atomic_writes: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +178,7 @@ class Emulator:
         self.host = HOST
         self.project = project
         self.quiet = quiet
+        self.atomic_writes = atomic_writes
         self.log_path = Path(log_path) if log_path else self.data_dir / "emulator.log"
         self._gcloud_dir = self.data_dir / "gcloud-config-empty"
         self._gcloud_dir.mkdir(exist_ok=True)
@@ -235,9 +254,9 @@ class Emulator:
             STORAGE_BASE=str(self.data_dir),
             STORAGE_DIR=".cloudstorage",
             PYTHONUNBUFFERED="1",
+            GCS_EMULATOR_ATOMIC_WRITES="1" if self.atomic_writes else "0",
         )
         deadline = time.monotonic() + timeout
-        last_err: Optional[BaseException] = None
         while True:
             with open(self.log_path, "ab") as log:
                 log.write(f"\n--- start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
@@ -260,16 +279,18 @@ class Emulator:
                 time.sleep(0.05)
             rc = self._proc.poll()
             self._kill()
-            if rc is None or time.monotonic() >= deadline:
+            tail = self._log_tail()
+            if rc is None:
                 raise EmulatorError(
                     f"gcp-storage-emulator did not answer on {self.url} within {timeout}s; "
-                    f"log: {self.log_path}\n{self._log_tail()}"
+                    f"log: {self.log_path}\n{tail}"
                 )
-            # Exited early, most often "Address already in use" right after a kill.
-            last_err = EmulatorError(f"emulator exited rc={rc}\n{self._log_tail()}")
+            # Exited early. Retry only a port still held (e.g. just after a kill).
+            if "Address already in use" not in tail or time.monotonic() >= deadline:
+                raise EmulatorError(
+                    f"gcp-storage-emulator exited rc={rc} on start; log: {self.log_path}\n{tail}"
+                )
             time.sleep(0.2)
-            if time.monotonic() >= deadline:
-                raise last_err
 
     def stop(self) -> None:
         """SIGKILL the emulator (simulated outage) and reap it. Data stays on disk."""

@@ -1,0 +1,58 @@
+"""Runs that checkpoint to gs:// against gcp-storage-emulator on loopback (a real GCS endpoint:
+google-cloud-storage, gcsfs and tensorstore all talk HTTP to it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, base_overrides, child_env, run_pretrain, train_losses
+from gcs_emulator import start_gcs_emulator
+from test_bad_input import assert_one_line_error
+from test_train_loop import kill_after_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def emulator(tmp_path):
+    with start_gcs_emulator(tmp_path) as emu:
+        emu.create_bucket("pod-runs")
+        yield emu
+
+
+def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator):
+    steps, common = 40, ["train.checkpoint_every=5", "run.checkpoint.keep=2"]
+    run_pretrain(base_overrides(sudoku_dir, tmp_path / "local", steps=steps) + common)
+    reference = train_losses(tmp_path / "local" / "test" / "t")
+
+    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + common + ["run.checkpoint.dir=gs://pod-runs/exp/t"]
+    env = emulator.child_env(child_env(8))
+    proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = tmp_path / "gcs" / "test" / "t"
+    kill_after_step(proc, out / "metrics.jsonl", 12)
+
+    from google.cloud import storage
+
+    client = storage.Client()
+    names = {b.name for b in client.list_blobs("pod-runs", prefix="exp/t/")}
+    complete = sorted({int(n.split("/")[2]) for n in names if n.split("/")[2].isdigit()})
+    assert complete and "exp/t/run_manifest.json" in names
+
+    resumed = run_pretrain(gcs, env=env)
+    start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
+    assert start in complete and start < steps
+    losses = {s: v for s, v in train_losses(out).items() if s > start}
+    assert sorted(losses) == list(range(start + 1, steps + 1))
+    assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-6, abs=1e-7)
+    manifest = client.bucket("pod-runs").blob("exp/t/run_manifest.json").download_as_text()
+    assert '"status": "completed"' in manifest and f'"resumed_from_step": {start}' in manifest
+
+
+def test_missing_bucket_is_one_line(sudoku_dir, tmp_path, emulator):
+    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://no-such-bucket/x"],
+                        env=emulator.child_env(child_env(8)), check=False)
+    assert_one_line_error(proc, "gs://no-such-bucket does not exist", "gcloud storage buckets create")
