@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from data_pipeline.puzzle_format import DatasetError, load_metadata, load_split
+from data_pipeline.puzzle_format import DatasetError, load_split
 from models import build_model
 from runtime import manifest as manifest_lib
 from runtime.checkpointing import Checkpoints
@@ -73,11 +73,13 @@ def new_run_id(config: Config) -> str:
     return f"{name}-{int(token[0]):08x}"
 
 
-def check_resumable(meta: dict[str, Any], config: Config, directory: str, step: int) -> None:
-    """Refuse to resume a checkpoint written for a different model, data order or batch."""
-    saved = meta.get("config", {})
-    now = to_dict(config)
-    for section, keys in (("arch", None), ("train", ("seed", "global_batch_size")), ("data", ("name", "path"))):
+def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, directory: str, step: int) -> None:
+    """Refuse to resume a checkpoint written for a different model or a different data order
+    (which depends on seed, global batch and dataset size, not on where the data lives)."""
+    saved = dict(meta.get("config", {}), dataset={"train_examples": meta["data_position"].get("train_examples")})
+    now = dict(to_dict(config), dataset={"train_examples": train_examples})
+    checks = (("arch", None), ("train", ("seed", "global_batch_size")), ("data", ("name",)), ("dataset", None))
+    for section, keys in checks:
         old, new = saved.get(section, {}), now[section]
         for key in keys or sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
@@ -100,11 +102,11 @@ def run(config: Config) -> int:
     setup_logging(info.is_primary)
     ensure_dataset(config, info)
     try:
-        train_meta = load_metadata(config.data.path, config.data.train_split)
         train_split = load_split(config.data.path, config.data.train_split)
         eval_split = load_split(config.data.path, config.data.eval_split)
     except DatasetError as e:
         raise UserError(str(e)) from e
+    train_meta = train_split.metadata
     plan = derive(config, num_processes=info.process_count, num_devices=info.global_devices,
                   train_examples=len(train_split))
     log.info("plan:\n%s", plan.table())
@@ -121,7 +123,7 @@ def run(config: Config) -> int:
             raise UserError(f"{plan.checkpoint_dir} already holds checkpoints (latest step {start_step}) and "
                             "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
         meta = ckpt.read_meta(start_step)
-        check_resumable(meta, config, plan.checkpoint_dir, start_step)
+        check_resumable(meta, config, plan.train_examples, plan.checkpoint_dir, start_step)
         state = ckpt.restore_state(start_step, steps.abstract_state)
         log.info("resumed from step %d of %s", start_step, plan.checkpoint_dir)
     else:
@@ -225,7 +227,8 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                 meta = {"step": done, "run_id": run_id, "config": config_dict, "metrics": train_metrics | eval_metrics,
                         "data_position": {"next_batch": done, "examples_seen": done * plan.global_batch_size,
                                           "epoch": done / plan.steps_per_epoch,
-                                          "global_batch_size": plan.global_batch_size, "seed": config.train.seed}}
+                                          "global_batch_size": plan.global_batch_size, "seed": config.train.seed,
+                                          "train_examples": plan.train_examples}}
                 ckpt.save(done, state, meta)
                 last_good_ckpt = done
     return 0, train_metrics | eval_metrics

@@ -71,20 +71,20 @@ UNSET_VARS = ("GOOGLE_APPLICATION_CREDENTIALS",)
 # Live emulators of this process, killed at interpreter exit as a last resort.
 _LIVE: dict[int, "Emulator"] = {}
 
-# The child sets PR_SET_PDEATHSIG(SIGKILL) before importing the emulator, so it
-# dies with the process (strictly: the thread) that started it, even if pytest
-# itself is SIGKILLed. It also exits if that parent already died.
+# The child watches its parent process and exits when it is gone (reparented),
+# so an emulator never outlives the test process, even if pytest is SIGKILLed.
+# (PR_SET_PDEATHSIG is not used: it fires when the *thread* that started the
+# child exits, which kills an emulator restarted from a helper thread.)
 _LAUNCHER = r"""
-import os, sys
+import os, sys, threading, time
 parent = int(sys.argv.pop(1))
-if sys.platform.startswith("linux"):
-    try:
-        import ctypes, signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except Exception:
-        pass
+def _watch_parent():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(3)
 if os.getppid() != parent:
     sys.exit(3)
+threading.Thread(target=_watch_parent, name="watch-parent", daemon=True).start()
 if os.environ.get("GCS_EMULATOR_ATOMIC_WRITES", "1") == "1":
     # Upstream writes files (objects and the .meta index, rewritten after every
     # mutation) with truncate+write: a SIGKILL mid-write leaves an empty .meta
@@ -103,6 +103,9 @@ if os.environ.get("GCS_EMULATOR_ATOMIC_WRITES", "1") == "1":
         os.replace(tmp, path)
     _st._FileStore.write_bytes = _atomic_write_bytes
 import runpy
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv.pop(1))))  # this tests/ folder
+import gcs_emulator_patch
+gcs_emulator_patch.apply()
 sys.argv[0] = "gcp_storage_emulator"
 runpy.run_module("gcp_storage_emulator", run_name="__main__", alter_sys=True)
 """
@@ -238,6 +241,7 @@ class Emulator:
             "-c",
             _LAUNCHER,
             str(os.getpid()),
+            str(Path(__file__).resolve()),  # where gcs_emulator_patch lives
             "--data-dir",
             str(self.data_dir),
             "start",

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def emulator(tmp_path):
     with start_gcs_emulator(tmp_path) as emu:
+        emu.apply_env()  # this process too: the test reads the bucket with google-cloud-storage
         emu.create_bucket("pod-runs")
         yield emu
 
