@@ -67,7 +67,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         config = validate(cfg, hydra_cfg.runtime.choices.get("experiment"), sweep_job=_swept_values(hydra_cfg))
         from runtime.trainer import run  # heavy imports (jax) only once the config is known to be good
 
-        code = run(config)
+        if config.compile_only:  # compile for a TPU topology, print memory and FLOPs, exit without training
+            from runtime.compile_only import plan_for_topology
+
+            code = plan_for_topology(config)
+        else:
+            code = run(config)
     except UserError as e:  # exit here: Hydra would add its own line to a raised exception
         _user_error(e)
     except Exception:

@@ -1,6 +1,10 @@
 """Experiment launcher CLI.
 
     python experiments/launch.py local --processes 2 --devices-per-process 4 -- model=trm run.name=x
+    python experiments/launch.py setup  --tpu NAME --zone Z [--git-ref REF]
+    python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] -- +experiment=exp01/hidden256
+    python experiments/launch.py status --tpu NAME --zone Z
+    python experiments/launch.py stop   --tpu NAME --zone Z
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -10,13 +14,16 @@ registered in `build_parser`; the logic itself lives in importable modules.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from experiments import pod  # noqa: E402
 from experiments.local_pod import run_local_pod  # noqa: E402
 
 
@@ -71,12 +78,140 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_local)
 
 
+# --- TPU VM slice: every command is ONE `gcloud compute tpus tpu-vm ssh --worker=all` ---------
+
+def _add_target(p: argparse.ArgumentParser, *, repo: bool = True) -> None:
+    p.add_argument("--tpu", required=True, help="TPU VM name")
+    p.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
+    p.add_argument("--project", default=None, help="GCP project (default: gcloud's configured one)")
+    if repo:
+        p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR,
+                       help="the repo on every worker (default: %(default)s; `~` is the worker's home)")
+    p.add_argument("--dry-run", action="store_true", help="print the gcloud command line and exit")
+
+
+def _target(args: argparse.Namespace) -> pod.Target:
+    return pod.Target(args.tpu, args.zone, args.project)
+
+
+def _no_overrides(args: argparse.Namespace) -> None:
+    if args.overrides:
+        raise pod.PodError(f"`{args.command}` takes no training overrides (got {args.overrides})")
+
+
+def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """PodError -> one `error:` line on stderr, exit 2."""
+    @functools.wraps(func)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except pod.PodError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return wrapped
+
+
+@_user_errors
+def cmd_pod(args: argparse.Namespace) -> int:
+    """Run pretrain_jax.py on ALL workers of a TPU VM slice through one
+    `gcloud compute tpus tpu-vm ssh --worker=all`, with one run id shared by every worker
+    (run.id=<id>; generated here unless given). WANDB_API_KEY (and --forward-env names) are
+    taken from this environment and shown as ***. Each worker's output goes to
+    ~/podrunner-logs/<run_id>/worker-<hostname>.log there and streams back here, kept in
+    <log-dir>/<run_id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers."""
+    return pod.launch_pod(
+        _target(args), args.overrides, repo_dir=args.repo_dir, run_id=args.run_id, log_dir=args.log_dir,
+        env=dict(args.env), forward_env=args.forward_env, dry_run=args.dry_run,
+        interrupt_grace=args.interrupt_grace, leave_running=args.leave_running)
+
+
+def _add_pod(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pod", help="run pretrain_jax.py on every worker of a TPU VM slice",
+                       description=cmd_pod.__doc__, epilog="Training-script overrides go after `--`.")
+    _add_target(p)
+    p.add_argument("--run-id", default=None, help="run id shared by all workers (default: a new one)")
+    p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
+                   help="local directory for <run_id>/launch.log (default: %(default)s)")
+    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable on every worker (repeatable; value shown)")
+    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                   help="also forward this local environment variable, masked like WANDB_API_KEY "
+                        "(repeatable, e.g. HF_TOKEN)")
+    p.add_argument("--interrupt-grace", type=float, default=30.0,
+                   help="on Ctrl-C: seconds between SIGTERM (checkpoint) and SIGKILL on the workers "
+                        "(default: %(default)s)")
+    p.add_argument("--leave-running", action="store_true",
+                   help="on Ctrl-C, leave the workers' processes running")
+    p.set_defaults(func=cmd_pod)
+
+
+@_user_errors
+def cmd_setup(args: argparse.Namespace) -> int:
+    """Run `bash setup_tpu.sh` in the repo on ALL workers (one ssh --worker=all), then check
+    that every worker reports the same commit and package versions (exit 1 if not). The repo
+    must already be on every worker at --repo-dir (e.g. `git clone` once with --worker=all);
+    --git-ref fetches and checks out REF there first."""
+    _no_overrides(args)
+    return pod.setup_pod(_target(args), repo_dir=args.repo_dir, git_ref=args.git_ref, dry_run=args.dry_run)
+
+
+def _add_setup(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("setup", help="install/check the stack on every worker (setup_tpu.sh)",
+                       description=cmd_setup.__doc__)
+    _add_target(p)
+    p.add_argument("--git-ref", default=None, help="git fetch, then check out this branch/tag/commit first")
+    p.set_defaults(func=cmd_setup)
+
+
+@_user_errors
+def cmd_stop(args: argparse.Namespace) -> int:
+    """On ALL workers: kill this login's training processes (pretrain_jax.py) and any of its
+    processes holding the TPU (/dev/accel*, /dev/vfio/*), then remove /tmp/libtpu_lockfile.
+    Prints what was killed per worker; exit 0 also when nothing was running. Use after a crash
+    or an interrupted run ("TPU already in use")."""
+    _no_overrides(args)
+    return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run)
+
+
+def _add_stop(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stop", help="kill stale training processes on every worker, free the TPU",
+                       description=cmd_stop.__doc__)
+    _add_target(p, repo=False)
+    p.add_argument("--grace", type=float, default=0.0,
+                   help="send SIGTERM first and wait this many seconds before SIGKILL (default: 0)")
+    p.set_defaults(func=cmd_stop)
+
+
+@_user_errors
+def cmd_status(args: argparse.Namespace) -> int:
+    """Per worker: is pretrain_jax.py alive (pid, elapsed), the last step (from the newest
+    <repo>/outputs/**/metrics.jsonl, else the newest ~/podrunner-logs/*/worker-*.log), and
+    that log file. One ssh --worker=all."""
+    _no_overrides(args)
+    return pod.pod_status(_target(args), repo_dir=args.repo_dir, outputs=args.outputs, run_id=args.run_id,
+                          dry_run=args.dry_run)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="per-worker table: alive, pid, last step, log file",
+                       description=cmd_status.__doc__)
+    _add_target(p)
+    p.add_argument("--outputs", default="outputs",
+                   help="run.root on the workers, relative to --repo-dir (default: %(default)s)")
+    p.add_argument("--run-id", default=None, help="look only at this run's worker logs")
+    p.set_defaults(func=cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
         epilog="Training-script overrides go after `--`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(sub)
+    _add_pod(sub)
+    _add_setup(sub)
+    _add_stop(sub)
+    _add_status(sub)
     return parser
 
 

@@ -104,6 +104,8 @@ class TrainConfig(Freezable):
     checkpoint_every: int = 0  # 0 = only at the end
     profile_start_step: Optional[int] = None  # jax.profiler trace window
     profile_steps: int = 5
+    # No step for this long (compile excluded) = a dead or hung worker: dump stacks, exit 4.
+    watchdog_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -128,6 +130,9 @@ class Config(Freezable):
     run: RunConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # Compile the real train step for a TPU topology (e.g. v4-64, v5e-8), print per-chip
+    # memory and FLOPs, and exit without training.
+    compile_only: Optional[str] = None
 
 
 def register_schemas() -> None:

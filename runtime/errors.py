@@ -9,6 +9,7 @@ any long compile.
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_HANG = 4
+EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in the chips' HBM
 
 
 class UserError(Exception):

@@ -82,6 +82,17 @@ def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
+def batch_shardings(mesh: Mesh) -> dict[str, Any]:
+    return {"inputs": batch_sharding(mesh, 2), "labels": batch_sharding(mesh, 2),
+            "puzzle_identifiers": batch_sharding(mesh, 1)}
+
+
+def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes, dtypes and shardings of a global batch, for lowering without data."""
+    shapes = {"inputs": (global_batch, seq_len), "labels": (global_batch, seq_len), "puzzle_identifiers": (global_batch,)}
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_shardings(mesh)[k]) for k, shape in shapes.items()}
+
+
 @dataclass
 class Steps:
     """The compiled-once building blocks of a run, all sharded on `mesh`."""
@@ -136,8 +147,7 @@ def build_steps(model: nn.Module, tx: optax.GradientTransformation, schedule: op
         logits = model.apply({"params": params}, batch["inputs"])
         return sequence_loss(logits, batch["labels"])[1]
 
-    batch_specs = {"inputs": batch_sharding(mesh, 2), "labels": batch_sharding(mesh, 2),
-                   "puzzle_identifiers": batch_sharding(mesh, 1)}
+    batch_specs = batch_shardings(mesh)
     train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
     evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_specs), out_shardings=replicated(mesh))

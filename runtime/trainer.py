@@ -28,7 +28,9 @@ from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import EXIT_NONFINITE, UserError
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, peak_flops_per_device
+from runtime.preemption import PreemptionWatcher
 from runtime.sharding import batch_sharding, describe, make_mesh
+from runtime.watchdog import Watchdog
 from runtime.train_step import TrainState, build_steps, lr_schedule, make_optimizer, summarize
 
 log = logging.getLogger("runtime")
@@ -88,12 +90,26 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
                     f"has {new.get(key)!r}; use the same value to resume, or a new run.name (or run.checkpoint.dir) to start fresh")
 
 
-def evaluate(steps, params, feeder: BatchFeeder, max_examples: int | None) -> dict[str, float]:
+def evaluate(steps, params, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None) -> dict[str, float]:
     totals: dict[str, float] = {}
     for batch in feeder.eval_batches(max_examples):
+        beat()
         for k, v in jax.device_get(steps.eval(params, batch)).items():
             totals[k] = totals.get(k, 0) + float(v)
     return {f"eval/{k}": float(v) for k, v in summarize(totals).items()} if totals else {}
+
+
+def plan_and_build(config: Config, *, devices, num_processes: int, train_examples: int, vocab_size: int,
+                   seq_len: int) -> tuple[Plan, Any, Any]:
+    """Plan (all checks that need the machine), mesh, model and the jitted steps, for real
+    devices or a TPU topology's compile-only devices (runtime/compile_only.py)."""
+    plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples)
+    log.info("plan:\n%s", plan.table())
+    mesh = make_mesh(plan.mesh_shape, devices)
+    model = build_model(config.arch, vocab_size=vocab_size, seq_len=seq_len)
+    schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    steps = build_steps(model, make_optimizer(config.optim, schedule), schedule, mesh, seq_len, config.optim.ema_rate)
+    return plan, mesh, steps
 
 
 def run(config: Config) -> int:
@@ -107,15 +123,9 @@ def run(config: Config) -> int:
     except DatasetError as e:
         raise UserError(str(e)) from e
     train_meta = train_split.metadata
-    plan = derive(config, num_processes=info.process_count, num_devices=info.global_devices,
-                  train_examples=len(train_split))
-    log.info("plan:\n%s", plan.table())
-
-    mesh = make_mesh(plan.mesh_shape)
-    model = build_model(config.arch, vocab_size=train_meta.vocab_size, seq_len=train_meta.seq_len)
-    schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
-    steps = build_steps(model, make_optimizer(config.optim, schedule), schedule, mesh,
-                        train_meta.seq_len, config.optim.ema_rate)
+    plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
+                                       train_examples=len(train_split), vocab_size=train_meta.vocab_size,
+                                       seq_len=train_meta.seq_len)
     ckpt = Checkpoints(plan.checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = ckpt.latest_step(), None
     if start_step is not None:
@@ -147,9 +157,8 @@ def run(config: Config) -> int:
 
     status, exit_code, final = "failed", 1, None
     try:
-        exit_code, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position, run_id,
-                                      config_dict, seq_len=train_meta.seq_len)
-        status = "completed" if exit_code == 0 else "nonfinite"
+        exit_code, status, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position,
+                                              run_id, config_dict, seq_len=train_meta.seq_len)
         return exit_code
     finally:
         feeder.close()
@@ -168,11 +177,12 @@ def run(config: Config) -> int:
 
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
                ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
-               seq_len: int) -> tuple[int, dict | None]:
-    """The loop: step, log, eval, checkpoint, NaN guard, profiler window. Returns (exit code, final metrics)."""
+               seq_len: int) -> tuple[int, str, dict | None]:
+    """The loop: step, log, eval, checkpoint, NaN guard, preemption, watchdog, profiler window.
+    Returns (exit code, status for the manifest, final metrics)."""
     if position >= plan.total_steps:
         log.info("nothing to do: the checkpoint is at step %d of %d", position, plan.total_steps)
-        return 0, None
+        return 0, "completed", None
     t0 = time.perf_counter()
     first_batch = feeder.train_batch(position)
     compiled = steps.train.lower(state, first_batch).compile()
@@ -198,37 +208,58 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
         pending.clear()
         return True
 
+    def save(done: int) -> None:
+        nonlocal last_good_ckpt
+        with timer.paused():
+            position = {"next_batch": done, "examples_seen": done * plan.global_batch_size,
+                        "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
+                        "seed": config.train.seed, "train_examples": plan.train_examples}
+            ckpt.save(done, state, {"step": done, "run_id": run_id, "config": config_dict,
+                                    "metrics": train_metrics | eval_metrics, "data_position": position})
+            last_good_ckpt = done
+
+    preemption = PreemptionWatcher()
+    watchdog = Watchdog(config.train.watchdog_timeout_s).start()
     timer.lap(position)
     batch = first_batch
-    for step in range(position, plan.total_steps):
-        if profile is not None and step == profile:
-            jax.profiler.start_trace(f"{plan.output_dir}/profile")
-        state, metrics = compiled(state, batch)
-        done = step + 1  # optimizer steps taken == index of the next global batch
-        last = done == plan.total_steps
-        if not last:
-            batch = feeder.train_batch(done)  # host work overlaps the step running on device
-        pending.append((done, metrics))
-        if profile is not None and done == profile + config.train.profile_steps:
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-        if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last:
-            if not drain():
-                return EXIT_NONFINITE, None
-            if done % plan.log_every == 0 or last:
-                sinks.log(done, train_metrics | timer.lap(done))
-        if done % plan.eval_every == 0 or last:
-            with timer.paused():
-                params = state.ema_params if state.ema_params is not None else state.params
-                eval_metrics = evaluate(steps, params, eval_feeder, config.data.eval_max_examples)
-                sinks.log(done, eval_metrics)
-        if done % plan.checkpoint_every == 0 or last:
-            with timer.paused():
-                meta = {"step": done, "run_id": run_id, "config": config_dict, "metrics": train_metrics | eval_metrics,
-                        "data_position": {"next_batch": done, "examples_seen": done * plan.global_batch_size,
-                                          "epoch": done / plan.steps_per_epoch,
-                                          "global_batch_size": plan.global_batch_size, "seed": config.train.seed,
-                                          "train_examples": plan.train_examples}}
-                ckpt.save(done, state, meta)
-                last_good_ckpt = done
-    return 0, train_metrics | eval_metrics
+    try:
+        for step in range(position, plan.total_steps):
+            if profile is not None and step == profile:
+                jax.profiler.start_trace(f"{plan.output_dir}/profile")
+            state, metrics = compiled(state, batch)
+            done = step + 1  # optimizer steps taken == index of the next global batch
+            last = done == plan.total_steps
+            if not last:
+                batch = feeder.train_batch(done)  # host work overlaps the step running on device
+            pending.append((done, metrics))
+            watchdog.beat(done)
+            if profile is not None and done == profile + config.train.profile_steps:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+            preempted = preemption.should_stop(done)
+            if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last or preempted:
+                if not drain():
+                    return EXIT_NONFINITE, "nonfinite", None
+                if done % plan.log_every == 0 or last:
+                    sinks.log(done, train_metrics | timer.lap(done))
+            if done % plan.eval_every == 0 or last:
+                with timer.paused():
+                    params = state.ema_params if state.ema_params is not None else state.params
+                    eval_metrics = evaluate(steps, params, eval_feeder, config.data.eval_max_examples,
+                                            lambda: watchdog.beat(done, "eval"))
+                    sinks.log(done, eval_metrics)
+            if done % plan.checkpoint_every == 0 or last or preempted:
+                save(done)
+            if preempted:
+                watchdog.beat(done, "preemption checkpoint")
+                ckpt.wait()
+                log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
+                            "resume", done, plan.checkpoint_dir)
+                return 0, "preempted", train_metrics | eval_metrics
+    except Exception as e:
+        log.error("training failed in step %d: %s", step + 1, " ".join(str(e).split())[:500])
+        raise
+    finally:
+        watchdog.stop()
+        preemption.close()
+    return 0, "completed", train_metrics | eval_metrics

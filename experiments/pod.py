@@ -1,0 +1,660 @@
+"""Run commands on every worker of a Cloud TPU VM slice through ONE `gcloud ... ssh --worker=all`.
+
+Why one ssh: a per-worker loop can leave some workers unstarted (one ssh fails, the loop is
+interrupted), and a JAX job with a missing process hangs at the coordinator. gcloud starts the
+command on all workers at once and fails if any of them fails; the launcher exits with its code.
+
+Operations (CLI in experiments/launch.py):
+  pod     run pretrain_jax.py on all workers with one shared run id; log per worker and locally
+  setup   run setup_tpu.sh on all workers (optionally after `git checkout REF`), then compare
+          commit and package versions across workers: a mismatch is an error
+  stop    kill this login's stale training processes and TPU holders, remove the libtpu lockfile
+  status  per worker: training process alive, pid, elapsed, last step, newest log file
+
+Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
+value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
+expand there. Secrets (WANDB_API_KEY, --forward-env) are shown as KEY=*** wherever we print the
+command; they do appear in the gcloud argv itself (visible to `ps` on this machine).
+
+gcloud's `--worker=all` output is interleaved; the remote helpers of `setup` and `status` print
+one tagged line per worker (`podrunner-versions {json}`, `podrunner-status {json}`), found
+anywhere in a line so that a prefix added by gcloud does not matter.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import re
+import secrets
+import shlex
+import signal
+import string
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence, TextIO
+
+DEFAULT_REPO_DIR = "~/podrunner"
+DEFAULT_LOG_DIR = Path("outputs/launch-logs")
+SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
+MASK = "***"
+EXIT_INTERRUPTED = 130
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a directory name on the workers
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
+STATUS_TAG = "podrunner-status "
+VERSIONS_TAG = "podrunner-versions "
+START_TAG = "podrunner-start "
+
+
+class PodError(Exception):
+    """A user error, reported as one line (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    tpu: str
+    zone: str
+    project: str | None = None
+
+
+def gcloud_argv(target: Target, command: str) -> list[str]:
+    """The single ssh that runs `command` on every worker of the slice."""
+    argv = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", target.tpu, "--zone", target.zone]
+    if target.project:
+        argv += ["--project", target.project]
+    return argv + ["--worker=all", "--command", command]
+
+
+def remote_path(path: str) -> str:
+    """`path` quoted for the worker's shell; a leading `~` becomes "$HOME" so it still expands."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        rest = path[2:]
+        return '"$HOME"' + ("/" + shlex.quote(rest) if rest else "")
+    return shlex.quote(path)
+
+
+def new_run_id() -> str:
+    """Sortable and unique enough: 20250131-142501-k3x9 (starts with a digit run, but Hydra
+    parses it as a string because of the dashes)."""
+    suffix = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(4))
+    return time.strftime("%Y%m%d-%H%M%S-") + suffix
+
+
+def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, list[str]]:
+    """(run id, overrides ending in run.id=<id>). A run.id= override counts as --run-id."""
+    given = [m.group(1) for m in map(_RUN_ID_OVERRIDE.match, overrides) if m]
+    if given and run_id is not None and given[-1] != run_id:
+        raise PodError(f"--run-id {run_id} conflicts with the override run.id={given[-1]}; give one")
+    run_id = given[-1] if given else (run_id or new_run_id())
+    if not _RUN_ID.fullmatch(run_id):
+        raise PodError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-' (it names log "
+                       "directories on the workers)")
+    return run_id, list(overrides) if given else [*overrides, f"run.id={run_id}"]
+
+
+def remote_env(extra: Mapping[str, str], forward: Iterable[str],
+               environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(plain, secret) variables for the workers. Secrets: SECRET_ENV plus `forward`, taken from
+    `environ` when set there."""
+    for name in [*extra, *forward]:
+        if not _ENV_NAME.fullmatch(name):
+            raise PodError(f"{name!r} is not an environment variable name")
+    secret = {k: environ[k] for k in dict.fromkeys([*SECRET_ENV, *forward]) if environ.get(k)}
+    return dict(extra), secret
+
+
+def _fail(message: str, code: int = 2) -> str:
+    """`|| <this>`: say on which worker and why, then end that worker's command. `message` is
+    ours (no user values: it sits inside double quotes)."""
+    return f'{{ echo "podrunner: $(hostname): {message}" >&2; exit {code}; }}'
+
+
+def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
+                secret_env: Mapping[str, str], *, mask: bool) -> str:
+    """Worker command: cd, activate, export, then `python pretrain_jax.py ...` tee'd to
+    ~/podrunner-logs/<run_id>/worker-<hostname>.log. pipefail makes python's code the exit code."""
+    exports = ["PYTHONUNBUFFERED=1", f"PODRUNNER_RUN_ID={shlex.quote(run_id)}"]
+    exports += [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    exports += [f"{k}={MASK if mask else shlex.quote(v)}" for k, v in secret_env.items()]
+    rid = shlex.quote(run_id)
+    train = " ".join(["python", "pretrain_jax.py", *map(shlex.quote, overrides)])
+    return "; ".join([
+        "set -o pipefail",
+        f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),
+        ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)"),
+        "export " + " ".join(exports),
+        f'LOG="$HOME"/podrunner-logs/{rid}/worker-"$(hostname)".log',
+        'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
+        f'{{ echo "{START_TAG}host=$(hostname) commit=$(git rev-parse --short=12 HEAD 2>/dev/null '
+        f'|| echo unknown) run_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
+    ])
+
+
+_VERSIONS_SCRIPT = r'''
+import json, subprocess, sys
+from importlib import metadata
+def version(p):
+    try:
+        return metadata.version(p)
+    except metadata.PackageNotFoundError:
+        return None
+try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+except OSError:
+    commit = None
+info = {"host": sys.argv[1], "commit": commit, "python": sys.version.split()[0]}
+info.update({p: version(p) for p in ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")})
+print("podrunner-versions " + json.dumps(info), flush=True)
+'''
+
+
+def setup_command(repo_dir: str, git_ref: str | None = None) -> str:
+    """Worker command: [git fetch + checkout REF], bash setup_tpu.sh, then one versions line."""
+    steps = ["set -o pipefail", f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir")]
+    if git_ref:
+        # A branch name means the fetched remote branch, not a stale local one.
+        steps += ["git fetch --quiet --tags origin || " + _fail("git fetch failed"),
+                  f"{{ git checkout --quiet --detach {shlex.quote('origin/' + git_ref)} 2>/dev/null || "
+                  f"git checkout --quiet --detach {shlex.quote(git_ref)}; }} || "
+                  + _fail("cannot check out --git-ref")]
+    steps += ["bash setup_tpu.sh || exit $?",
+              f'.venv/bin/python -c {shlex.quote(_VERSIONS_SCRIPT)} "$(hostname)"']
+    return "; ".join(steps)
+
+
+# Runs on each worker with the system python3 (works even when the repo's venv is broken).
+# Which processes: "ours" = started in a session of this user with this HOME, i.e. the ones
+# this login may kill; others are reported with a `sudo kill` hint. Overridable for tests:
+# PODRUNNER_LIBTPU_LOCKFILE, PODRUNNER_TPU_DEVICES (':'-separated globs); `~` expands.
+_REMOTE_TOOL = r'''
+import glob, json, os, pwd, re, signal, sys, time
+from fnmatch import fnmatch
+
+TRAINING = re.compile(r"pretrain_jax[.]py")  # written so that it does not match this command line
+mode, host = sys.argv[1], sys.argv[2]
+home = os.path.realpath(os.path.expanduser("~"))
+
+
+def stat(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # [0] state, [1] ppid, [19] start time
+
+
+def alive(pid):
+    try:
+        return stat(pid)[0] not in "ZX"  # a zombie has released the TPU
+    except (OSError, IndexError):
+        return False
+
+
+def ancestors():
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(stat(pid)[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def processes(with_fds):
+    """(pid, argv, ours, holds_tpu) of every live process except this one and its ancestors."""
+    devices = [os.path.expanduser(p) for p in
+               os.environ.get("PODRUNNER_TPU_DEVICES", "/dev/accel*:/dev/vfio/[0-9]*").split(":") if p]
+    skip = ancestors()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:  # gone
+            continue
+        if not argv:  # kernel thread or zombie
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            proc_home = env.get(b"HOME", b"").decode(errors="replace")
+            ours = bool(proc_home) and os.path.realpath(proc_home) == home
+        except OSError:  # environ is private to the process owner
+            ours = False
+        holds = False
+        if with_fds and ours:
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    try:
+                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    except OSError:
+                        continue
+                    if any(fnmatch(target, d) for d in devices):
+                        holds = True
+                        break
+            except OSError:
+                pass
+        yield pid, argv, ours, holds
+
+
+def owner(pid):
+    try:
+        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
+    except (OSError, KeyError):
+        return "?"
+
+
+def open_by(path):
+    """Pids (that we may look at) with `path` open."""
+    real, pids = os.path.realpath(path), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") == real:
+                    pids.append(int(name))
+                    break
+            except OSError:
+                pass
+    return pids
+
+
+def wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def stop(grace):
+    targets, foreign = [], []
+    for pid, argv, ours, holds in processes(True):
+        cmd = " ".join(argv)
+        if TRAINING.search(cmd) or holds:
+            (targets if ours else foreign).append((pid, cmd, holds))
+    pids = [t[0] for t in targets]
+    if grace > 0 and pids:  # SIGTERM first: the trainer checkpoints on preemption
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        wait_gone(pids, grace)
+    for pid, cmd, holds in targets:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        note = " (held the TPU)" if holds else ""
+        print(f"[{host}] killed pid {pid}{note}: {cmd[:300]}", flush=True)
+    left = wait_gone(pids, 10)
+    for pid, cmd, _ in foreign:
+        print(f"[{host}] not killed: pid {pid} of user {owner(pid)} (another login): {cmd[:300]}; "
+              f"`sudo kill -9 {pid}` if it is stale", flush=True)
+    lock = os.path.expanduser(os.environ.get("PODRUNNER_LIBTPU_LOCKFILE", "/tmp/libtpu_lockfile"))
+    code = 1 if left else 0
+    users = open_by(lock)
+    if users:  # a live libtpu still holds it: the lock is not stale, and removing it would hurt
+        lock_note, code = f"kept {lock}: still open by pid {users}", 1
+    else:
+        try:
+            os.remove(lock)
+            lock_note = f"removed {lock}"
+        except FileNotFoundError:
+            lock_note = f"no {lock}"
+        except OSError as e:
+            lock_note, code = f"could not remove {lock} ({e}); `sudo rm -f {lock}`", 1
+    summary = f"killed {len(targets)} process(es)" if targets else "nothing running"
+    if left:
+        summary += f", still alive: {left}"
+    print(f"[{host}] {summary}; {lock_note}", flush=True)
+    return code
+
+
+def newest(paths):
+    stamped = []
+    for p in paths:
+        try:
+            stamped.append((os.path.getmtime(p), p))
+        except OSError:
+            pass
+    return max(stamped)[1] if stamped else None
+
+
+def tail(path, size=65536):
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - size))
+        return f.read().decode(errors="replace")
+
+
+PROGRESS = re.compile(r"(\d+)/\d+ \[|\bstep[ =:]+(\d+)")  # tqdm "45/100 [" or "step 45"
+
+
+def last_step(metrics, log):
+    if metrics:
+        for line in reversed(tail(metrics).splitlines()):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                return row["step"], "metrics"
+    if log:
+        for line in reversed(re.split(r"[\r\n]", tail(log))):
+            found = PROGRESS.findall(line)
+            if found:
+                a, b = found[-1]
+                return int(a or b), "log"
+    return None, None
+
+
+def status(repo, outputs, run_id):
+    tick, uptime = os.sysconf("SC_CLK_TCK"), float(open("/proc/uptime").read().split()[0])
+    procs = []
+    for pid, argv, ours, _ in processes(False):
+        if ours and TRAINING.search(" ".join(argv)) and os.path.basename(argv[0]).startswith("python"):
+            try:
+                procs.append([pid, int(uptime - int(stat(pid)[19]) / tick)])
+            except (OSError, ValueError, IndexError):
+                pass
+    metrics = newest(glob.glob(os.path.join(repo, outputs, "**", "metrics.jsonl"), recursive=True))
+    log = newest(glob.glob(os.path.join(home, "podrunner-logs", glob.escape(run_id) if run_id else "*",
+                                        "worker-*.log")))
+    step, source = last_step(metrics, log)
+    found = re.search(r"-w-(\d+)$", host)
+    worker = os.environ.get("TPU_WORKER_ID") or (found.group(1) if found else None)
+    print("podrunner-status " + json.dumps({"host": host, "worker": worker, "processes": procs, "step": step,
+                                            "step_from": source, "metrics": metrics, "log": log}), flush=True)
+    return 0
+
+
+if mode == "stop":
+    sys.exit(stop(float(sys.argv[3])))
+sys.exit(status(sys.argv[3], sys.argv[4], sys.argv[5]))
+'''
+
+
+def stop_command(grace: float = 0.0) -> str:
+    return f'python3 -c {shlex.quote(_REMOTE_TOOL)} stop "$(hostname)" {grace:g}'
+
+
+def status_command(repo_dir: str, outputs: str = "outputs", run_id: str | None = None) -> str:
+    return (f'python3 -c {shlex.quote(_REMOTE_TOOL)} status "$(hostname)" {remote_path(repo_dir)} '
+            f'{shlex.quote(outputs)} {shlex.quote(run_id or "")}')
+
+
+# --- running gcloud locally -----------------------------------------------------------------
+
+class _Lines:
+    """Feeds complete lines (split at \\n or \\r: tqdm redraws with \\r) to a callback."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self._on_line, self._buf = on_line, ""
+
+    def feed(self, text: str) -> None:
+        if self._on_line is None:
+            return
+        *lines, self._buf = re.split(r"[\r\n]", self._buf + text)
+        for line in lines:
+            self._on_line(line)
+
+    def close(self) -> None:
+        if self._on_line is not None and self._buf:
+            self._on_line(self._buf)
+        self._buf = ""
+
+
+def run_gcloud(argv: Sequence[str], *, stream: TextIO | None = None, log_path: Path | None = None,
+               on_line: Callable[[str], None] | None = None) -> int:
+    """Run gcloud, passing its merged output through unchanged (so a progress bar still redraws)
+    to `stream` and `log_path`; return its exit code. On Ctrl-C gcloud is stopped and
+    KeyboardInterrupt re-raised (the remote processes may live on: the caller decides)."""
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except FileNotFoundError:
+        raise PodError(f"{argv[0]} not found on PATH; install the Google Cloud CLI") from None
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    lines = _Lines(on_line)
+    log = open(log_path, "a", encoding="utf-8") if log_path else None
+
+    def emit(text: str) -> None:
+        for sink in (stream, log):
+            if sink is not None and text:
+                try:
+                    sink.write(text)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # our stdout went away (`| head`): keep draining gcloud
+        lines.feed(text)
+
+    try:
+        fd = proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            emit(decoder.decode(chunk))
+        emit(decoder.decode(b"", final=True))
+        lines.close()
+        return proc.wait()
+    except KeyboardInterrupt:
+        # In a terminal gcloud got the SIGINT too; send it anyway (a `kill -INT` of us alone).
+        _end(proc)
+        raise
+    finally:
+        proc.stdout.close()
+        if log:
+            log.close()
+
+
+def _end(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except (ProcessLookupError, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
+
+
+def _say(stream: TextIO, message: str) -> None:
+    stream.write(f"[launch] {message}\n")
+    stream.flush()
+
+
+def _tagged(line: str, tag: str) -> dict | None:
+    """The JSON after `tag` anywhere in the line (gcloud may prefix worker output)."""
+    i = line.find(tag)
+    if i < 0:
+        return None
+    try:
+        return json.loads(line[i + len(tag):])
+    except ValueError:
+        return None
+
+
+# --- the operations -------------------------------------------------------------------------
+
+def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFAULT_REPO_DIR,
+               run_id: str | None = None, log_dir: Path = DEFAULT_LOG_DIR,
+               env: Mapping[str, str] | None = None, forward_env: Iterable[str] = (),
+               dry_run: bool = False, interrupt_grace: float = 30.0, leave_running: bool = False,
+               environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> int:
+    """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C)."""
+    stream = stream or sys.stdout
+    environ = os.environ if environ is None else environ
+    run_id, overrides = resolve_run_id(run_id, overrides)
+    plain, secret = remote_env(env or {}, forward_env, environ)
+    command = pod_command(repo_dir, run_id, overrides, plain, secret, mask=False)
+    shown = shlex.join(gcloud_argv(target, pod_command(repo_dir, run_id, overrides, plain, secret, mask=True)))
+    if dry_run:
+        stream.write(shown + "\n")
+        return 0
+
+    run_dir = Path(log_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.txt").write_text(shown + "\n")
+    _say(stream, f"run id {run_id}; output also in {run_dir / 'launch.log'}; on the workers in "
+                 f"~/podrunner-logs/{run_id}/worker-<hostname>.log")
+    watch = _PodWatch(stream)
+    try:
+        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=run_dir / "launch.log",
+                          on_line=watch.line)
+    except KeyboardInterrupt:
+        if leave_running:
+            _say(stream, "interrupted; the workers may still be running (launch.py status / stop)")
+            return EXIT_INTERRUPTED
+        _say(stream, f"interrupted: stopping the run on all workers (SIGTERM, SIGKILL after "
+                     f"{interrupt_grace:g} s)")
+        try:
+            stop_pod(target, grace=interrupt_grace, stream=stream)
+        except KeyboardInterrupt:
+            _say(stream, "stop interrupted; run `launch.py stop` to make sure the TPU is free")
+        return EXIT_INTERRUPTED
+    if code != 0:
+        hint = ("a stale process holds the TPU: run `launch.py stop` first" if watch.tpu_busy else
+                "other workers may still be running: check with `launch.py status`, end them with "
+                "`launch.py stop`")
+        _say(stream, f"gcloud exited with code {code}; {hint}")
+    return code
+
+
+class _PodWatch:
+    """Reads the pod's output as it streams: warns once when workers run different commits,
+    and remembers whether a worker found the TPU busy."""
+
+    _START = re.compile(re.escape(START_TAG) + r"host=(\S+) commit=(\S+)")
+    _BUSY = re.compile(r"TPU.*(already in use|busy)|libtpu_lockfile", re.IGNORECASE)
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream, self.commits, self.warned, self.tpu_busy = stream, {}, False, False
+
+    def line(self, line: str) -> None:
+        if self._BUSY.search(line):
+            self.tpu_busy = True
+        m = self._START.search(line)
+        if m:
+            self.commits[m.group(1)] = m.group(2)
+            if len(set(self.commits.values())) > 1 and not self.warned:
+                self.warned = True
+                _say(self.stream, f"WARNING: workers run different commits {self.commits}; "
+                                  "sync them (launch.py setup --git-ref REF)")
+
+
+def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str | None = None,
+              dry_run: bool = False, stream: TextIO | None = None) -> int:
+    """setup_tpu.sh on all workers, then a version check: non-zero if workers differ."""
+    stream = stream or sys.stdout
+    argv = gcloud_argv(target, setup_command(repo_dir, git_ref))
+    if dry_run:
+        stream.write(shlex.join(argv) + "\n")
+        return 0
+    rows: list[dict] = []
+    code = run_gcloud(argv, stream=stream, on_line=lambda l: rows.append(r) if (r := _tagged(l, VERSIONS_TAG)) else None)
+    if code != 0:
+        _say(stream, f"setup failed on at least one worker (gcloud exit code {code})")
+        return code
+    return check_versions(rows, stream)
+
+
+def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
+    """0 when every worker reports the same commit and versions, else 1 with the differences."""
+    if not rows:
+        _say(stream, "no worker reported its versions")
+        return 1
+    keys = [k for k in rows[0] if k != "host"]
+    distinct = {tuple(r.get(k) for k in keys) for r in rows}
+    if len(distinct) == 1:
+        same = ", ".join(f"{k}={rows[0].get(k)}" for k in keys)
+        _say(stream, f"{len(rows)} workers set up, all identical: {same}")
+        return 0
+    differing = [k for k in keys if len({r.get(k) for r in rows}) > 1]
+    _say(stream, f"MISMATCH across workers in {', '.join(differing)}:")
+    for r in sorted(rows, key=lambda r: r["host"]):
+        _say(stream, f"  {r['host']}: " + ", ".join(f"{k}={r.get(k)}" for k in differing))
+    return 1
+
+
+def stop_pod(target: Target, *, grace: float = 0.0, dry_run: bool = False,
+             stream: TextIO | None = None) -> int:
+    """Kill stale training processes / TPU holders of this login and remove the lockfile."""
+    stream = stream or sys.stdout
+    argv = gcloud_argv(target, stop_command(grace))
+    if dry_run:
+        stream.write(shlex.join(argv) + "\n")
+        return 0
+    return run_gcloud(argv, stream=stream)
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    host: str
+    worker: str | None
+    processes: list[list[int]]  # [pid, elapsed seconds]
+    step: int | None
+    step_from: str | None
+    metrics: str | None
+    log: str | None
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.processes)
+
+
+def _hms(seconds: int) -> str:
+    h, rest = divmod(int(seconds), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def status_table(rows: Sequence[WorkerStatus]) -> str:
+    def order(r: WorkerStatus) -> tuple:
+        return (0, int(r.worker), r.host) if (r.worker or "").isdigit() else (1, 0, r.host)
+
+    table = [("worker", "host", "alive", "pid", "elapsed", "last step", "log file")]
+    for r in sorted(rows, key=order):
+        pids = ",".join(str(p) for p, _ in r.processes) or "-"
+        elapsed = _hms(r.processes[0][1]) if r.processes else "-"
+        step = f"{r.step} ({r.step_from})" if r.step is not None else "-"
+        table.append((r.worker or "?", r.host, "yes" if r.alive else "no", pids, elapsed, step, r.log or "-"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]).rstrip() for row in table)
+
+
+def pod_status(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, outputs: str = "outputs",
+               run_id: str | None = None, dry_run: bool = False, stream: TextIO | None = None,
+               err: TextIO | None = None) -> int:
+    """Print the per-worker table; other output of gcloud goes to `err` (stderr)."""
+    stream, err = stream or sys.stdout, err or sys.stderr
+    argv = gcloud_argv(target, status_command(repo_dir, outputs, run_id))
+    if dry_run:
+        stream.write(shlex.join(argv) + "\n")
+        return 0
+    rows: list[WorkerStatus] = []
+
+    def on_line(line: str) -> None:
+        data = _tagged(line, STATUS_TAG)
+        if data is not None:
+            rows.append(WorkerStatus(**{k: data.get(k) for k in WorkerStatus.__dataclass_fields__}))
+        elif line.strip():
+            err.write(line + "\n")
+
+    code = run_gcloud(argv, on_line=on_line)
+    if rows:
+        stream.write(status_table(rows) + "\n")
+        stream.flush()
+    if code != 0:
+        _say(err, f"gcloud exited with code {code}: some workers did not answer")
+    return code

@@ -1,0 +1,227 @@
+"""Building blocks of the recursive-reasoning models (TRM, HRM).
+
+Semantics follow the public PyTorch references (see /work/shared/reference/TRM.md):
+
+* RMSNorm has no learned gain, eps 1e-5, and is computed in float32 (result cast back).
+* Blocks are post-norm and bias-free: ``h = rms(h + mix(h)); h = rms(h + swiglu(h))`` where
+  ``mix`` is non-causal attention, or (``mlp_t``) a SwiGLU over the *sequence* axis applied to
+  the transposed ``[B, D, L]`` tensor, whose residual norm then normalises over the sequence axis.
+* SwiGLU width: ``round(expansion * d * 2/3)`` rounded up to a multiple of 256.
+* Weights: truncated normal (cut at +-2 standard units) rescaled so the *actual* standard
+  deviation is the requested one (LeCun: ``1/sqrt(fan_in)``), as the reference's
+  ``trunc_normal_init_``. Parameters are float32; the forward pass casts them to the forward
+  dtype at use.
+
+Every parameter carries logical axis names (``runtime/sharding.py`` maps them to mesh axes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+RMS_EPS = 1e-5
+
+_FORWARD_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Standard deviation of a standard normal truncated to [-2, 2]; dividing by it makes the
+# truncated sample's std equal to the requested one (the reference's correction).
+_TRUNC2_STD = 0.87962566103423978
+
+CosSin = Optional[Tuple[jax.Array, jax.Array]]
+
+
+def forward_dtype(name: str):
+    try:
+        return _FORWARD_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown forward_dtype {name!r}; use one of {sorted(_FORWARD_DTYPES)}") from None
+
+
+def trunc_normal_init(std: float) -> Callable:
+    """Initializer: normal truncated at +-2 sigma whose actual standard deviation is `std`."""
+
+    def init(key, shape, dtype=jnp.float32):
+        if std == 0:
+            return jnp.zeros(shape, dtype)
+        sample = jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+        return (sample * (std / _TRUNC2_STD)).astype(dtype)
+
+    return init
+
+
+def lecun_init(fan_in: int) -> Callable:
+    return trunc_normal_init(fan_in ** -0.5)
+
+
+def swiglu_width(dim: int, expansion: float) -> int:
+    """Hidden width of a SwiGLU on `dim` features: round(e*dim*2/3) up to a multiple of 256."""
+    inter = round(expansion * dim * 2 / 3)
+    return -(inter // -256) * 256
+
+
+def rms_norm(x: jax.Array, eps: float = RMS_EPS, axis: int = -1) -> jax.Array:
+    """RMS normalisation without gain, computed in float32, returned in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=axis, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- rotary position embedding
+
+def rope_cos_sin(length: int, head_dim: int, theta: float = 10000.0) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin tables [length, head_dim] (float32) for the rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, L, H, Dh]; cos/sin [L, Dh]; rotation done in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return (x32 * c + rotate_half(x32) * s).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- modules
+
+class SwiGLU(nn.Module):
+    """SwiGLU over the last axis of `x` (width `dim`), no biases.
+
+    `axis_name` is the logical name of the input/output feature axis ("embed" normally,
+    "length" for the sequence-mixing MLP of the mlp_t variant).
+    """
+
+    dim: int
+    expansion: float
+    dtype: jnp.dtype = jnp.bfloat16
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        inter = swiglu_width(self.dim, self.expansion)
+        gate_up = self.param("gate_up", nn.with_logical_partitioning(lecun_init(self.dim), (self.axis_name, "gate", "mlp")),
+                             (self.dim, 2, inter))
+        down = self.param("down", nn.with_logical_partitioning(lecun_init(inter), ("mlp", self.axis_name)),
+                          (inter, self.dim))
+        gu = jnp.einsum("...d,dgf->...gf", x, gate_up.astype(self.dtype))
+        gate, up = gu[..., 0, :], gu[..., 1, :]
+        return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, down.astype(self.dtype))
+
+
+class Attention(nn.Module):
+    """Non-causal, unmasked multi-head attention, fused qkv (kv heads == heads), no biases.
+
+    The qkv kernel is [embed, 3, heads, head_dim] (the reference's [3*H*Dh, D] transposed and
+    reshaped in the same order), the output kernel [heads, head_dim, embed].
+    """
+
+    hidden: int
+    heads: int
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        head_dim = self.hidden // self.heads
+        qkv_w = self.param("qkv", nn.with_logical_partitioning(lecun_init(self.hidden), ("embed", "qkv", "heads", "head_dim")),
+                           (self.hidden, 3, self.heads, head_dim))
+        out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
+                           (self.heads, head_dim, self.hidden))
+        qkv = jnp.einsum("bld,dthk->tblhk", x, qkv_w.astype(self.dtype))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if cos_sin is not None:
+            cos, sin = cos_sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        return jnp.einsum("blhk,hkd->bld", y, out_w.astype(self.dtype))
+
+
+class Block(nn.Module):
+    """Post-norm block: token mixing (attention or sequence-MLP), then a channel SwiGLU."""
+
+    hidden: int
+    heads: int
+    expansion: float
+    total_len: int  # prefix + sequence positions (the mlp_t width)
+    mlp_t: bool = False
+    dtype: jnp.dtype = jnp.bfloat16
+    eps: float = RMS_EPS
+
+    @nn.compact
+    def __call__(self, h: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+        if self.mlp_t:
+            ht = jnp.swapaxes(h, 1, 2)  # [B, D, L]
+            ht = rms_norm(ht + SwiGLU(self.total_len, self.expansion, self.dtype, axis_name="length", name="mlp_t")(ht),
+                          self.eps)  # normalises over the sequence axis
+            h = jnp.swapaxes(ht, 1, 2)
+        else:
+            h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin), self.eps)
+        return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, name="mlp")(h), self.eps)
+
+
+class ReasoningNet(nn.Module):
+    """`net(h, inj)`: `layers` blocks applied to `h + inj`."""
+
+    layers: int
+    hidden: int
+    heads: int
+    expansion: float
+    total_len: int
+    mlp_t: bool = False
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, h: jax.Array, inj: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+        h = h + inj
+        for i in range(self.layers):
+            h = Block(self.hidden, self.heads, self.expansion, self.total_len, self.mlp_t, self.dtype,
+                      name=f"block_{i}")(h, cos_sin)
+        return h
+
+
+def make_net_fn(net_def: ReasoningNet, cos_sin: CosSin) -> Callable:
+    """A pure `(params, h, inj) -> h` for a standalone (unbound) ReasoningNet definition.
+
+    The recursion loops call the network through this function inside `lax.scan`/`fori_loop`,
+    so the loop body is traced once whatever the cycle counts, and the no-gradient cycles can
+    be given stop-gradient parameters.
+    """
+
+    def fn(params, h, inj):
+        return net_def.apply({"params": params}, h, inj, cos_sin)
+
+    return fn
+
+
+def repeat(fn: Callable, n: int, x):
+    """Apply `x = fn(x)` n times under a loop (traced once); n == 0 returns x."""
+    if n <= 0:
+        return x
+    if n == 1:
+        return fn(x)
+    out, _ = jax.lax.scan(lambda c, _: (fn(c), None), x, None, length=n)
+    return out
+
+
+def stop_gradient_tree(tree):
+    return jax.tree.map(jax.lax.stop_gradient, tree)
+
+
+def count_params(tree, exclude: Sequence[str] = ()) -> int:
+    """Number of scalars in a (possibly boxed) params tree, skipping top-level keys in `exclude`."""
+    tree = nn.meta.unbox(tree)
+    return int(sum(math.prod(x.shape) for k, v in tree.items() if k not in exclude for x in jax.tree.leaves(v)))

@@ -1,0 +1,223 @@
+"""Compile the real sharded train step for a TPU topology on any machine, without TPUs.
+
+`python pretrain_jax.py ... compile_only=v5e-8` asks libtpu (installed with `jax[tpu]`) for
+compile-only devices of that slice (`jax.experimental.topologies`), plans the run for their
+device and host counts (so mesh and batch errors are the usual one line), lowers and compiles
+the train step with abstract state and batch, and prints per-chip memory, FLOPs and collective
+traffic. Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
+
+libtpu is loaded as a PJRT plugin only to describe the topology and compile; no TPU backend is
+initialised, so this works under JAX_PLATFORMS=cpu (as in the tests) and on a machine with none.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from runtime.config import Config
+from runtime.errors import EXIT_DOES_NOT_FIT, UserError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    name: str  # as in slice names: v4-64, v5e-8
+    device_kind: str
+    hbm_gib: float  # usable HBM per chip as XLA reports it (nominal: v4 32, v5e 16, v5p 96, v6e 32 GiB)
+    cores_per_name_unit: int  # v4/v5p slices are named by TensorCores (2 per chip), v5e/v6e by chips
+    dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
+    max_chips: int
+    single_host_chips: int  # slices up to this size are one host; larger ones have 4 chips (2x2) per host
+    chip_config: str | None = None  # v4: "megacore" = one JAX device per chip (libtpu's default is per core)
+
+    def chip_counts(self) -> list[int]:
+        smallest = 4 if self.dims == 3 else 1
+        counts = [2**k for k in range(int(math.log2(self.max_chips)) + 1) if 2**k >= smallest]
+        return [c for c in counts if c != 2]  # no 2-chip slices
+
+
+TOPOLOGIES = {g.name: g for g in (
+    TpuGeneration("v4", "TPU v4", 30.75, 2, 3, 2048, 4, chip_config="megacore"),
+    TpuGeneration("v5p", "TPU v5p", 95.74, 2, 3, 4096, 4),
+    TpuGeneration("v5e", "TPU v5e", 15.75, 1, 2, 256, 8),
+    TpuGeneration("v6e", "TPU v6e", 31.25, 1, 2, 256, 8),
+)}
+KNOWN = ", ".join(f"{g.name}-{{{','.join(str(c * g.cores_per_name_unit) for c in g.chip_counts())}}}"
+                  for g in TOPOLOGIES.values())
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def slice_shape(gen: TpuGeneration, chips: int) -> list[int]:
+    """Cloud TPU's standard shapes: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4 ... / 1x1, 2x2, 2x4, 4x4, 4x8 ..."""
+    shape = [2, 2, 1] if gen.dims == 3 else [1, 1]
+    while math.prod(shape) < chips:
+        i = max(j for j, s in enumerate(shape) if s == min(shape))  # double the smallest, last on ties
+        shape[i] *= 2
+    return shape
+
+
+def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
+    gen_name, _, size = name.partition("-")
+    gen = TOPOLOGIES.get(gen_name)
+    units = int(size) if size.isdigit() else 0
+    chips = units // gen.cores_per_name_unit if gen else 0
+    if gen is None or chips not in gen.chip_counts() or units % gen.cores_per_name_unit:
+        raise UserError(f"compile_only={name} is not a known TPU topology; use one of {KNOWN}")
+    shape = slice_shape(gen, chips)
+    per_host = shape + [1] * (3 - gen.dims) if chips <= gen.single_host_chips else [2, 2, 1]
+    # Without these libtpu looks for a TPU VM's metadata and prints warnings; a real TPU VM keeps its own.
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", name.replace("v5e-", "v5litepod-"))
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+
+    kwargs = {"chips_per_host_bounds": per_host} | ({"chip_config_name": gen.chip_config} if gen.chip_config else {})
+    devices = topologies.get_topology_desc(f"{gen.name}:{'x'.join(map(str, shape))}", "tpu", **kwargs).devices
+    if len(devices) != chips:
+        raise RuntimeError(f"libtpu gave {len(devices)} devices for {name}, expected one per chip ({chips})")
+    return gen, shape, list(devices)
+
+
+def dataset_shape(config: Config) -> tuple[int, int, int, str]:
+    """(train examples, vocab size, seq len, source) without reading the arrays: dataset.json and the
+    inputs' .npy header, or the Sudoku builder's constants when the dataset is still to be generated."""
+    import fsspec
+
+    from data_pipeline.puzzle_format import DatasetError, load_metadata
+
+    data = config.data
+    try:
+        meta = load_metadata(data.path, data.train_split)
+        with fsspec.open(f"{data.path.rstrip('/')}/{data.train_split}/all__inputs.npy", "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            examples = int(header(f)[0][0])
+        return examples, meta.vocab_size, meta.seq_len, f"dataset {data.path}"
+    except (DatasetError, FileNotFoundError) as e:
+        if not (data.generate_if_missing and data.name == "sudoku" and not data.path.startswith("gs://")):
+            raise UserError(str(e)) from e
+    from data_pipeline import build_sudoku
+
+    examples = data.generate_puzzles * (1 + data.generate_num_aug)
+    return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, "Sudoku to be generated, not built yet"
+
+
+_ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\(([^)]*)\)(.*)$")
+
+
+def _bytes(types: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * (int(bits) // 8 if bits else 1)
+               for _, bits, dims in _ARRAY.findall(types))
+
+
+def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
+    """Per kind: (ops, bytes per chip per step) in the compiled HLO.
+
+    Bytes of one op = the larger of its operands and results (the whole buffer: the gathered
+    result of an all-gather, the unreduced operand of a reduce-scatter). TPU's async collective
+    fusions repeat an op in several computations under one channel_id, so each channel counts
+    once; an all-reduce inside an `all-reduce-scatter` fusion counts as a reduce-scatter.
+    """
+    sizes: dict[str, int] = {}
+    seen: set[tuple[str, str]] = set()
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    computation = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.split()[0].lstrip("%")
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result, op, operands, attrs = m.groups()
+        sizes[name] = _bytes(result)
+        kind = op.removesuffix("-done")
+        if kind not in COLLECTIVES or op.endswith("-start"):  # -start/-done pairs: the done holds the result
+            continue
+        if kind == "all-reduce" and computation.startswith("all-reduce-scatter"):
+            kind = "reduce-scatter"
+        channel = re.search(r"channel_id=(\d+)", attrs)
+        if (kind, channel.group(1) if channel else name) in seen:
+            continue
+        seen.add((kind, channel.group(1) if channel else name))
+        operand_bytes = sum(sizes.get(o.strip().lstrip("%"), 0) for o in re.sub(r"/\*.*?\*/", "", operands).split(","))
+        out[kind][0] += 1
+        out[kind][1] += sizes[name] if op.endswith("-done") else max(sizes[name], operand_bytes)
+    return {k: (out[k][0], out[k][1]) for k in COLLECTIVES}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_for_topology(config: Config) -> int:
+    """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
+    from runtime.train_step import abstract_batch
+    from runtime.trainer import plan_and_build, setup_logging
+
+    setup_logging(is_primary=True)
+    gen, shape, devices = topology_devices(config.compile_only)
+    hosts = len({d.process_index for d in devices})
+    examples, vocab, seq_len, source = dataset_shape(config)
+    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, train_examples=examples,
+                                       vocab_size=vocab, seq_len=seq_len)
+
+    def row(key: str, value) -> None:
+        print(f"  {key:<18} {value}")
+
+    print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, "
+          f"one JAX device per chip")
+    row("devices", len(devices))
+    row("hosts", f"{hosts} ({len(devices) // hosts} chips each)")
+    row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
+    row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
+                 f"vocab {vocab}; {examples} train examples ({source})")
+    t0 = time.perf_counter()
+    lowered = steps.train.lower(steps.abstract_state, abstract_batch(mesh, plan.global_batch_size, seq_len))
+    hbm = gen.hbm_gib * GiB
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        # XLA stops early when the program cannot fit: "... (32.27G) exceeds available HBM (15.75G)".
+        m = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+            raise
+        row("compile_s", f"{time.perf_counter() - t0:.1f} (XLA stopped at its memory check)")
+        args = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves((steps.abstract_state, abstract_batch(mesh, plan.global_batch_size, seq_len))))
+        row("arguments", f"{_size(args)} per chip (state + batch shards)")
+        row("total", f"{m.group(1)} GiB per chip (XLA's estimate) of {m.group(2)} GiB HBM")
+        print(f"does not fit: {m.group(1)} GiB per chip > {m.group(2)} GiB HBM of {gen.device_kind}")
+        return EXIT_DOES_NOT_FIT
+    row("compile_s", f"{time.perf_counter() - t0:.1f}")
+    mem = compiled.memory_analysis()
+    # The donated state is aliased to the new state (alias = the bytes outputs reuse from arguments),
+    # so HBM in use = arguments + outputs - alias + temporaries + the program itself.
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    for key, field in (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"),
+                       ("temporaries", "temp"), ("generated_code", "generated_code")):
+        row(key, f"{_size(getattr(mem, f'{field}_size_in_bytes'))} per chip")
+    row("total", f"{_size(total)} per chip of {gen.hbm_gib} GiB HBM ({100 * total / hbm:.1f}%) "
+                 "= arguments + outputs - aliased + temporaries + generated_code")
+    flops = float((compiled.cost_analysis() or {}).get("flops", 0.0))
+    row("flops_per_step", f"{flops:.4g} per chip, {flops * len(devices):.4g} all chips")
+    for kind, (ops, nbytes) in collective_bytes(compiled.as_text()).items():
+        row(kind, f"{ops} ops, {_size(nbytes)} per chip per step")
+    if total > hbm:
+        print(f"does not fit: {total / GiB:.2f} GiB per chip > {gen.hbm_gib} GiB HBM of {gen.device_kind}")
+        return EXIT_DOES_NOT_FIT
+    print(f"fits: {_size(total)} per chip <= {gen.hbm_gib} GiB HBM of {gen.device_kind}")
+    return 0

@@ -1,0 +1,179 @@
+"""Optimizers for the recursive-reasoning models, as optax transformations.
+
+* `adam_atan2`: AdamATan2 exactly as the reference's fused kernel (the ``adam-atan2`` package
+  used by TRM/HRM): decoupled decay ``p <- p (1 - lr wd)``; ``m, v`` EMAs of g and g^2;
+  ``p <- p - lr / (1 - b1^t) * atan2(m, sqrt(v) / sqrt(1 - b2^t))``. That package has no
+  ``a``/``b`` scale constants (unlike the paper's ``a * atan2(m, b sqrt v)`` variants), i.e.
+  a = b = 1. No epsilon, no decay exclusions.
+* `lion`: optax's Lion behind the same (learning_rate, b1, b2, weight_decay) signature.
+* `sparse_sign_sgd`: the puzzle-embedding optimizer. Only rows whose id appears in the
+  global batch change: ``p <- p (1 - lr wd) - lr sign(g)``; untouched rows are left exactly
+  as they are (no decay). It takes the ids as an extra argument (``puzzle_identifiers=``).
+  The gradient of a ``jnp.take`` lookup is a scatter-add over the whole (global, sharded)
+  batch, so gradients of repeated ids are already summed when it gets them; it is plain jnp
+  on the full logical table, so a table sharded over rows stays sharded under jit.
+* `recursive_optimizer`: `sparse_sign_sgd` on the ``puzzle_emb`` table and a main optimizer
+  on everything else (the reference's two optimizers), via ``optax.partition``.
+* EMA helpers (`ema_init`, `ema_update`, `with_ema`): an EMA of every parameter except the
+  puzzle table (the reference keeps EMA only for trained ``nn.Parameter``s; its table is a
+  buffer). Evaluation uses EMA weights with the live table.
+
+Learning rates may be floats or optax schedules of the update count (0 for the first update).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PUZZLE_EMB = "puzzle_emb"  # top-level key of the puzzle-embedding table in the params tree
+
+
+def _lr_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+    return learning_rate(count) if callable(learning_rate) else jnp.asarray(learning_rate, jnp.float32)
+
+
+# ------------------------------------------------------------------------------- AdamATan2
+
+class AdamATan2State(NamedTuple):
+    count: jax.Array  # int32 scalar: updates done so far
+    mu: Any
+    nu: Any
+
+
+def adam_atan2(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.95,
+               weight_decay: float = 0.1) -> optax.GradientTransformation:
+    """AdamATan2 (see the module docstring). Updates are ``new_params - params``."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros_like(p)  # noqa: E731  (keeps logical-axis boxes)
+        return AdamATan2State(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
+                              nu=jax.tree.map(zeros, params))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("adam_atan2 needs params (decoupled weight decay)")
+        t = state.count + 1
+        lr = _lr_at(learning_rate, state.count)
+        tf = t.astype(jnp.float32)
+        step_size = lr / (1.0 - jnp.power(b1, tf))
+        bc2_sqrt = jnp.sqrt(1.0 - jnp.power(b2, tf))
+        decay = 1.0 - lr * weight_decay
+        mu = jax.tree.map(lambda m, g: m + (1.0 - b1) * (g.astype(m.dtype) - m), state.mu, grads)
+        nu = jax.tree.map(lambda v, g: v + (1.0 - b2) * (jnp.square(g.astype(v.dtype)) - v), state.nu, grads)
+
+        def new_minus_old(p, m, v):
+            new = p * decay - step_size * jnp.arctan2(m, jnp.sqrt(v) / bc2_sqrt)
+            return (new - p).astype(p.dtype)
+
+        updates = jax.tree.map(new_minus_old, params, mu, nu)
+        return updates, AdamATan2State(count=t, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------------- Lion
+
+def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
+         weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """optax's Lion: ``p <- p - lr (sign(b1 m + (1-b1) g) + wd p)``; ``m <- b2 m + (1-b2) g``."""
+    return optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay)
+
+
+# ------------------------------------------------------------------------------- sparse sign-SGD
+
+class SignSGDState(NamedTuple):
+    count: jax.Array
+
+
+def touched_rows(num_rows: int, ids: jax.Array) -> jax.Array:
+    """bool [num_rows]: which rows appear in `ids` (any shape)."""
+    return jnp.zeros((num_rows,), jnp.bool_).at[ids.reshape(-1).astype(jnp.int32)].set(True, mode="drop")
+
+
+def scatter_row_grads(num_rows: int, ids: jax.Array, row_grads: jax.Array) -> jax.Array:
+    """Dense table gradient from per-example row gradients [N, D]: repeated ids are summed."""
+    out = jnp.zeros((num_rows,) + row_grads.shape[1:], row_grads.dtype)
+    return out.at[ids.reshape(-1).astype(jnp.int32)].add(row_grads, mode="drop")
+
+
+def sign_sgd_rows(table: jax.Array, grad: jax.Array, ids: jax.Array, lr, weight_decay: float) -> jax.Array:
+    """New table: touched rows get ``p (1 - lr wd) - lr sign(g)``, the others are unchanged."""
+    touched = touched_rows(table.shape[0], ids).reshape((-1,) + (1,) * (table.ndim - 1))
+    stepped = table * (1.0 - lr * weight_decay) - lr * jnp.sign(grad.astype(table.dtype))
+    return jnp.where(touched, stepped, table)
+
+
+def sparse_sign_sgd(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.1
+                    ) -> optax.GradientTransformationExtraArgs:
+    """Sign-SGD on touched rows of every leaf (the puzzle table). Call
+    ``update(grads, state, params, puzzle_identifiers=ids)`` with the ids the forward pass
+    looked up (for ACT: ``new_carry.current_data['puzzle_identifiers']``, the whole global
+    batch)."""
+
+    def init(params):
+        del params
+        return SignSGDState(count=jnp.zeros([], jnp.int32))
+
+    def update(grads, state, params=None, *, puzzle_identifiers=None, **extra):
+        del extra
+        if params is None or puzzle_identifiers is None:
+            raise ValueError("sparse_sign_sgd needs params and puzzle_identifiers=")
+        lr = _lr_at(learning_rate, state.count)
+        updates = jax.tree.map(
+            lambda p, g: (sign_sgd_rows(p, g, puzzle_identifiers, lr, weight_decay) - p).astype(p.dtype),
+            params, grads)
+        return updates, SignSGDState(count=state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ------------------------------------------------------------------------------- combined
+
+def _top_key(path) -> Any:
+    k = path[0]
+    return getattr(k, "key", getattr(k, "name", k))
+
+
+def param_labels(params: Any) -> Any:
+    """'puzzle_emb' for the puzzle table, 'main' for everything else (same tree structure)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: PUZZLE_EMB if _top_key(path) == PUZZLE_EMB else "main",
+                                            params)
+
+
+def recursive_optimizer(main: optax.GradientTransformation, puzzle_lr: optax.ScalarOrSchedule,
+                        puzzle_weight_decay: float) -> optax.GradientTransformationExtraArgs:
+    """`main` on all parameters but the puzzle table, `sparse_sign_sgd` on the table.
+    Update with ``tx.update(grads, state, params, puzzle_identifiers=ids)``."""
+    return optax.partition({"main": main, PUZZLE_EMB: sparse_sign_sgd(puzzle_lr, puzzle_weight_decay)}, param_labels)
+
+
+# ------------------------------------------------------------------------------- EMA
+
+def _without_table(params: Any) -> Any:
+    if isinstance(params, dict) and PUZZLE_EMB in params:
+        return {k: v for k, v in params.items() if k != PUZZLE_EMB}
+    return params
+
+
+def ema_init(params: Any) -> Any:
+    """EMA shadow: a copy of the parameters without the puzzle table."""
+    return jax.tree.map(lambda p: p, _without_table(params))
+
+
+def ema_update(ema: Any, params: Any, rate: float = 0.999) -> Any:
+    """``ema <- rate * ema + (1 - rate) * params`` (puzzle table excluded)."""
+    return jax.tree.map(lambda e, p: rate * e + (1.0 - rate) * p, ema, _without_table(params))
+
+
+def with_ema(params: Any, ema: Any) -> Any:
+    """Parameters for evaluation: EMA weights, and the live puzzle table."""
+    if isinstance(params, dict) and PUZZLE_EMB in params:
+        return dict(ema) | {PUZZLE_EMB: params[PUZZLE_EMB]}
+    return ema
+
+
+OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adam_atan2": adam_atan2, "lion": lion}

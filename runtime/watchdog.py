@@ -1,0 +1,72 @@
+"""Hang watchdog: a dead worker must bring the job down, not leave the rest blocked forever.
+
+When a peer dies, the survivors block inside a collective (or waiting on its results) with no
+Python error. The loop calls `beat(step)` as it makes progress; if no beat comes for
+`timeout_s` (compile is excluded: the watchdog is armed by the first beat), the process logs
+the stalled step, dumps every thread's Python stack to stderr and exits with EXIT_HANG.
+
+JAX may get there first: when its coordination service sees a peer's connection drop, it
+aborts the process from C++ (exit 134, "another task died"), where no Python code runs.
+faulthandler still dumps the Python stacks on that abort, and the watchdog thread waits
+inside a code object whose file name states the progress ("<podrunner: last completed step
+7, in step 8 (train)>"), so that dump names the stalled step too.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+
+from runtime.errors import EXIT_HANG
+
+log = logging.getLogger(__name__)
+
+
+def _labelled_wait(label: str):
+    """`Event.wait` called from a frame whose file name is `label` (shown in fatal stack dumps)."""
+    code = compile("stop.wait(timeout)", f"<podrunner: {label}>", "eval")
+    return lambda stop, timeout: eval(code, {"stop": stop, "timeout": timeout})
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._last = None  # (monotonic time, completed step, phase) of the latest beat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        faulthandler.enable(all_threads=True)  # Python stacks on fatal signals, JAX's abort included
+        if self.timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def beat(self, completed_step: int, phase: str = "train") -> None:
+        self._last = (time.monotonic(), completed_step, phase)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        label, wait = None, None
+        while True:
+            last = self._last
+            if last is not None and time.monotonic() - last[0] > self.timeout_s:
+                self._fire(*last)
+            new_label = "not started" if last is None else f"last completed step {last[1]}, in step {last[1] + 1} ({last[2]})"
+            if new_label != label:
+                label, wait = new_label, _labelled_wait(new_label)
+            if wait(self._stop, min(1.0, self.timeout_s / 4)):
+                return
+
+    def _fire(self, since: float, step: int, phase: str) -> None:
+        print(f"watchdog: no progress for {time.monotonic() - since:.0f}s (limit {self.timeout_s:.0f}s): "
+              f"step {step + 1} stalled ({phase}; last completed step {step}). A worker probably died or hangs; "
+              "dumping Python stacks and exiting", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_HANG)  # not sys.exit: the main thread is the one that is stuck
