@@ -21,27 +21,10 @@ from runtime.errors import UserError, one_line
 log = logging.getLogger(__name__)
 
 
-def check_bucket(url: str) -> None:
-    """A missing bucket is one line (Orbax/gcsfs would otherwise try to create it or fail deep inside)."""
-    from google.cloud import storage
-
-    bucket = url[len("gs://"):].split("/", 1)[0]
-    try:
-        exists = storage.Client().lookup_bucket(bucket) is not None
-    except Exception as e:
-        raise UserError(f"cannot reach gs://{bucket} ({one_line(e)[:200]}); check your credentials "
-                        "(gcloud auth application-default login) and network") from e
-    if not exists:
-        raise UserError(f"bucket gs://{bucket} does not exist; create it (gcloud storage buckets create gs://{bucket}) "
-                        "or point run.checkpoint.dir at an existing bucket")
-
-
 class Checkpoints:
     def __init__(self, directory: str, *, keep: int, async_save: bool):
         # Orbax wants absolute paths; a local relative path is taken from the working directory.
         self.directory = directory if "://" in directory else os.path.abspath(directory)
-        if directory.startswith("gs://"):
-            check_bucket(directory)
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -50,7 +33,7 @@ class Checkpoints:
             )
         except Exception as e:
             raise UserError(f"cannot open checkpoint directory {directory}: {one_line(e)[:300]}; check the path "
-                            "(and for gs:// that the bucket exists and you can write to it)") from e
+                            "(and for gs:// the bucket and your access to it)") from e
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

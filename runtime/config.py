@@ -251,6 +251,12 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def run_dirs(config: Config) -> tuple[str, str]:
+    """(output dir for metrics/W&B/manifest, checkpoint dir): <run.root>/<group>/<name>[/checkpoints]."""
+    output_dir = f"{config.run.root.rstrip('/')}/{config.run.group}/{config.run.name}"
+    return output_dir, config.run.checkpoint.dir or f"{output_dir}/checkpoints"
+
+
 def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int) -> Plan:
     """All derived numbers, with the checks that need the machine (before any compile)."""
     t = config.train
@@ -272,7 +278,7 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
             f"({t.global_batch_size}); lower train.global_batch_size or use a larger dataset"
         )
     total_steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * steps_per_epoch))
-    output_dir = f"{config.run.root.rstrip('/')}/{config.run.group}/{config.run.name}"
+    output_dir, checkpoint_dir = run_dirs(config)
     return Plan(
         num_processes=num_processes,
         num_devices=num_devices,
@@ -289,5 +295,5 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
         eval_every=t.eval_every or total_steps,
         checkpoint_every=t.checkpoint_every or total_steps,
         output_dir=output_dir,
-        checkpoint_dir=config.run.checkpoint.dir or f"{output_dir}/checkpoints",
+        checkpoint_dir=checkpoint_dir,
     )

@@ -22,11 +22,12 @@ from data_pipeline.puzzle_format import DatasetError, load_split
 from models import build_model
 from runtime import manifest as manifest_lib
 from runtime.checkpointing import Checkpoints
-from runtime.config import Config, Plan, derive, to_dict
+from runtime.config import Config, Plan, derive, run_dirs, to_dict
 from runtime.data_feed import BatchFeeder
 from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import EXIT_NONFINITE, UserError
 from runtime.metrics_sinks import MetricsSinks
+from runtime.preflight import preflight
 from runtime.perf import StepTimer, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
 from runtime.sharding import batch_sharding, describe, make_mesh
@@ -116,6 +117,8 @@ def run(config: Config) -> int:
     setup_logging(is_primary=True)
     info = initialize(config.distributed)
     setup_logging(info.is_primary)
+    output_dir, checkpoint_dir = run_dirs(config)
+    preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
     ensure_dataset(config, info)
     try:
         train_split = load_split(config.data.path, config.data.train_split)

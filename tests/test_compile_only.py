@@ -1,0 +1,124 @@
+"""compile_only=<topology>: the real train step compiled for a TPU slice on this CPU machine (libtpu's
+compile-only devices), its memory/FLOPs/collectives printed, exit 0 if it fits and 5 if not."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import run_pretrain
+from runtime.compile_only import collective_bytes, slice_shape, TOPOLOGIES
+from runtime.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR
+
+
+def compile_only(tmp_path, topology: str, *extra: str):
+    # generate_if_missing (the default data config) with no dataset: shapes come from the builder's constants.
+    return run_pretrain([f"compile_only={topology}", f"run.root={tmp_path}/runs", f"data.path={tmp_path}/data",
+                         *extra], check=False, timeout=180)
+
+
+def table(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"^  (\S+) +(.+)$", stdout, re.M))
+
+
+def to_bytes(text: str) -> float:
+    value, unit = re.match(r"([\d.]+) (GiB|MiB|KiB|B)\b", text).groups()
+    return float(value) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+
+
+def assert_one_line_error(proc, *needles: str) -> None:
+    assert proc.returncode == EXIT_USER_ERROR, (proc.returncode, proc.stderr[-3000:])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.rstrip().splitlines()[-1] == errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "compile_s" not in proc.stdout  # failed before compiling
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology,devices,hosts,hbm", [("v4-64", 32, 8, "30.75 GiB"), ("v5e-8", 8, 1, "15.75 GiB")])
+def test_default_config_fits(tmp_path, topology, devices, hosts, hbm):
+    proc = compile_only(tmp_path, topology)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    rows = table(proc.stdout)
+    assert rows["devices"] == str(devices)
+    assert rows["hosts"].startswith(f"{hosts} ({devices // hosts} chips each)")
+    assert rows["mesh"] == f"data={devices} fsdp=1 tensor=1"
+    for key in ("arguments", "outputs", "temporaries", "total"):
+        assert to_bytes(rows[key]) > 0, rows
+    assert 0 < to_bytes(rows["aliased"]) <= to_bytes(rows["arguments"])  # the state is donated
+    assert f"of {hbm} HBM" in rows["total"]
+    assert float(rows["flops_per_step"].split()[0]) > 0
+    ops, size = re.match(r"(\d+) ops, (.+) per chip", rows["all-reduce"]).groups()  # data parallel: gradient all-reduce
+    assert int(ops) >= 1 and to_bytes(size) > 0
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("fits: ")
+    assert not (tmp_path / "data").exists()  # nothing built, nothing read
+
+
+@pytest.mark.slow
+def test_oversize_model_does_not_fit(tmp_path):
+    # ~1.6e9 parameters replicated (data parallel): f32 params + Adam moments ~24 GiB per chip before activations.
+    proc = compile_only(tmp_path, "v5e-8", "arch.hidden=8192", "arch.layers=2", "arch.heads=64")
+    assert proc.returncode == EXIT_DOES_NOT_FIT, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    last = proc.stdout.rstrip().splitlines()[-1]
+    m = re.fullmatch(r"does not fit: ([\d.]+) GiB per chip > 15.75 GiB HBM of TPU v5e", last)
+    assert m and float(m.group(1)) > 15.75, last
+    assert to_bytes(table(proc.stdout)["arguments"]) > 20 * 2**30
+
+
+def test_mesh_that_does_not_match_topology(tmp_path):
+    assert_one_line_error(compile_only(tmp_path, "v5e-8", "mesh.data=3"), "3 devices, but this job has 8")
+
+
+def test_batch_that_does_not_divide_over_hosts(tmp_path):
+    # v5e-16 is 4 hosts x 4 chips; data=2 x tensor=8 puts 2 batch shards over 4 hosts.
+    proc = compile_only(tmp_path, "v5e-16", "mesh.data=2", "mesh.tensor=8", "train.global_batch_size=6")
+    assert_one_line_error(proc, "global_batch_size=6", "does not divide over 4 processes")
+
+
+@pytest.mark.parametrize("name", ["v5e-7", "v9-8", "tpu", "v4-6"])
+def test_unknown_topology(tmp_path, name):
+    assert_one_line_error(compile_only(tmp_path, name), f"compile_only={name} is not a known TPU topology",
+                          "v4-{8,16,32,64,", "v5e-{1,4,8,16,")
+
+
+def test_slice_shapes():
+    shapes = {n: slice_shape(TOPOLOGIES[n.split("-")[0]], int(n.split("-")[1]) // TOPOLOGIES[n.split("-")[0]].cores_per_name_unit)
+              for n in ("v4-8", "v4-32", "v4-64", "v4-128", "v5p-8", "v5e-1", "v5e-8", "v5e-32", "v6e-256")}
+    assert shapes == {"v4-8": [2, 2, 1], "v4-32": [2, 2, 4], "v4-64": [2, 4, 4], "v4-128": [4, 4, 4],
+                      "v5p-8": [2, 2, 1], "v5e-1": [1, 1], "v5e-8": [2, 4], "v5e-32": [4, 8], "v6e-256": [16, 16]}
+
+
+def test_collective_bytes_counts_each_channel_once():
+    hlo = """HloModule m
+
+%all-reduce-scatter.1 (input_0: f32[64,8]) -> f32[8,8] {
+  %input_0 = f32[64,8]{1,0} parameter(0)
+  %all-reduce.3 = f32[64,8]{1,0:T(8,128)} all-reduce(%input_0), channel_id=7, replica_groups={}, to_apply=%add
+}
+
+%fused_computation.1 (param_0.1: bf16[4,16]) -> bf16[32,16] {
+  %param_0.1 = bf16[4,16]{1,0} parameter(0)
+  ROOT %all-gather.1 = bf16[32,16]{1,0} all-gather(%param_0.1), channel_id=3, dimensions={0}
+}
+
+%async_collective_fusion.2 (param_0.2: bf16[4,16]) -> bf16[32,16] {
+  %param_0.2 = bf16[4,16]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[32,16]{1,0} all-gather(%param_0.2), channel_id=3, dimensions={0}
+}
+
+ENTRY %main.1 (p0: f32[128], p1: s32[2]) -> f32[128] {
+  %p0 = f32[128]{0} parameter(0)
+  %p1 = s32[2]{0} parameter(1)
+  %all-reduce.1 = (f32[128]{0:T(128)}, /*index=1*/s32[2]{0}) all-reduce(%p0, /*index=1*/%p1), channel_id=1, to_apply=%add
+  %collective-permute-start = (f32[128]{0}, f32[128]{0}, u32[], u32[]) collective-permute-start(%p0), channel_id=2
+  %collective-permute-done = f32[128]{0} collective-permute-done(%collective-permute-start)
+  ROOT %r = f32[128]{0} add(%p0, %collective-permute-done)
+}
+"""
+    assert collective_bytes(hlo) == {"all-reduce": (1, 128 * 4 + 2 * 4), "all-gather": (1, 32 * 16 * 2),
+                                     "reduce-scatter": (1, 64 * 8 * 4), "all-to-all": (0, 0),
+                                     "collective-permute": (1, 128 * 4)}
