@@ -102,10 +102,48 @@ if os.environ.get("GCS_EMULATOR_ATOMIC_WRITES", "1") == "1":
             f.write(content)
         os.replace(tmp, path)
     _st._FileStore.write_bytes = _atomic_write_bytes
-import runpy
+# x-goog-generation shim; must run before the server module builds its routes.
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv.pop(1))))  # this tests/ folder
 import gcs_emulator_patch
 gcs_emulator_patch.apply()
+import gcp_storage_emulator.server as _srv
+import http.server as _hs
+# Bigger accept queue: the server is single-threaded and tensorstore opens many
+# connections at once; with the default backlog of 5, SYNs get dropped and
+# curl waits a 1 s retransmit.
+_hs.HTTPServer.request_queue_size = 128
+_expect_100 = os.environ.get("GCS_EMULATOR_EXPECT_100", "1") == "1"
+_kill_pattern = [None]
+_orig_parse_request = _srv.RequestHandler.parse_request
+def _parse_request(self):
+    ok = _orig_parse_request(self)
+    if not ok:
+        return ok
+    import re, signal
+    from urllib.parse import parse_qs, unquote, urlparse
+    if self.path.startswith("/_emulator/arm_kill"):
+        # Test hook: SIGKILL this process when a later request's unquoted
+        # "path?query" matches the regex (deterministic mid-operation crash).
+        _kill_pattern[0] = parse_qs(urlparse(self.path).query).get("pattern", [None])[0]
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"OK")
+        return False
+    if _kill_pattern[0] and re.search(_kill_pattern[0], unquote(self.path)):
+        sys.stderr.write("[gcs_emulator] kill trigger matched %s %s\n" % (self.command, self.path))
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if (_expect_100 and self.request_version >= "HTTP/1.1"
+            and self.headers.get("Expect", "").lower() == "100-continue"):
+        # curl (tensorstore) sends "Expect: 100-continue" for bodies > 1 MiB.
+        # The emulator speaks HTTP/1.0, so http.server never answers it and
+        # curl stalls 1 s per upload before sending the body.
+        self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.wfile.flush()
+    return ok
+_srv.RequestHandler.parse_request = _parse_request
+import runpy
 sys.argv[0] = "gcp_storage_emulator"
 runpy.run_module("gcp_storage_emulator", run_name="__main__", alter_sys=True)
 """
@@ -322,6 +360,31 @@ class Emulator:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover
             raise EmulatorError(f"emulator pid {proc.pid} did not die after SIGKILL")
+
+    def arm_kill(self, pattern: str) -> None:
+        """Make the emulator SIGKILL itself on the first later request whose
+        unquoted ``path?query`` matches the regex ``pattern``, before answering
+        it. Deterministic "GCS died in the middle of this operation". Object
+        names appear in the URL for JSON-API GET/DELETE/PATCH and tensorstore
+        uploads (``...?uploadType=media&name=<object>``), but not for gcsfs
+        multipart uploads (name in the body). Call ``wait_exit()`` then
+        ``start()`` to bring it back."""
+        from urllib.parse import quote  # pylint: disable=import-outside-toplevel
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{self.url}/_emulator/arm_kill?pattern={quote(pattern)}", timeout=5) as r:
+            if r.status != 200:
+                raise EmulatorError(f"arm_kill -> HTTP {r.status}")
+
+    def wait_exit(self, timeout: float = 30.0) -> Optional[int]:
+        """Wait for the emulator process to exit on its own (e.g. ``arm_kill``);
+        returns its exit code (``-9`` for SIGKILL) and reaps it."""
+        proc = self._proc
+        if proc is None:
+            return None
+        rc = proc.wait(timeout=timeout)
+        self._kill()
+        return rc
 
     def _ping(self) -> bool:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
