@@ -32,15 +32,14 @@ register_schemas()
 
 
 def _exit(code: int) -> None:
-    """Exit with `code`. A failing process of a multi-process job leaves at once: a normal
-    exit would wait in JAX's shutdown barrier for peers that may never arrive."""
-    if code and "jax" in sys.modules:
-        import jax
-
-        if jax.distributed.is_initialized():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    """Exit with `code`. A failed run leaves at once (after its own cleanup, already done):
+    a normal exit would wait for background threads (Orbax/tensorstore retrying a dead
+    storage endpoint) and, in a multi-process job, in JAX's shutdown barrier for peers that
+    may never arrive."""
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -57,7 +56,7 @@ def _swept_values(hydra_cfg) -> str | None:
 
 def _user_error(e: UserError) -> None:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    _exit(EXIT_USER_ERROR)
+    _exit(e.exit_code)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

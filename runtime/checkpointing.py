@@ -16,7 +16,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from runtime.errors import UserError, one_line
+from runtime.errors import StorageError, UserError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ class Checkpoints:
             raise UserError(f"cannot open checkpoint directory {directory}: {one_line(e)[:300]}; check the path "
                             "(and for gs:// the bucket and your access to it)") from e
 
+        self._pending: int | None = None  # saved asynchronously, not yet known to be committed
+        self._confirmed: int | None = self.manager.latest_step()  # the newest step known to be committed
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
@@ -42,7 +45,21 @@ class Checkpoints:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        """Start an async save of `step` once the previous one is committed (Orbax waits
+        there anyway; waiting here tells which step a failure belongs to)."""
+        self.wait()
+        self._pending = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                           meta=ocp.args.JsonSave(meta)))
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def _failed(self, e: BaseException) -> StorageError:
+        last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
+        return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({one_line(e)[:200]}); "
+                            f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: restore "
+                            "storage access and relaunch the same command to resume")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -56,8 +73,13 @@ class Checkpoints:
                             f"({one_line(e)[:300]}); resume with the config that wrote it, or use a new run.name") from e
 
     def wait(self) -> None:
-        """Block until the in-flight async save is complete (raises if it failed)."""
-        self.manager.wait_until_finished()
+        """Block until the in-flight async save is committed (StorageError if it failed)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(e) from e
+        if self._pending is not None:
+            self._confirmed, self._pending = self._pending, None
 
     def close(self) -> None:
         self.manager.close()

@@ -1,22 +1,31 @@
-"""The one exception type for bad user input.
+"""Errors a user acts on, and the exit codes of pretrain_jax.py.
 
 Anything a user can fix (an override, a dataset path, a mesh, a coordinator, a bucket,
 a checkpoint) raises `UserError` with one line that names the problem and the fix.
-`pretrain_jax.py` prints it as `error: ...` and exits with `EXIT_USER_ERROR`, before
-any long compile.
+`pretrain_jax.py` prints it as `error: ...` and exits with its `exit_code` (2 for bad input,
+found before any long compile; 6 for a storage failure during the run).
 """
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_HANG = 4
 EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in the chips' HBM
+EXIT_STORAGE = 6  # a checkpoint could not be written (outage, permissions) during the run
 
 
 class UserError(Exception):
     """Bad input the user can fix; the message is one line naming the fix."""
 
+    exit_code = EXIT_USER_ERROR
+
     def __init__(self, message: str):
         super().__init__(" ".join(message.split()))
+
+
+class StorageError(UserError):
+    """A checkpoint save failed mid-run; the message names the last complete step."""
+
+    exit_code = EXIT_STORAGE
 
 
 def one_line(exc: BaseException) -> str:

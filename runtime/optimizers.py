@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -61,15 +62,14 @@ def adam_atan2(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float
         tf = t.astype(jnp.float32)
         step_size = lr / (1.0 - jnp.power(b1, tf))
         bc2_sqrt = jnp.sqrt(1.0 - jnp.power(b2, tf))
-        decay = 1.0 - lr * weight_decay
+        decay_rate = lr * weight_decay
         mu = jax.tree.map(lambda m, g: m + (1.0 - b1) * (g.astype(m.dtype) - m), state.mu, grads)
         nu = jax.tree.map(lambda v, g: v + (1.0 - b2) * (jnp.square(g.astype(v.dtype)) - v), state.nu, grads)
 
-        def new_minus_old(p, m, v):
-            new = p * decay - step_size * jnp.arctan2(m, jnp.sqrt(v) / bc2_sqrt)
-            return (new - p).astype(p.dtype)
+        def delta(p, m, v):  # new - p, formed directly (no cancellation)
+            return (-decay_rate * p - step_size * jnp.arctan2(m, jnp.sqrt(v) / bc2_sqrt)).astype(p.dtype)
 
-        updates = jax.tree.map(new_minus_old, params, mu, nu)
+        updates = jax.tree.map(delta, params, mu, nu)
         return updates, AdamATan2State(count=t, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init, update)
@@ -100,11 +100,16 @@ def scatter_row_grads(num_rows: int, ids: jax.Array, row_grads: jax.Array) -> ja
     return out.at[ids.reshape(-1).astype(jnp.int32)].add(row_grads, mode="drop")
 
 
+def sign_sgd_delta(table: jax.Array, grad: jax.Array, ids: jax.Array, lr, weight_decay: float) -> jax.Array:
+    """Update (new - old): ``-lr wd p - lr sign(g)`` on touched rows, exactly 0 elsewhere."""
+    touched = touched_rows(table.shape[0], ids).reshape((-1,) + (1,) * (table.ndim - 1))
+    delta = -(lr * weight_decay) * table - lr * jnp.sign(grad.astype(table.dtype))
+    return jnp.where(touched, delta, jnp.zeros_like(table)).astype(table.dtype)
+
+
 def sign_sgd_rows(table: jax.Array, grad: jax.Array, ids: jax.Array, lr, weight_decay: float) -> jax.Array:
     """New table: touched rows get ``p (1 - lr wd) - lr sign(g)``, the others are unchanged."""
-    touched = touched_rows(table.shape[0], ids).reshape((-1,) + (1,) * (table.ndim - 1))
-    stepped = table * (1.0 - lr * weight_decay) - lr * jnp.sign(grad.astype(table.dtype))
-    return jnp.where(touched, stepped, table)
+    return table + sign_sgd_delta(table, grad, ids, lr, weight_decay)
 
 
 def sparse_sign_sgd(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.1
@@ -123,9 +128,7 @@ def sparse_sign_sgd(learning_rate: optax.ScalarOrSchedule, weight_decay: float =
         if params is None or puzzle_identifiers is None:
             raise ValueError("sparse_sign_sgd needs params and puzzle_identifiers=")
         lr = _lr_at(learning_rate, state.count)
-        updates = jax.tree.map(
-            lambda p, g: (sign_sgd_rows(p, g, puzzle_identifiers, lr, weight_decay) - p).astype(p.dtype),
-            params, grads)
+        updates = jax.tree.map(lambda p, g: sign_sgd_delta(p, g, puzzle_identifiers, lr, weight_decay), params, grads)
         return updates, SignSGDState(count=state.count + 1)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -139,9 +142,14 @@ def _top_key(path) -> Any:
 
 
 def param_labels(params: Any) -> Any:
-    """'puzzle_emb' for the puzzle table, 'main' for everything else (same tree structure)."""
+    """'puzzle_emb' for the puzzle table, 'main' for everything else.
+
+    Logical-axis boxes (flax ``AxisMetadata``) count as leaves, so the labels are a prefix of
+    a boxed tree: masked-out optimizer state is then a bare ``MaskedNode`` (no box around it,
+    which the sharding rules could not map).
+    """
     return jax.tree_util.tree_map_with_path(lambda path, _: PUZZLE_EMB if _top_key(path) == PUZZLE_EMB else "main",
-                                            params)
+                                            params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def recursive_optimizer(main: optax.GradientTransformation, puzzle_lr: optax.ScalarOrSchedule,

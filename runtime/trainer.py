@@ -162,20 +162,29 @@ def run(config: Config) -> int:
     try:
         exit_code, status, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position,
                                               run_id, config_dict, seq_len=train_meta.seq_len)
+        ckpt.wait()  # the run is done only when its last checkpoint is committed
         return exit_code
-    finally:
+    except UserError as e:
+        status, exit_code = "failed", e.exit_code
+        raise
+    finally:  # record how it ended; never let a second failure here hide the first
         feeder.close()
-        try:
-            ckpt.wait()
-        finally:
-            ckpt.close()
+        _best_effort(ckpt.close, "closing the checkpoint manager")
         if info.is_primary:
             manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
-            paths = manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
+            paths = manifest_lib.write(manifest, plan.output_dir)
+            _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
             sinks.save_file(paths[0])
             if final:
                 sinks.set_summary(final)
         sinks.close(exit_code)
+
+
+def _best_effort(action, what: str) -> None:
+    try:
+        action()
+    except Exception as e:
+        log.warning("%s failed: %s", what, " ".join(str(e).split())[:300])
 
 
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,

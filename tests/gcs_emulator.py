@@ -18,6 +18,14 @@ Typical use::
 
 Child processes: ``subprocess.Popen(..., env=emu.child_env())``.
 
+Also: ``emu.arm_kill(regex)`` (emulator SIGKILLs itself on the first matching
+request: a deterministic crash in the middle of an operation; then
+``emu.wait_exit()`` / ``emu.start()``), ``shorten_client_retries()`` (test-only:
+long outages fail in ~1 s instead of 30 s-15 min), ``reset_gcs_client_caches()``
+and ``gcs_emulator_fixture()``. The launcher patches the emulator for crash-safe
+writes, ``Expect: 100-continue`` and a larger accept queue, and applies
+``gcs_emulator_patch`` (x-goog-generation); see docs/notes_gcs_emulator.md.
+
 Environment (see ``docs/notes_gcs_emulator.md`` for the reasons):
 
 * ``STORAGE_EMULATOR_HOST``: google-cloud-storage (-> AnonymousCredentials,
@@ -60,6 +68,7 @@ __all__ = [
     "free_port",
     "gcs_emulator_fixture",
     "reset_gcs_client_caches",
+    "shorten_client_retries",
     "start_gcs_emulator",
 ]
 
@@ -193,6 +202,63 @@ def reset_gcs_client_caches() -> None:
     mod = sys.modules.get("orbax.checkpoint._src.path.gcs_utils")
     if mod is not None and hasattr(mod.get_bucket, "cache_clear"):
         mod.get_bucket.cache_clear()
+
+
+@contextlib.contextmanager
+def shorten_client_retries(
+    *,
+    gcsfs_backoff_scale: float = 0.01,
+    tensorstore_max_retries: int = 2,
+    orbax_signal_timeout_secs: int = 3,
+) -> Iterator[None]:
+    """Test-only: make a long GCS outage fail in about a second, not minutes.
+
+    Defaults (what production sees) and what this changes:
+
+    * gcsfs: 6 attempts, sleeps ~1+2+4+8+16 s (+jitter) -> a request fails
+      after ~31-36 s of outage. The attempt count is baked into a decorator,
+      so the backoff *sleeps* are scaled by ``gcsfs_backoff_scale`` instead.
+    * tensorstore ``gcs`` kvstore (Orbax array data): ``gcs_request_retries``
+      context resource, default 32 attempts, 1 s doubling to 32 s (~15 min).
+      Set via Orbax's module-level TensorStore context dicts (private API).
+    * Orbax: helper threads of an async save wait for the "directory created"
+      signal for ``multihost.coordination_timeout()`` = 300 s; if directory
+      creation failed they linger (non-daemon) and delay interpreter exit.
+
+    Patches apply to saves *started* inside the ``with`` block.
+    """
+    import gcsfs.retry as gretry  # pylint: disable=import-outside-toplevel
+    from orbax.checkpoint._src.multihost import multihost  # pylint: disable=import-outside-toplevel
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu  # pylint: disable=import-outside-toplevel
+
+    real_asyncio = gretry.asyncio
+
+    class _ScaledAsyncio:
+        def __getattr__(self, name):
+            return getattr(real_asyncio, name)
+
+        @staticmethod
+        async def sleep(delay, *args, **kwargs):
+            return await real_asyncio.sleep(delay * gcsfs_backoff_scale, *args, **kwargs)
+
+    retries = {"max_retries": tensorstore_max_retries, "initial_delay": "20ms", "max_delay": "100ms"}
+    ctx_dicts = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]  # noqa: SLF001
+    saved_ctx = [d.get("gcs_request_retries") for d in ctx_dicts]
+    saved_timeout = multihost._DEFAULT_BARRIER_TIMEOUT  # noqa: SLF001
+    gretry.asyncio = _ScaledAsyncio()
+    for d in ctx_dicts:
+        d["gcs_request_retries"] = retries
+    multihost._DEFAULT_BARRIER_TIMEOUT = orbax_signal_timeout_secs  # noqa: SLF001
+    try:
+        yield
+    finally:
+        gretry.asyncio = real_asyncio
+        for d, old in zip(ctx_dicts, saved_ctx):
+            if old is None:
+                d.pop("gcs_request_retries", None)
+            else:
+                d["gcs_request_retries"] = old
+        multihost._DEFAULT_BARRIER_TIMEOUT = saved_timeout  # noqa: SLF001
 
 
 class Emulator:

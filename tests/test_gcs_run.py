@@ -3,8 +3,10 @@ google-cloud-storage, gcsfs and tensorstore all talk HTTP to it)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,3 +59,41 @@ def test_missing_bucket_is_one_line(sudoku_dir, tmp_path, emulator):
     proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://no-such-bucket/x"],
                         env=emulator.child_env(child_env(8)), check=False)
     assert_one_line_error(proc, "gs://no-such-bucket does not exist", "gcloud storage buckets create")
+
+
+def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator):
+    """Kill the storage endpoint while saves are in flight: the run fails with one clear line,
+    the cut-off step is never resumed from, and once storage is back the run resumes from the
+    last complete step with the same losses as an uninterrupted run."""
+    steps, common = 60, ["train.checkpoint_every=5", "run.checkpoint.keep=10"]
+    run_pretrain(base_overrides(sudoku_dir, tmp_path / "local", steps=steps) + common)
+    reference = train_losses(tmp_path / "local" / "test" / "t")
+
+    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + common + ["run.checkpoint.dir=gs://pod-runs/o/t"]
+    env = emulator.child_env(child_env(8))
+    proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    on_disk = emulator.storage_dir / "pod-runs" / "o" / "t"  # the emulator keeps objects as files
+    deadline = time.monotonic() + 240
+    while not list(on_disk.glob("*/commit_success.txt")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    emulator.stop()  # outage, with the next async save about to start or under way
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 6, stderr[-3000:]
+    error = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "checkpoint save of step" in error[0] and "last complete checkpoint" in error[0], stderr[-3000:]
+
+    complete = sorted(int(p.parent.name) for p in on_disk.glob("*/commit_success.txt"))
+    named = re.search(r"the last complete checkpoint: step (\d+)", error[0])
+    # The step the run knew to be complete; a commit racing the outage may have completed one more.
+    assert named and int(named.group(1)) in complete, (complete, error)
+
+    emulator.start()  # storage is back: resume from the newest complete step, never the cut-off one
+    resumed = run_pretrain(gcs, env=env)
+    start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
+    assert start == complete[-1]
+    out = tmp_path / "gcs" / "test" / "t"
+    losses = {s: v for s, v in train_losses(out).items() if s > start}
+    assert sorted(losses) == list(range(start + 1, steps + 1))
+    assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-6, abs=1e-7)

@@ -15,22 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.recursive_reasoning import (HRM, HRMConfig, TRM, InnerCarry, TRMConfig, act_loss, act_step,
+from models.recursive_reasoning import (HRM, HRMConfig, TRM, InnerCarry, TRMConfig, act_evaluate, act_loss, act_step,
                                         compile_seconds, dummy_batch, init_params, initial_carry, initial_states)
-from models.recursive_reasoning.layers import (Attention, Block, ReasoningNet, apply_rope, count_params, rms_norm,
-                                               rope_cos_sin, swiglu_width)
+from models.recursive_reasoning.layers import Block, apply_rope, count_params, rms_norm, rope_cos_sin, swiglu_width
 
 VOCAB, SEQ, PUZZLES = 11, 9, 5
 
 
 def small_trm(**kw) -> TRMConfig:
-    base = dict(hidden=32, heads=4, H_cycles=3, L_cycles=2, puzzle_emb_ndim=32, puzzle_emb_len=2,
-                forward_dtype="float32", halt_max_steps=4)
+    base = dict(hidden=32, heads=4, L_layers=1, H_cycles=3, L_cycles=2, puzzle_emb_ndim=32, puzzle_emb_len=2,
+                forward_dtype="float32", halt_max_steps=4, halt_exploration_prob=0.0)
     return TRMConfig(**(base | kw))
 
 
 def small_hrm(**kw) -> HRMConfig:
-    base = dict(hidden=32, heads=4, H_layers=2, L_layers=2, puzzle_emb_ndim=32, forward_dtype="float32",
+    base = dict(hidden=32, heads=4, H_layers=1, L_layers=1, puzzle_emb_ndim=32, forward_dtype="float32",
                 halt_max_steps=4)
     return HRMConfig(**(base | kw))
 
@@ -42,15 +41,25 @@ def make_batch(b=4, seed=0):
     return {"inputs": inputs, "labels": labels, "puzzle_identifiers": jnp.arange(b, dtype=jnp.int32) % PUZZLES}
 
 
+_BUILT: dict = {}
+_STEPS: dict = {}
+
+
 def build(model_cls, cfg, batch, seed=0):
-    model = model_cls(cfg, vocab_size=VOCAB, seq_len=SEQ, num_puzzle_identifiers=PUZZLES)
-    init = jax.jit(lambda r: nn.meta.unbox(init_params(model, r, batch)))
-    return model, init(jax.random.key(seed))
+    """(model, unboxed params); the same config returns the same objects (shared jit caches)."""
+    key = (model_cls.__name__, repr(cfg), batch["inputs"].shape, seed)
+    if key not in _BUILT:
+        model = model_cls(cfg, vocab_size=VOCAB, seq_len=SEQ, num_puzzle_identifiers=PUZZLES)
+        init = jax.jit(lambda r: nn.meta.unbox(init_params(model, r, batch)))
+        _BUILT[key] = model, init(jax.random.key(seed))
+    return _BUILT[key]
 
 
 def jit_step(model):
-    """act_step bound to `model`, jitted (training is static)."""
-    return jax.jit(functools.partial(act_step, model), static_argnames=("training",))
+    """act_step bound to `model`, jitted (training is static), cached per model object."""
+    if id(model) not in _STEPS:
+        _STEPS[id(model)] = (model, jax.jit(functools.partial(act_step, model), static_argnames=("training",)))
+    return _STEPS[id(model)][1]
 
 
 def jit_apply(model):
@@ -110,11 +119,12 @@ def test_trm_shapes_and_init():
     assert not params["q_head_kernel"].any()
     np.testing.assert_array_equal(params["q_head_bias"], [-5.0, -5.0])
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    carry, logits, q_halt, q_cont = jax.jit(lambda p: model.apply({"params": p}, batch))(params)
-    assert logits.shape == (4, SEQ, VOCAB) and logits.dtype == jnp.float32
-    assert q_halt.shape == q_cont.shape == (4,)
-    np.testing.assert_allclose(q_halt, -5.0)  # zero kernel, bias -5
-    assert carry.z_H.shape == carry.z_L.shape == (4, 2 + SEQ, 32)
+    carry, out = jit_step(model)(params, initial_carry(model, batch), batch, None, training=False)
+    assert out["logits"].shape == (4, SEQ, VOCAB) and out["logits"].dtype == jnp.float32
+    assert out["q_halt_logits"].shape == out["q_continue_logits"].shape == (4,)
+    np.testing.assert_allclose(out["q_halt_logits"], -5.0)  # zero kernel, bias -5
+    assert carry.inner.z_H.shape == carry.inner.z_L.shape == (4, 2 + SEQ, 32)
+    assert "target_q_continue" not in out
     # the boxed params carry logical axis names
     boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0), batch))
     assert boxed["puzzle_emb"].names == ("puzzle", "embed")
@@ -136,25 +146,31 @@ def test_truncated_normal_init_std():
     assert not jnp.allclose(h, l)
 
 
-@pytest.mark.parametrize("pos,mlp_t", [("rope", False), ("learned", False), ("none", False), ("none", True),
-                                       ("learned", True)])
-def test_trm_variants_run(pos, mlp_t):
+@pytest.mark.parametrize("pos,mlp_t,dtype", [("learned", True, "float32"), ("none", False, "float16")])
+def test_trm_variants_run(pos, mlp_t, dtype):
     batch = make_batch()
-    model, params = build(TRM, small_trm(pos_encodings=pos, mlp_t=mlp_t), batch)
+    model, params = build(TRM, small_trm(pos_encodings=pos, mlp_t=mlp_t, forward_dtype=dtype), batch)
     assert ("pos_embed" in params) == (pos == "learned")
     carry, out = jit_step(model)(params, initial_carry(model, batch), batch, jax.random.key(1), training=True)
+    assert carry.inner.z_H.dtype == jnp.dtype(dtype)
     assert all(bool(jnp.isfinite(v).all()) for v in out.values())
+    assert "target_q_continue" not in out  # TRM default no_ACT_continue: no Q-continue target
+    # (rope + attention: test_bf16_forward_with_fp32_params and the gradient test)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_low_precision_forward_with_fp32_params(dtype):
+def test_bf16_forward_with_fp32_params():
+    dtype = "bfloat16"
     batch = make_batch()
     model, params = build(TRM, small_trm(forward_dtype=dtype, mlp_t=False, pos_encodings="rope"), batch)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
-    carry, out = jit_step(model)(params, initial_carry(model, batch), batch, jax.random.key(1), training=True)
+
+    def f(p):
+        carry, out = act_step(model, p, initial_carry(model, batch), batch, None, False)
+        return out["logits"].sum(), (carry, out)
+
+    grads, (carry, out) = jax.jit(jax.grad(f, has_aux=True))(params)
     assert carry.inner.z_H.dtype == jnp.dtype(dtype)
     assert out["logits"].dtype == jnp.float32 and bool(jnp.isfinite(out["logits"]).all())
-    grads = jax.jit(jax.grad(lambda p: act_step(model, p, initial_carry(model, batch), batch, None, False)[1]["logits"].sum()))(params)
     assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
 
 
@@ -166,12 +182,11 @@ def _loss(model, params, batch, carry):
     return (logits ** 2).mean() + q_halt.sum()
 
 
-@pytest.mark.parametrize("mlp_t", [False, True])
-def test_trm_gradient_only_through_last_cycle(mlp_t):
+def test_trm_gradient_only_through_last_cycle():
     """H_cycles=3 from carry c == H_cycles=1 from c' = (2 cycles of c): same outputs and same
     parameter gradients, and no gradient reaches the incoming carry."""
     batch = make_batch()
-    cfg3 = small_trm(mlp_t=mlp_t, pos_encodings="rope", H_cycles=3, L_cycles=2)
+    cfg3 = small_trm(mlp_t=False, pos_encodings="rope", H_cycles=3, L_cycles=2)
     model3, params = build(TRM, cfg3, batch)
     model2 = TRM(dataclasses.replace(cfg3, H_cycles=2), VOCAB, SEQ, PUZZLES)
     model1 = TRM(dataclasses.replace(cfg3, H_cycles=1), VOCAB, SEQ, PUZZLES)
@@ -179,22 +194,22 @@ def test_trm_gradient_only_through_last_cycle(mlp_t):
     c = InnerCarry(z_H=h, z_L=l)
     c_after2 = jit_apply(model2)(params, batch, c)[0]  # 2 full cycles
 
-    g3 = jax.jit(jax.grad(lambda p: _loss(model3, p, batch, c)))(params)
-    g1 = jax.jit(jax.grad(lambda p: _loss(model1, p, batch, c_after2)))(params)
+    def grads(model, cc):
+        """loss, d loss/d params, d loss/d carry, d (returned carry)/d params."""
+        loss, (gp, gc) = jax.value_and_grad(lambda p, c_: _loss(model, p, batch, c_), argnums=(0, 1))(params, cc)
+        gout = jax.grad(lambda p: model.apply({"params": p}, batch, cc)[0].z_H.sum())(params)
+        return loss, gp, gc, gout
+
+    loss3, g3, gc3, gout = jax.jit(lambda cc: grads(model3, cc))(c)
+    loss1, g1, gc1, _ = jax.jit(lambda cc: grads(model1, cc))(c_after2)
     for a, b in zip(jax.tree.leaves(g3), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=5e-5)
-    np.testing.assert_allclose(jax.jit(lambda p: _loss(model3, p, batch, c))(params),
-                               jax.jit(lambda p: _loss(model1, p, batch, c_after2))(params), rtol=1e-5)
+    np.testing.assert_allclose(loss3, loss1, rtol=1e-5)
     assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g1["L_level"]))
-
     # the incoming carry gets no gradient when H_cycles > 1 (it does with a single cycle)
-    gc3 = jax.jit(jax.grad(lambda cc: _loss(model3, params, batch, cc)))(c)
-    gc1 = jax.jit(jax.grad(lambda cc: _loss(model1, params, batch, cc)))(c)
     assert not any(bool(x.any()) for x in jax.tree.leaves(gc3))
     assert any(bool(x.any()) for x in jax.tree.leaves(gc1))
-
     # the returned carry is detached
-    gout = jax.jit(jax.grad(lambda p: model3.apply({"params": p}, batch, c)[0].z_H.sum()))(params)
     assert not any(bool(x.any()) for x in jax.tree.leaves(gout))
 
 
@@ -209,13 +224,17 @@ def test_hrm_one_step_gradient():
     m_last = m_prefix
     h, l = jax.random.normal(jax.random.key(3), (2, 4, 1 + SEQ, 32))
     c = InnerCarry(z_H=h, z_L=l)
-    c_prefix = jit_apply(m_prefix)(params, batch, c)[0]
-    g = jax.jit(jax.grad(lambda p: _loss(model, p, batch, c)))(params)
-    g_last = jax.jit(jax.grad(lambda p: _loss(m_last, p, batch, c_prefix)))(params)
+    g, gc = jax.jit(jax.grad(lambda p, cc: _loss(model, p, batch, cc), argnums=(0, 1)))(params, c)
+
+    @jax.jit
+    def grad_last(p, cc):
+        c_prefix = m_prefix.apply({"params": p}, batch, cc)[0]
+        return jax.grad(lambda pp: _loss(m_last, pp, batch, c_prefix))(p)
+
+    g_last = grad_last(params, c)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_last)):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=5e-5)
     assert any(bool(x.any()) for x in jax.tree.leaves(g["H_level"]))
-    gc = jax.jit(jax.grad(lambda cc: _loss(model, params, batch, cc)))(c)
     assert not any(bool(x.any()) for x in jax.tree.leaves(gc))
 
 
@@ -252,11 +271,16 @@ def test_act_eval_runs_exactly_max_steps():
     params = set_q_bias(params, 5.0, -5.0)  # q_halt > 0: training would halt at once; eval must not
     carry, run = initial_carry(model, batch), jit_step(model)
     for step in range(1, 5):
-        carry, _ = run(params, carry, batch, None, training=False)
+        carry, last_out = run(params, carry, batch, None, training=False)
         np.testing.assert_array_equal(carry.steps, step)
         assert bool(carry.halted.all()) == (step == 4)
     carry, _ = run(params, carry, batch, None, training=False)  # everything restarts
     np.testing.assert_array_equal(carry.steps, 1)
+    # act_evaluate: the same halt_max_steps steps as one compiled loop
+    ev_carry, ev_out = jax.jit(lambda p, b: act_evaluate(model, p, b))(params, batch)
+    np.testing.assert_array_equal(ev_carry.steps, 4)
+    assert bool(ev_carry.halted.all())
+    np.testing.assert_allclose(ev_out["logits"], last_out["logits"], rtol=1e-5, atol=1e-5)
 
 
 def _halting_steps(model, params, batch, rng, n_calls):
@@ -269,21 +293,21 @@ def _halting_steps(model, params, batch, rng, n_calls):
 
 
 def test_act_training_halting_and_exploration():
-    batch = make_batch(b=64)
+    batch = make_batch()
     # q_halt > 0 everywhere, no exploration: every row halts after one step (no_ACT_continue)
-    model, params = build(TRM, small_trm(halt_max_steps=6, halt_exploration_prob=0.0), batch)
+    model, params = build(TRM, small_trm(), batch)  # halt_max_steps 4
     halts = _halting_steps(model, set_q_bias(params, 5.0, -5.0), batch, jax.random.key(0), 3)
-    assert set(halts) == {1} and len(halts) == 3 * 64
+    assert set(halts) == {1} and len(halts) == 3 * 4
     # q_halt < 0: rows run to halt_max_steps
-    halts = _halting_steps(model, params, batch, jax.random.key(0), 6)
-    assert set(halts) == {6} and len(halts) == 64
-    # exploration with probability 1: each row halts at its min_halt ~ U{2..6}
-    model_x = TRM(dataclasses.replace(model.cfg, halt_exploration_prob=1.0), VOCAB, SEQ, PUZZLES)
-    halts = _halting_steps(model_x, set_q_bias(params, 5.0, -5.0), batch, jax.random.key(0), 6)
-    assert set(halts) <= {2, 3, 4, 5, 6} and len(set(halts)) >= 4
+    halts = _halting_steps(model, params, batch, jax.random.key(0), 4)
+    assert set(halts) == {4} and len(halts) == 4
+    # exploration with probability 1: each row halts exactly at its min_halt ~ U{2..4}
+    model_x, _ = build(TRM, small_trm(halt_exploration_prob=1.0), batch)
+    halts = _halting_steps(model_x, set_q_bias(params, 5.0, -5.0), batch, jax.random.key(0), 12)
+    assert set(halts) == {2, 3, 4}
     # eval ignores exploration and q
     carry, run = initial_carry(model_x, batch), jit_step(model_x)
-    for _ in range(5):
+    for _ in range(3):
         carry, _ = run(set_q_bias(params, 5.0, -5.0), carry, batch, jax.random.key(1), training=False)
         assert not bool(carry.halted.any())
 
@@ -306,13 +330,8 @@ def test_act_hrm_halting_and_bootstrap_target():
         carry, out = run(p, carry, batch, None, training=True)
     assert bool(carry.halted.all())
     np.testing.assert_allclose(out["target_q_continue"], jax.nn.sigmoid(-2.0), rtol=1e-4)
-    # and the whole loss is differentiable
-    total, sums = act_loss(out, carry.current_data["labels"], carry.halted, carry.steps)
+    total, sums = jax.jit(act_loss)(out, carry.current_data["labels"], carry.halted, carry.steps)
     assert float(sums["q_continue_loss"]) > 0 and bool(jnp.isfinite(total))
-    # TRM no_ACT_continue produces no target
-    tm, tp = build(TRM, small_trm(), batch)
-    out = jit_step(tm)(tp, initial_carry(tm, batch), batch, jax.random.key(0), training=True)[1]
-    assert "target_q_continue" not in out
 
 
 def test_act_step_jits_and_trains():
@@ -339,20 +358,21 @@ def test_act_step_jits_and_trains():
 def test_rope_preserves_norms_and_is_relative():
     head_dim, length = 16, 12
     cos, sin = rope_cos_sin(length, head_dim, 10000.0)
+    rope = jax.jit(apply_rope)
     x = jax.random.normal(jax.random.key(0), (2, length, 3, head_dim))
-    y = apply_rope(x, cos, sin)
+    y = rope(x, cos, sin)
     np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
     np.testing.assert_allclose(y[:, 0], x[:, 0], rtol=1e-6)  # position 0 is unrotated
     # <R_m q, R_n k> depends only on m - n
     q, k = jax.random.normal(jax.random.key(1), (2, head_dim))
-    rq = apply_rope(jnp.broadcast_to(q, (1, length, 1, head_dim)), cos, sin)[0, :, 0]
-    rk = apply_rope(jnp.broadcast_to(k, (1, length, 1, head_dim)), cos, sin)[0, :, 0]
+    rq = rope(jnp.broadcast_to(q, (1, length, 1, head_dim)), cos, sin)[0, :, 0]
+    rk = rope(jnp.broadcast_to(k, (1, length, 1, head_dim)), cos, sin)[0, :, 0]
     np.testing.assert_allclose(rq[5] @ rk[2], rq[9] @ rk[6], rtol=1e-4)
 
 
 def test_rms_norm_no_gain_fp32():
     x = (jax.random.normal(jax.random.key(0), (3, 7, 16)) * 5).astype(jnp.bfloat16)
-    y = rms_norm(x)
+    y = jax.jit(rms_norm)(x)
     assert y.dtype == jnp.bfloat16
     want = x.astype(jnp.float32) / jnp.sqrt((x.astype(jnp.float32) ** 2).mean(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(y.astype(jnp.float32), want, rtol=1e-2)
@@ -371,12 +391,17 @@ def test_mlp_t_block_normalises_over_sequence_axis():
     b, length, d = 2, 7, 16
     blk = Block(hidden=d, heads=2, expansion=4, total_len=length, mlp_t=True, dtype=jnp.float32)
     h = jax.random.normal(jax.random.key(0), (b, length, d))
-    p = nn.meta.unbox(blk.init(jax.random.key(1), h)["params"])
+    p = jax.jit(lambda r: nn.meta.unbox(blk.init(r, h)["params"]))(jax.random.key(1))
     assert p["mlp_t"]["gate_up"].shape == (length, 2, 256)
-    ht = jnp.swapaxes(h, 1, 2)
-    h1 = jnp.swapaxes(_rms(ht + _swiglu_ref(p["mlp_t"], ht), axis=-1), 1, 2)  # over L on [B, D, L]
-    want = _rms(h1 + _swiglu_ref(p["mlp"], h1), axis=-1)
-    np.testing.assert_allclose(blk.apply({"params": p}, h), want, rtol=1e-4, atol=1e-5)
+
+    @jax.jit
+    def manual(p, h):
+        ht = jnp.swapaxes(h, 1, 2)
+        h1 = jnp.swapaxes(_rms(ht + _swiglu_ref(p["mlp_t"], ht), axis=-1), 1, 2)  # over L on [B, D, L]
+        return _rms(h1 + _swiglu_ref(p["mlp"], h1), axis=-1)
+
+    got = jax.jit(lambda p, h: blk.apply({"params": p}, h))(p, h)
+    np.testing.assert_allclose(got, manual(p, h), rtol=1e-4, atol=1e-5)
 
 
 def test_attention_block_matches_manual():
@@ -384,23 +409,29 @@ def test_attention_block_matches_manual():
     cs = rope_cos_sin(length, d // heads)
     blk = Block(hidden=d, heads=heads, expansion=2, total_len=length, mlp_t=False, dtype=jnp.float32)
     h = jax.random.normal(jax.random.key(0), (b, length, d))
-    p = nn.meta.unbox(blk.init(jax.random.key(1), h, cs)["params"])
-    q, k, v = jnp.einsum("bld,dthk->tblhk", h, p["attn"]["qkv"])
-    q, k = apply_rope(q, *cs), apply_rope(k, *cs)
-    att = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(d // heads), -1)  # no causal mask
-    y = jnp.einsum("blhk,hkd->bld", jnp.einsum("bhqs,bshk->bqhk", att, v), p["attn"]["out"])
-    h1 = _rms(h + y, -1)
-    want = _rms(h1 + _swiglu_ref(p["mlp"], h1), -1)
-    np.testing.assert_allclose(blk.apply({"params": p}, h, cs), want, rtol=1e-4, atol=1e-5)
+    p = jax.jit(lambda r: nn.meta.unbox(blk.init(r, h, cs)["params"]))(jax.random.key(1))
+
+    @jax.jit
+    def manual(p, h):
+        q, k, v = jnp.einsum("bld,dthk->tblhk", h, p["attn"]["qkv"])
+        q, k = apply_rope(q, *cs), apply_rope(k, *cs)
+        att = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(d // heads), -1)  # no causal mask
+        y = jnp.einsum("blhk,hkd->bld", jnp.einsum("bhqs,bshk->bqhk", att, v), p["attn"]["out"])
+        h1 = _rms(h + y, -1)
+        return _rms(h1 + _swiglu_ref(p["mlp"], h1), -1)
+
+    got = jax.jit(lambda p, h: blk.apply({"params": p}, h, cs))(p, h)
+    np.testing.assert_allclose(got, manual(p, h), rtol=1e-4, atol=1e-5)
     assert set(p) == {"attn", "mlp"} and set(p["attn"]) == {"qkv", "out"}  # no biases, no norm gains
 
 
 def test_compile_time_is_flat_in_cycles_report():
-    """Diagnostic (not asserted on timings): the recursion is a loop traced once, so the lowered
-    program has the same size for L_cycles 2 and 12. Timings are printed for the report."""
+    """Diagnostic: the recursion is a loop traced once, so the lowered train step has the same
+    size for L_cycles 2 and 12 (asserted) and flat compile time (`compile_seconds(...)`; the
+    timings are not asserted and not compiled here, to keep the test fast)."""
     res = {}
     for l_cycles in (2, 12):
         model = TRM(small_trm(L_cycles=l_cycles, mlp_t=False, pos_encodings="rope"), VOCAB, SEQ, PUZZLES)
-        res[l_cycles] = compile_seconds(model, batch_size=4)
+        res[l_cycles] = compile_seconds(model, batch_size=4, compile=False)
         print(f"TRM L_cycles={l_cycles}: {res[l_cycles]}")
     assert res[2]["stablehlo_lines"] == res[12]["stablehlo_lines"]

@@ -96,12 +96,24 @@ def act_step(model: nn.Module, params: Any, carry: ACTCarry, batch: Mapping[str,
     return ACTCarry(inner=inner, steps=steps, halted=new_halted, current_data=data), outputs
 
 
+def act_evaluate(model: nn.Module, params: Any, batch: Mapping[str, jax.Array]) -> tuple[ACTCarry, dict[str, jax.Array]]:
+    """Evaluation of one batch: exactly ``halt_max_steps`` ACT steps from a fresh carry (a loop,
+    traced once); returns the final carry (every row halted) and the last step's outputs."""
+    carry = initial_carry(model, batch)
+    n = model.cfg.halt_max_steps
+    if n > 1:
+        carry, _ = jax.lax.scan(lambda c, _: (act_step(model, params, c, batch, None, False)[0], None), carry, None,
+                                length=n - 1)
+    return act_step(model, params, carry, batch, None, False)
+
+
 def make_act_step(model: nn.Module) -> Callable:
     """``(params, carry, batch, rng, training) -> (new_carry, outputs)`` bound to `model`."""
     return functools.partial(act_step, model)
 
 
-def compile_seconds(model: nn.Module, batch_size: int, training: bool = True, grad: bool = True) -> dict[str, float]:
+def compile_seconds(model: nn.Module, batch_size: int, training: bool = True, grad: bool = True,
+                    compile: bool = True) -> dict[str, float]:
     """Seconds to trace+lower and to compile one (value-and-grad of a stand-in loss of) ACT step.
 
     A diagnostic for the claim that compile time is flat in H_cycles x L_cycles (the cycles are
@@ -125,6 +137,7 @@ def compile_seconds(model: nn.Module, batch_size: int, training: bool = True, gr
     t0 = time.perf_counter()
     lowered = jax.jit(fn).lower(params, carry, batch, jax.random.key(1))
     t1 = time.perf_counter()
-    lowered.compile()
+    if compile:
+        lowered.compile()
     t2 = time.perf_counter()
     return {"lower_s": t1 - t0, "compile_s": t2 - t1, "stablehlo_lines": lowered.as_text().count("\n")}

@@ -64,6 +64,8 @@ class HRM(RecursiveIO):
         h_def, l_def = self._net_def(cfg.H_layers), self._net_def(cfg.L_layers)
         p_H = self._net_params("H_level", h_def, (carry.z_H, carry.z_L), cos_sin)
         p_L = self._net_params("L_level", l_def, (carry.z_L, carry.z_H + x), cos_sin)
+        if self.is_initializing():  # parameters exist now; skip the recursion (cheaper init compile)
+            return (carry, *self._heads(carry.z_H))
         net_H, net_L = make_net_fn(h_def, cos_sin), make_net_fn(l_def, cos_sin)
 
         # Everything but the last L-update and the last H-update runs without gradient.

@@ -207,6 +207,8 @@ class TRM(RecursiveIO):
         cos_sin = self._cos_sin()
         net_def = self._net_def(cfg.L_layers)
         params = self._net_params("L_level", net_def, (carry.z_L, carry.z_H + x), cos_sin)
+        if self.is_initializing():  # parameters exist now; skip the recursion (cheaper init compile)
+            return (carry, *self._heads(carry.z_H))
         net = make_net_fn(net_def, cos_sin)
 
         def cycle(p, inp, z):
