@@ -84,6 +84,17 @@ def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
     return gen, shape, list(devices)
 
 
+def expected_local_devices(accelerator_type: str) -> int:
+    """JAX devices one worker of this slice should see, e.g. v4-64 -> 4, v5litepod-8 -> 8 (setup_tpu.sh)."""
+    name = accelerator_type.replace("v5litepod-", "v5e-")
+    gen_name, _, size = name.partition("-")
+    gen = TOPOLOGIES.get(gen_name)
+    if gen is None or not size.isdigit():
+        raise ValueError(f"unknown accelerator type {accelerator_type!r}")
+    chips = int(size) // gen.cores_per_name_unit
+    return chips if chips <= gen.single_host_chips else 4
+
+
 def dataset_shape(config: Config) -> tuple[int, int, int, str]:
     """(train examples, vocab size, seq len, source) without reading the arrays: dataset.json and the
     inputs' .npy header, or the Sudoku builder's constants when the dataset is still to be generated."""

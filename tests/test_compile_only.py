@@ -122,3 +122,11 @@ ENTRY %main.1 (p0: f32[128], p1: s32[2]) -> f32[128] {
     assert collective_bytes(hlo) == {"all-reduce": (1, 128 * 4 + 2 * 4), "all-gather": (1, 32 * 16 * 2),
                                      "reduce-scatter": (1, 64 * 8 * 4), "all-to-all": (0, 0),
                                      "collective-permute": (1, 128 * 4)}
+
+
+def test_expected_local_devices_per_worker():
+    from runtime.compile_only import expected_local_devices
+
+    # one host up to 4 (v4/v5p) or 8 (v5e/v6e) chips, else 4 chips per host
+    assert [expected_local_devices(t) for t in ("v4-8", "v4-64", "v5p-8", "v5litepod-8", "v5litepod-16", "v6e-4")] == \
+        [4, 4, 4, 8, 4, 4]
