@@ -21,15 +21,16 @@ from data_pipeline.batching import epoch_permutation, eval_batch_indices
 BATCH_FIELDS = ("inputs", "labels", "puzzle_identifiers")
 
 
-def process_rows(sharding: NamedSharding, global_batch: int) -> slice:
-    """The contiguous block of global-batch rows held by this process's devices."""
+def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
+    """The global-batch rows held by this process's devices, in increasing order.
+
+    On a TPU pod the mesh follows the physical topology, so one host's devices need not hold
+    one contiguous block of rows; `jax.make_array_from_process_local_data` takes the rows of
+    all local shards concatenated in this order.
+    """
     index_map = sharding.addressable_devices_indices_map((global_batch,))
-    starts = sorted({(ix[0].start or 0, ix[0].stop if ix[0].stop is not None else global_batch) for ix in index_map.values()})
-    lo, hi = starts[0][0], starts[-1][1]
-    covered = sum(b - a for a, b in starts)
-    if covered != hi - lo:
-        raise ValueError(f"this process's batch rows are not contiguous: {starts}; reorder the mesh devices")
-    return slice(lo, hi)
+    blocks = sorted({(ix[0].start or 0, global_batch if ix[0].stop is None else ix[0].stop) for ix in index_map.values()})
+    return np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
 class BatchFeeder:
@@ -52,8 +53,7 @@ class BatchFeeder:
 
     def _local_train_rows(self, step: int) -> dict[str, np.ndarray]:
         epoch, within = divmod(step, self.steps_per_epoch)
-        start = within * self.global_batch
-        idx = self._permutation(epoch)[start + self.rows.start : start + self.rows.stop]
+        idx = self._permutation(epoch)[within * self.global_batch + self.rows]
         order = np.argsort(idx)  # read rows in file order (memory-mapped arrays), then restore the batch order
         sorted_idx = idx[order]
         inverse = np.empty_like(order)
