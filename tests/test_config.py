@@ -83,3 +83,10 @@ def test_batch_must_divide_over_data_and_fsdp():
     # tensor-parallel replicas share a batch shard: 12 divides over data x fsdp = 4
     config = composed("train.global_batch_size=12", "mesh.data=-1", "mesh.tensor=2")
     assert derive(config, num_processes=1, num_devices=8, train_examples=100).per_device_batch_size == 3
+
+
+def test_cfg_job_prints_the_composed_config():
+    from conftest import run_pretrain
+
+    proc = run_pretrain(["--cfg", "job", "train.steps=3", "+experiment=example/small"])
+    assert "global_batch_size: 64" in proc.stdout and "steps: 100" in proc.stdout and "hidden: 64" in proc.stdout
