@@ -89,4 +89,4 @@ def test_cfg_job_prints_the_composed_config():
     from conftest import run_pretrain
 
     proc = run_pretrain(["--cfg", "job", "train.steps=3", "+experiment=example/small"])
-    assert "global_batch_size: 64" in proc.stdout and "steps: 100" in proc.stdout and "hidden: 64" in proc.stdout
+    assert "global_batch_size: 64" in proc.stdout and "  steps: 3\n" in proc.stdout and "hidden: 64" in proc.stdout
