@@ -70,19 +70,43 @@ class PuzzleDatasetMetadata:
 class PuzzleSplit:
     """One set of one split, ready for batching.
 
-    ``puzzle_identifiers`` is per EXAMPLE (expanded through puzzle_indices);
-    labels hold IGNORE_LABEL_ID (-100) where the file held ignore_label_id.
+    The token arrays stay as stored (memory-mapped, usually uint8): a 1000-augmentation ARC
+    split is ~2.8M x 900 tokens, 20 GB if widened to int32 up front. `rows(idx)` reads just
+    the requested examples as int32 with ignored labels as IGNORE_LABEL_ID (-100); the
+    `inputs`/`labels` properties give whole arrays that way (small data, tests, tools).
+    ``puzzle_identifiers`` is per EXAMPLE (expanded through puzzle_indices).
     """
 
     metadata: PuzzleDatasetMetadata
-    inputs: np.ndarray  # [N, seq_len] int32
-    labels: np.ndarray  # [N, seq_len] int32
+    raw_inputs: np.ndarray  # [N, seq_len] as stored
+    raw_labels: np.ndarray  # [N, seq_len] as stored (ignore_label_id not yet mapped)
     puzzle_identifiers: np.ndarray  # [N] int32
     puzzle_indices: np.ndarray  # [P + 1] int32, as stored
     group_indices: np.ndarray  # [G + 1] int32, as stored
 
     def __len__(self) -> int:
-        return int(self.inputs.shape[0])
+        return int(self.raw_inputs.shape[0])
+
+    def _labels(self, raw: np.ndarray) -> np.ndarray:
+        labels = np.asarray(raw, dtype=np.int32)
+        ignore = self.metadata.ignore_label_id
+        if ignore is not None and ignore != IGNORE_LABEL_ID:
+            labels = np.where(labels == ignore, IGNORE_LABEL_ID, labels).astype(np.int32)
+        return labels
+
+    def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Examples `idx` (any order) as int32 arrays: inputs, labels, puzzle_identifiers."""
+        return {"inputs": np.asarray(self.raw_inputs[idx], dtype=np.int32),
+                "labels": self._labels(self.raw_labels[idx]),
+                "puzzle_identifiers": self.puzzle_identifiers[idx]}
+
+    @property
+    def inputs(self) -> np.ndarray:
+        return np.asarray(self.raw_inputs, dtype=np.int32)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels(self.raw_labels)
 
 
 def _join(root: str, *parts: str) -> str:
@@ -193,12 +217,6 @@ def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: st
         return np.load(io.BytesIO(f.read()))
 
 
-def _as_int32(arr: np.ndarray) -> np.ndarray:
-    # Files storing int32 stay memory-mapped; narrower ones (the reference's uint8)
-    # are widened once into memory, so batches need no per-step conversion.
-    return arr if arr.dtype == np.int32 else np.array(arr, dtype=np.int32)
-
-
 def load_split(root: str, split: str, set_name: str = "all") -> PuzzleSplit:
     """Load one set of one split from a local path or an fsspec URL (gs://...)."""
     metadata = load_metadata(root, split)
@@ -211,19 +229,12 @@ def load_split(root: str, split: str, set_name: str = "all") -> PuzzleSplit:
         raw[name] = _load_array(fs, local, _join(base, split, file), _join(root, split, file))
     validate_arrays(raw, metadata, _join(root, split))
 
-    ignore = metadata.ignore_label_id
-    if ignore is None or ignore == IGNORE_LABEL_ID:
-        labels = _as_int32(raw["labels"])
-    else:
-        labels = np.array(raw["labels"], dtype=np.int32)  # in-memory copy, remapped in place
-        labels[labels == ignore] = IGNORE_LABEL_ID
-
     puzzle_indices = np.array(raw["puzzle_indices"], dtype=np.int32)
     per_puzzle_ids = np.array(raw["puzzle_identifiers"], dtype=np.int32)
     return PuzzleSplit(
         metadata=metadata,
-        inputs=_as_int32(raw["inputs"]),
-        labels=labels,
+        raw_inputs=raw["inputs"],
+        raw_labels=raw["labels"],
         puzzle_identifiers=np.repeat(per_puzzle_ids, np.diff(puzzle_indices)),
         puzzle_indices=puzzle_indices,
         group_indices=np.array(raw["group_indices"], dtype=np.int32),

@@ -18,9 +18,6 @@ from jax.sharding import NamedSharding
 
 from data_pipeline.batching import epoch_permutation, eval_batch_indices
 
-BATCH_FIELDS = ("inputs", "labels", "puzzle_identifiers")
-
-
 def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     """The global-batch rows held by this process's devices, in increasing order.
 
@@ -42,7 +39,7 @@ class BatchFeeder:
         self.global_batch = global_batch
         self.seed = seed
         self.rows = process_rows(sharding, global_batch)
-        self.num_examples = len(split.inputs)
+        self.num_examples = len(split)
         self.steps_per_epoch = self.num_examples // global_batch
         self._pool = ThreadPoolExecutor(1) if prefetch else None
         self._pending: tuple[int, Any] | None = None
@@ -55,10 +52,9 @@ class BatchFeeder:
         epoch, within = divmod(step, self.steps_per_epoch)
         idx = self._permutation(epoch)[within * self.global_batch + self.rows]
         order = np.argsort(idx)  # read rows in file order (memory-mapped arrays), then restore the batch order
-        sorted_idx = idx[order]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
-        return {f: np.asarray(getattr(self.split, f)[sorted_idx])[inverse] for f in BATCH_FIELDS}
+        return {f: rows[inverse] for f, rows in self.split.rows(idx[order]).items()}
 
     def _assemble(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         out = {}
@@ -86,7 +82,7 @@ class BatchFeeder:
         for b in range(-(-n // self.global_batch)):
             idx, valid = eval_batch_indices(n, self.global_batch, b)
             idx, valid = idx[self.rows], valid[self.rows]
-            local = {f: np.asarray(getattr(self.split, f)[idx]) for f in BATCH_FIELDS}
+            local = self.split.rows(idx)
             local["labels"] = np.where(valid[:, None], local["labels"], -100).astype(np.int32)
             yield self._assemble(local)
 

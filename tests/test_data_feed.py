@@ -37,10 +37,13 @@ WORKER = textwrap.dedent("""
     from runtime.data_feed import BatchFeeder, process_rows
     from runtime.sharding import batch_sharding
 
-    class Split:  # example i has inputs [i, i, i], label [i], id i
-        inputs = np.repeat(np.arange(40, dtype=np.int32)[:, None], 3, axis=1)
-        labels = np.arange(40, dtype=np.int32)[:, None]
-        puzzle_identifiers = np.arange(40, dtype=np.int32)
+    class Split:  # example i has inputs [i, i, i], label [i], id i (the PuzzleSplit interface)
+        def __len__(self):
+            return 40
+
+        def rows(self, idx):
+            return {"inputs": np.repeat(idx[:, None], 3, axis=1).astype(np.int32),
+                    "labels": idx[:, None].astype(np.int32), "puzzle_identifiers": idx.astype(np.int32)}
 
     devs = sorted(jax.devices(), key=lambda d: (d.id % 2, d.process_index))  # p0d0 p1d0 p0d1 p1d1 ...
     mesh = Mesh(np.array(devs).reshape(len(devs), 1, 1), ("data", "fsdp", "tensor"))

@@ -184,13 +184,22 @@ def test_write_load_round_trip(tmp_path):
     assert len(split) == 9
 
 
-def test_int32_tokens_stay_memory_mapped(tmp_path):
+def test_tokens_stay_memory_mapped_and_rows_are_widened(tmp_path):
     arrays, metadata = _random_split(np.random.default_rng(0))
-    metadata = dataclasses.replace(metadata, vocab_size=300, ignore_label_id=None)  # too big for uint8
-    write_split(str(tmp_path), "train", arrays, metadata)
+    write_split(str(tmp_path), "train", arrays, metadata)  # uint8 on disk, as the reference stores it
     split = load_split(str(tmp_path), "train")
-    for arr in (split.inputs, split.labels):
-        assert isinstance(arr, np.memmap) and arr.filename is not None and arr.dtype == np.int32
+    for arr in (split.raw_inputs, split.raw_labels):  # nothing widened or copied at load
+        assert isinstance(arr, np.memmap) and arr.filename is not None and arr.dtype == np.uint8
+    rows = split.rows(np.array([4, 0, 4]))
+    assert all(v.dtype == np.int32 for v in rows.values())
+    np.testing.assert_array_equal(rows["inputs"], arrays["inputs"][[4, 0, 4]])
+    np.testing.assert_array_equal(rows["labels"], np.where(arrays["labels"] == 0, -100, arrays["labels"])[[4, 0, 4]])
+    np.testing.assert_array_equal(rows["puzzle_identifiers"], split.puzzle_identifiers[[4, 0, 4]])
+
+    metadata = dataclasses.replace(metadata, vocab_size=300, ignore_label_id=None)  # too big for uint8
+    write_split(str(tmp_path / "wide"), "train", arrays, metadata)
+    split = load_split(str(tmp_path / "wide"), "train")
+    assert isinstance(split.raw_inputs, np.memmap) and split.raw_inputs.dtype == np.int32
     np.testing.assert_array_equal(split.labels, arrays["labels"])  # no ignore id: labels untouched
 
 
@@ -214,7 +223,7 @@ def test_remote_path_reads_bytes():
     arrays, metadata = _random_split(np.random.default_rng(2))
     write_split("memory://sudoku-test-ds", "train", arrays, metadata)
     split = load_split("memory://sudoku-test-ds", "train")
-    assert not isinstance(split.inputs, np.memmap)
+    assert not isinstance(split.raw_inputs, np.memmap)
     np.testing.assert_array_equal(split.inputs, arrays["inputs"])
     np.testing.assert_array_equal(split.puzzle_identifiers, [1, 1, 2, 3, 3, 3, 0, 4, 4])
 
