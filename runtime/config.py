@@ -44,7 +44,7 @@ class DataConfig(Freezable):
 
 @dataclass
 class OptimConfig(Freezable):
-    name: str = "adamw"  # adamw
+    name: str = "adamw"  # adamw | adam_atan2 | lion (the network; the puzzle table always gets sign-SGD)
     lr: float = 1e-3
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -54,6 +54,9 @@ class OptimConfig(Freezable):
     lr_min_ratio: float = 1.0  # 1.0 = constant after warmup
     grad_clip_norm: Optional[float] = None
     ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
+    # Sparse sign-SGD on the puzzle-embedding table (models with one: TRM, HRM); same schedule shape.
+    puzzle_emb_lr: float = 1e-2
+    puzzle_emb_weight_decay: float = 0.1
 
 
 @dataclass
@@ -148,7 +151,7 @@ def register_schemas() -> None:
 
 
 _CHOICES = {
-    ("optim", "name"): ("adamw",),
+    ("optim", "name"): ("adamw", "adam_atan2", "lion"),
     ("run", "wandb", "mode"): ("online", "offline", "disabled"),
     ("distributed", "mode"): ("auto", "single", "cluster", "explicit"),
 }

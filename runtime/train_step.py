@@ -1,4 +1,8 @@
-"""Train state, optimizer, loss, and the jitted, sharded train and eval steps."""
+"""Train state, optimizer, LR schedule, and the jitted, sharded train and eval steps.
+
+Model-family specifics (loss, metrics, a carry that persists across batches) come from a
+`models.build_task` Task; this module is generic over it.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models import sequence_loss  # noqa: F401  (re-exported: the tiny_transformer loss)
+from runtime import optimizers
 from runtime.config import OptimConfig
-from runtime.sharding import batch_sharding, logical_shardings, replicated
+from runtime.sharding import BATCH_AXES, batch_sharding, logical_shardings, replicated
 
 IGNORE_LABEL = -100
 
@@ -23,57 +29,61 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken == index of the next global batch
     params: Any
     opt_state: Any
-    ema_params: Any  # None when EMA is off
+    ema_params: Any  # None when EMA is off; never holds the puzzle table (it is evaluated live)
     rng: jax.Array  # raw key data (uint32[2]) so it checkpoints as a plain array
+    carry: Any = None  # the task's state across batches (ACT carry), batch dim sharded; None if stateless
 
 
-def lr_schedule(cfg: OptimConfig, total_steps: int, warmup_steps: int) -> optax.Schedule:
+def warmup_cosine(lr: float, lr_min_ratio: float, total_steps: int, warmup_steps: int) -> optax.Schedule:
     """Linear warmup from step 1, then cosine from lr to lr * lr_min_ratio at total_steps."""
 
     def schedule(count):
         step = count + 1
-        warm = cfg.lr * jnp.minimum(1.0, step / max(1, warmup_steps))
+        warm = lr * jnp.minimum(1.0, step / max(1, warmup_steps))
         progress = jnp.clip((step - warmup_steps) / max(1, total_steps - warmup_steps), 0.0, 1.0)
-        cosine = cfg.lr * (cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
+        cosine = lr * (lr_min_ratio + (1 - lr_min_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
         return jnp.where(step <= warmup_steps, warm, cosine)
 
     return schedule
 
 
-def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def lr_schedule(cfg: OptimConfig, total_steps: int, warmup_steps: int) -> optax.Schedule:
+    """The network's schedule: warmup + cosine to lr * lr_min_ratio."""
+    return warmup_cosine(cfg.lr, cfg.lr_min_ratio, total_steps, warmup_steps)
+
+
+def puzzle_lr_schedule(cfg: OptimConfig, total_steps: int, warmup_steps: int) -> optax.Schedule:
+    """The puzzle table's schedule: the same shape with puzzle_emb_lr."""
+    return warmup_cosine(cfg.puzzle_emb_lr, cfg.lr_min_ratio, total_steps, warmup_steps)
+
+
+def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule, puzzle_schedule: optax.Schedule | None = None
+                   ) -> optax.GradientTransformation:
+    """The network's optimizer (adamw | adam_atan2 | lion, optional global-norm clipping); with
+    `puzzle_schedule` (a model with a puzzle table), sign-SGD on the table beside it."""
     parts = []
     if cfg.grad_clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
     if cfg.name == "adamw":
         parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    elif cfg.name == "adam_atan2":
+        parts.append(optimizers.adam_atan2(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+    elif cfg.name == "lion":
+        parts.append(optimizers.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
     else:
         raise ValueError(f"unknown optimizer {cfg.name}")
-    return optax.chain(*parts)
+    main = optax.chain(*parts)
+    if puzzle_schedule is None:
+        return main
+    return optimizers.recursive_optimizer(main, puzzle_schedule, cfg.puzzle_emb_weight_decay)
 
 
-def sequence_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Softmax cross-entropy averaged per sequence over its valid tokens, then over the batch.
-
-    Returns the loss and metric sums (reduced over the global batch on device).
-    """
-    valid = labels != IGNORE_LABEL
-    safe = jnp.where(valid, labels, 0)
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    count = valid.sum(-1)
-    seq_loss = jnp.where(valid, token_loss, 0.0).sum(-1) / jnp.maximum(count, 1)
-    correct = (logits.argmax(-1) == safe) & valid
-    has_labels = count > 0
-    sums = {
-        "loss_sum": seq_loss.sum(),
-        "sequences": has_labels.sum(),
-        "correct_tokens": correct.sum(),
-        "tokens": count.sum(),
-        "exact": (has_labels & (correct.sum(-1) == count)).sum(),
-    }
-    return seq_loss.sum() / logits.shape[0], sums
+def has_puzzle_table(abstract_params: Any) -> bool:
+    return isinstance(abstract_params, dict) and optimizers.PUZZLE_EMB in abstract_params
 
 
 def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """tiny_transformer metrics from sums (kept for callers of the old API)."""
     seqs = jnp.maximum(sums["sequences"], 1)
     return {
         "loss": sums["loss_sum"] / seqs,
@@ -93,62 +103,89 @@ def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int) -> dict[str, jax
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_shardings(mesh)[k]) for k, shape in shapes.items()}
 
 
+def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
+    """Every carry leaf has the batch first: sharded over the batch axes like the batch."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, P(BATCH_AXES, *([None] * (a.ndim - 1)))), abstract_carry)
+
+
 @dataclass
 class Steps:
     """The compiled-once building blocks of a run, all sharded on `mesh`."""
 
     init: Callable[[jax.Array], TrainState]
     train: Callable  # (state, batch) -> (state, metrics)
-    eval: Callable  # (params, batch) -> metric sums
+    eval: Callable  # (params, ema_params, batch) -> metric sums
     state_shardings: Any
     abstract_state: Any  # ShapeDtypeStructs with shardings: the restore target
+    summarize: Callable  # (sums, global_batch, training) -> metrics (host side)
 
 
-def build_steps(model: nn.Module, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
-                seq_len: int, ema_rate: float | None) -> Steps:
+def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
+                seq_len: int, ema_rate: float | None, global_batch: int = 1) -> Steps:
+    """`task`: a `models.build_task` Task (a bare flax module is wrapped as a stateless one)."""
+    if isinstance(task, nn.Module):
+        from models import SequenceTask
+
+        task = SequenceTask(task)
+    example = abstract_batch(mesh, global_batch, seq_len)
+
     def boxed_init(rng_data):
-        params = model.init(jax.random.wrap_key_data(rng_data), jnp.zeros((1, seq_len), jnp.int32))["params"]
+        batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}
+        params = task.init(jax.random.wrap_key_data(rng_data), batch)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=tx.init(params),
-            ema_params=params if ema_rate is not None else None,
+            ema_params=optimizers.ema_init(params) if ema_rate is not None else None,
             rng=rng_data,
+            carry=task.init_carry(batch),
         )
 
     rng_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
     boxed = jax.eval_shape(boxed_init, rng_shape)
     state_shardings = logical_shardings(boxed, mesh)
+    if boxed.carry is not None:
+        state_shardings = state_shardings.replace(carry=carry_shardings(boxed.carry, mesh))
     # Created already sharded: each device computes only its own shard of every parameter.
     init = jax.jit(lambda r: nn.meta.unbox(boxed_init(r)), in_shardings=replicated(mesh), out_shardings=state_shardings)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.meta.unbox(boxed), state_shardings)
+    puzzle_table = has_puzzle_table(boxed.params)
 
     def train_step(state: TrainState, batch):
-        def loss_fn(params):
-            logits = model.apply({"params": params}, batch["inputs"])
-            return sequence_loss(logits, batch["labels"])
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        def loss_fn(params):
+            return task.train_loss(params, state.carry, batch, rng)
+
+        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if puzzle_table:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params, **opt_extra)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ema = state.ema_params
         if ema is not None:
-            ema = jax.tree.map(lambda e, p: ema_rate * e + (1 - ema_rate) * p, ema, params)
-        metrics = summarize(sums) | {
+            ema = optimizers.ema_update(ema, params, ema_rate)
+        metrics = {
+            "sums": sums,
             "grad_norm": optax.global_norm(grads),
             "param_norm": optax.global_norm(params),
             "lr": schedule(state.step),
         }
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema), metrics
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema, carry=carry)
+        return new_state, metrics
 
-    def eval_step(params, batch):
-        logits = model.apply({"params": params}, batch["inputs"])
-        return sequence_loss(logits, batch["labels"])[1]
+    def eval_step(params, ema_params, batch):
+        if ema_params is not None:
+            params = optimizers.with_ema(params, ema_params)
+        return task.eval_sums(params, batch)
 
     batch_specs = batch_shardings(mesh)
     train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
-    evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, batch_specs), out_shardings=replicated(mesh))
-    return Steps(init=init, train=train, eval=evaluate, state_shardings=state_shardings, abstract_state=abstract_state)
+    evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
+                       out_shardings=replicated(mesh))
+    return Steps(init=init, train=train, eval=evaluate, state_shardings=state_shardings, abstract_state=abstract_state,
+                 summarize=task.summarize)

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from data_pipeline.puzzle_format import DatasetError, load_split
-from models import build_model
+from models import build_task
 from runtime import manifest as manifest_lib
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, Plan, derive, run_dirs, to_dict
@@ -32,7 +32,7 @@ from runtime.perf import StepTimer, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
 from runtime.sharding import batch_sharding, describe, make_mesh
 from runtime.watchdog import Watchdog
-from runtime.train_step import TrainState, build_steps, lr_schedule, make_optimizer, summarize
+from runtime.train_step import TrainState, build_steps, has_puzzle_table, lr_schedule, make_optimizer, puzzle_lr_schedule
 
 log = logging.getLogger("runtime")
 
@@ -91,25 +91,33 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
                     f"has {new.get(key)!r}; use the same value to resume, or a new run.name (or run.checkpoint.dir) to start fresh")
 
 
-def evaluate(steps, params, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None) -> dict[str, float]:
+def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None) -> dict[str, float]:
+    """Metrics over the eval set, with the EMA weights when EMA is on (and the live puzzle table)."""
     totals: dict[str, float] = {}
+    rows = 0
     for batch in feeder.eval_batches(max_examples):
         beat()
-        for k, v in jax.device_get(steps.eval(params, batch)).items():
+        rows += feeder.global_batch
+        for k, v in jax.device_get(steps.eval(state.params, state.ema_params, batch)).items():
             totals[k] = totals.get(k, 0) + float(v)
-    return {f"eval/{k}": float(v) for k, v in summarize(totals).items()} if totals else {}
+    return {f"eval/{k}": float(v) for k, v in steps.summarize(totals, rows, False).items()} if totals else {}
 
 
 def plan_and_build(config: Config, *, devices, num_processes: int, train_examples: int, vocab_size: int,
-                   seq_len: int) -> tuple[Plan, Any, Any]:
+                   seq_len: int, num_puzzle_identifiers: int = 1) -> tuple[Plan, Any, Any]:
     """Plan (all checks that need the machine), mesh, model and the jitted steps, for real
     devices or a TPU topology's compile-only devices (runtime/compile_only.py)."""
     plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples)
     log.info("plan:\n%s", plan.table())
     mesh = make_mesh(plan.mesh_shape, devices)
-    model = build_model(config.arch, vocab_size=vocab_size, seq_len=seq_len)
+    task = build_task(config.arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
     schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
-    steps = build_steps(model, make_optimizer(config.optim, schedule), schedule, mesh, seq_len, config.optim.ema_rate)
+    puzzle_schedule = puzzle_lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    abstract_params = jax.eval_shape(lambda: task.init(jax.random.key(0), {
+        "inputs": jax.numpy.zeros((1, seq_len), jax.numpy.int32), "labels": jax.numpy.zeros((1, seq_len), jax.numpy.int32),
+        "puzzle_identifiers": jax.numpy.zeros((1,), jax.numpy.int32)}))
+    tx = make_optimizer(config.optim, schedule, puzzle_schedule if has_puzzle_table(abstract_params) else None)
+    steps = build_steps(task, tx, schedule, mesh, seq_len, config.optim.ema_rate, global_batch=plan.global_batch_size)
     return plan, mesh, steps
 
 
@@ -128,7 +136,7 @@ def run(config: Config) -> int:
     train_meta = train_split.metadata
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
                                        train_examples=len(train_split), vocab_size=train_meta.vocab_size,
-                                       seq_len=train_meta.seq_len)
+                                       seq_len=train_meta.seq_len, num_puzzle_identifiers=train_meta.num_puzzle_identifiers)
     ckpt = Checkpoints(plan.checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = ckpt.latest_step(), None
     if start_step is not None:
@@ -216,7 +224,12 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                       f"step {last_good_ckpt} in {plan.checkpoint_dir}" if last_good_ckpt is not None else "none")
             return False
         if fetched:
-            train_metrics.update({f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[-1] if k != "finite"})
+            # Task metrics from the sums over the interval's steps (ratios of sums, not means of ratios).
+            totals = {k: sum(float(m["sums"][k]) for m in fetched) for k in fetched[-1]["sums"]}
+            train_metrics.update({f"train/{k}": v for k, v in
+                                  steps.summarize(totals, plan.global_batch_size * len(fetched), True).items()})
+            train_metrics.update({f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[-1]
+                                  if k not in ("finite", "sums")})
         pending.clear()
         return True
 
@@ -256,8 +269,7 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                     sinks.log(done, train_metrics | timer.lap(done))
             if done % plan.eval_every == 0 or last:
                 with timer.paused():
-                    params = state.ema_params if state.ema_params is not None else state.params
-                    eval_metrics = evaluate(steps, params, eval_feeder, config.data.eval_max_examples,
+                    eval_metrics = evaluate(steps, state, eval_feeder, config.data.eval_max_examples,
                                             lambda: watchdog.beat(done, "eval"))
                     sinks.log(done, eval_metrics)
             if done % plan.checkpoint_every == 0 or last or preempted:

@@ -1,0 +1,129 @@
+"""TRM end to end through `pretrain_jax.py`: it learns, the ACT carry is part of the train state
+(checkpointed and restored: resume gives identical losses), the puzzle table and the carry are
+sharded over the batch axes, and a 2-process pod gives the losses of one process."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+
+# A tiny TRM-MLP with the reference optimizers (AdamATan2 + sign-SGD table + EMA).
+# halt_max_steps=3 with checkpoints every 4 steps: a resume lands mid-ACT (rows with steps > 0).
+TRM = ["arch=trm_mlp", "optim=adam_atan2", "arch.hidden=64", "arch.heads=2", "arch.L_layers=1", "arch.H_cycles=2", "arch.L_cycles=2",
+       "arch.halt_max_steps=3", "arch.puzzle_emb_len=1", "arch.forward_dtype=float32", "optim.lr=5e-3",
+       "optim.puzzle_emb_lr=1e-2", "optim.weight_decay=0.1", "optim.ema_rate=0.9", "optim.lr_min_ratio=1.0"]
+
+
+def trm_overrides(data: Path, root: Path, steps: int) -> list[str]:
+    base = [o for o in base_overrides(data, root, steps=steps) if not o.startswith(("arch.hidden=", "arch.heads="))]
+    return base + TRM
+
+
+def test_trm_learns(sudoku_dir, tmp_path):
+    steps = 80
+    run_pretrain(trm_overrides(sudoku_dir, tmp_path, steps) + [f"train.eval_every={steps}"])
+    out = tmp_path / "test" / "t"
+    losses = train_losses(out)
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert np.mean([losses[s] for s in range(steps - 4, steps + 1)]) < 0.6 * losses[1], losses
+    rows = read_jsonl(out / "metrics.jsonl")
+    last = [r for r in rows if r.get("train/count", 0) > 0][-1]  # a step where some rows halted
+    assert last["train/token_accuracy"] > 0.4  # above copying the givens (30 of 81)
+    ev = [r for r in rows if "eval/exact_accuracy" in r][-1]
+    assert ev["eval/steps"] == 3.0  # eval runs halt_max_steps ACT steps for every row
+    assert ev["eval/token_accuracy"] > 0.4
+    for k in ("eval/token_accuracy", "eval/q_halt_accuracy", "eval/exact_accuracy"):
+        assert 0 <= ev[k] <= 1
+
+
+def test_trm_resume_restores_carry(sudoku_dir, tmp_path):
+    """8 steps straight vs 4 steps + resume to 8: identical losses. The checkpoint at step 4 holds
+    a carry with rows in the middle of their ACT steps, so a fresh carry would change them."""
+    run_pretrain(trm_overrides(sudoku_dir, tmp_path / "a", 8))
+    reference = train_losses(tmp_path / "a" / "test" / "t")
+    run_pretrain(trm_overrides(sudoku_dir, tmp_path / "b", 4))
+    proc = run_pretrain(trm_overrides(sudoku_dir, tmp_path / "b", 8))
+    assert "resumed from step 4" in proc.stderr
+    losses = train_losses(tmp_path / "b" / "test" / "t")
+    assert sorted(losses) == list(range(1, 9))
+    assert losses == pytest.approx(reference, rel=1e-6, abs=1e-7)
+
+    # The checkpoint holds the carry, with rows in the middle of their ACT steps.
+    carry = _saved_carry(tmp_path / "b" / "test" / "t" / "checkpoints", 4)
+    assert carry["steps"].shape == (16,) and (carry["steps"] > 0).all()
+    assert not carry["halted"].all()  # a fresh carry is all halted
+
+
+def _saved_carry(ckpt_dir: Path, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(str(ckpt_dir), item_names=("state", "meta")) as mgr:
+        state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    return {k: np.asarray(state["carry"][k]) for k in ("steps", "halted")}
+
+
+def test_puzzle_table_and_carry_sharded_over_batch_axes():
+    from models import TRMConfig, build_task
+    from runtime.config import MeshConfig, OptimConfig, resolve_mesh_shape
+    from runtime.sharding import make_mesh
+    from runtime.train_step import abstract_batch, build_steps, lr_schedule, make_optimizer, puzzle_lr_schedule
+
+    mesh = make_mesh(resolve_mesh_shape(MeshConfig(data=2, fsdp=4, tensor=1), 8))
+    arch = TRMConfig(hidden=32, heads=2, L_layers=1, H_cycles=2, L_cycles=1, halt_max_steps=2, puzzle_emb_ndim=32,
+                     puzzle_emb_len=1, forward_dtype="float32")
+    task = build_task(arch, vocab_size=11, seq_len=9, num_puzzle_identifiers=16)
+    optim = OptimConfig(name="adam_atan2", ema_rate=0.9, puzzle_emb_lr=0.1, puzzle_emb_weight_decay=0.0)
+    schedule = lr_schedule(optim, 10, 1)
+    tx = make_optimizer(optim, schedule, puzzle_lr_schedule(optim, 10, 1))
+    steps = build_steps(task, tx, schedule, mesh, 9, 0.9, global_batch=16)
+    state = steps.init(jax.random.key_data(jax.random.key(0)))
+    table = state.params["puzzle_emb"]
+    assert table.shape == (16, 32)
+    assert table.sharding.spec == P(("data", "fsdp"), None)
+    assert table.addressable_shards[0].data.shape == (2, 32)  # 1/8 of the rows per device
+    assert "puzzle_emb" not in state.ema_params  # EMA excludes the table (evaluated live)
+    assert state.carry.inner.z_H.sharding.spec == P(("data", "fsdp"), None, None)
+    assert state.carry.halted.sharding.spec == P(("data", "fsdp"))
+    assert state.carry.current_data["inputs"].sharding.spec == P(("data", "fsdp"), None)
+
+    # One step: only the rows of ids in the batch move (sign-SGD), and everything keeps its sharding.
+    rng = np.random.default_rng(0)
+    ids = np.array([1, 3, 5, 7] * 4, np.int32)
+    host = {"inputs": rng.integers(1, 11, (16, 9)).astype(np.int32), "labels": rng.integers(1, 11, (16, 9)).astype(np.int32),
+            "puzzle_identifiers": ids}
+    batch = {k: jax.device_put(v, s.sharding) for (k, v), s in
+             zip(host.items(), abstract_batch(mesh, 16, 9).values())}
+    new, metrics = steps.train(state, batch)
+    moved = np.abs(np.asarray(new.params["puzzle_emb"])).sum(-1) > 0
+    assert set(np.flatnonzero(moved)) == {1, 3, 5, 7}
+    assert new.params["puzzle_emb"].sharding == table.sharding
+    assert new.carry.inner.z_L.sharding.spec == P(("data", "fsdp"), None, None)
+    assert bool(metrics["finite"]) and int(new.step) == 1
+    sums = steps.eval(new.params, new.ema_params, batch)
+    assert int(sums["steps"]) == 2 * int(sums["count"])  # eval: halt_max_steps steps per row
+
+
+@pytest.mark.slow
+def test_trm_two_process_pod_matches_single_process(sudoku_dir, tmp_path):
+    from experiments.local_pod import run_local_pod
+
+    overrides = trm_overrides(sudoku_dir, tmp_path / "single", 6) + ["mesh=fsdp"]
+    run_pretrain(overrides)
+    single = train_losses(tmp_path / "single" / "test" / "t")
+
+    out = io.StringIO()
+    env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}
+    code = run_local_pod(2, 4, trm_overrides(sudoku_dir, tmp_path / "pod", 6) + ["mesh=fsdp"],
+                         script=str(REPO / "pretrain_jax.py"), extra_env=env, log_dir=tmp_path / "pod-logs", stream=out,
+                         timeout=300)
+    assert code == 0, out.getvalue()[-6000:]
+    pod = train_losses(tmp_path / "pod" / "test" / "t")
+    assert sorted(pod) == list(range(1, 7))
+    assert pod == pytest.approx(single, rel=1e-5, abs=1e-6)
