@@ -95,9 +95,10 @@ def expected_local_devices(accelerator_type: str) -> int:
     return chips if chips <= gen.single_host_chips else 4
 
 
-def dataset_shape(config: Config) -> tuple[int, int, int, str]:
-    """(train examples, vocab size, seq len, source) without reading the arrays: dataset.json and the
-    inputs' .npy header, or the Sudoku builder's constants when the dataset is still to be generated."""
+def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
+    """(train examples, vocab size, seq len, puzzle identifiers, source) without reading the arrays:
+    dataset.json and the inputs' .npy header, or the Sudoku builder's constants when the dataset is
+    still to be generated. The identifier count sizes the puzzle table (~2 GB for ARC)."""
     import fsspec
 
     from data_pipeline.puzzle_format import DatasetError, load_metadata
@@ -109,14 +110,14 @@ def dataset_shape(config: Config) -> tuple[int, int, int, str]:
             version = np.lib.format.read_magic(f)
             header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             examples = int(header(f)[0][0])
-        return examples, meta.vocab_size, meta.seq_len, f"dataset {data.path}"
+        return examples, meta.vocab_size, meta.seq_len, meta.num_puzzle_identifiers, f"dataset {data.path}"
     except (DatasetError, FileNotFoundError) as e:
         if not (data.generate_if_missing and data.name == "sudoku" and not data.path.startswith("gs://")):
             raise UserError(str(e)) from e
     from data_pipeline import build_sudoku
 
     examples = data.generate_puzzles * (1 + data.generate_num_aug)
-    return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, "Sudoku to be generated, not built yet"
+    return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, 1, "Sudoku to be generated, not built yet"
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
@@ -190,9 +191,9 @@ def plan_for_topology(config: Config) -> int:
     setup_logging(is_primary=True)
     gen, shape, devices = topology_devices(config.compile_only)
     hosts = len({d.process_index for d in devices})
-    examples, vocab, seq_len, source = dataset_shape(config)
+    examples, vocab, seq_len, puzzle_ids, source = dataset_shape(config)
     plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, train_examples=examples,
-                                       vocab_size=vocab, seq_len=seq_len)
+                                       vocab_size=vocab, seq_len=seq_len, num_puzzle_identifiers=puzzle_ids)
 
     row = lambda key, value: print(f"  {key:<18} {value}")  # noqa: E731
     print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, one JAX device per chip")
