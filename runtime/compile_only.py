@@ -75,6 +75,9 @@ def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
     # Without these libtpu looks for a TPU VM's metadata and prints warnings; a real TPU VM keeps its own.
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", name.replace("v5e-", "v5litepod-"))
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # Compile-only touches no TPU: skip libtpu's one-process lockfile, so planning works beside
+    # a running job (or another plan) on the same machine.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     kwargs = {"chips_per_host_bounds": per_host} | ({"chip_config_name": gen.chip_config} if gen.chip_config else {})

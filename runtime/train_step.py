@@ -169,8 +169,8 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
             ema = optimizers.ema_update(ema, params, ema_rate)
         metrics = {
             "sums": sums,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(params),
             "lr": schedule(state.step),
         }
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
