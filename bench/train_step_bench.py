@@ -68,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--only", help="run only the models whose label contains this text (e.g. TRM-Att)")
     args = parser.parse_args()
     register_schemas()
     device = jax.devices()[0]
@@ -76,6 +77,8 @@ def main() -> None:
     print(f"| model | params | batch | compile (s) | steps/s | examples/s |")
     print(f"|---|---|---|---|---|---|")
     for label, overrides in MODELS.items():
+        if args.only and args.only not in label:
+            continue
         for batch in args.batches:
             r = bench(overrides, batch, args.steps)
             print(f"| {label} | {r['params'] / 1e6:.2f}M | {batch} | {r['compile_s']:.1f} | {r['steps_per_s']:.2f} | "
