@@ -34,18 +34,14 @@ from data_pipeline.maze import (
     path_length,
     to_string,
 )
+from data_pipeline.sources import choose, load_splits, read_qa_rows
 from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
 
-DEFAULT_TEST_FRACTION = 0.1  # held out when the source is not already split
 
 
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(questions, answers) as [N, n, n] uint8 ASCII grids from a source,q,a,rating CSV."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"q", "a"} <= set(reader.fieldnames):
-            raise ValueError(f"{path}: expected a header with columns source,q,a,rating")
-        rows = [(row["q"], row["a"]) for row in reader]
+    rows = read_qa_rows(path)
     if not rows:
         raise ValueError(f"{path}: no mazes")
     lengths = {len(s) for pair in rows for s in pair}
@@ -76,12 +72,6 @@ def generate_mazes(
     return np.stack([q for q, _ in pairs]), np.stack([a for _, a in pairs])
 
 
-def _choose(rng: np.random.Generator, n: int, k: int | None) -> np.ndarray:
-    if k is None or k >= n:
-        return np.arange(n)
-    return np.sort(rng.choice(n, size=k, replace=False))
-
-
 def _load_sources(
     rng: np.random.Generator,
     generate: int | None,
@@ -90,28 +80,8 @@ def _load_sources(
     size: int,
     loop_fraction: float,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    if source_csv is not None and source_csv.is_dir():
-        missing = [name for name in ("train.csv", "test.csv") if not (source_csv / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{source_csv} lacks {missing}; pass the folder holding train.csv and test.csv")
-        train, test = read_csv(source_csv / "train.csv"), read_csv(source_csv / "test.csv")
-        if train[0].shape[1:] != test[0].shape[1:]:
-            raise ValueError(f"{source_csv}: train mazes are {train[0].shape[1:]}, test mazes {test[0].shape[1:]}")
-        keep = _choose(rng, len(test[0]), test_size)
-        return {"train": train, "test": (test[0][keep], test[1][keep])}
-
-    if source_csv is not None:
-        questions, answers = read_csv(source_csv)
-    else:
-        assert generate is not None
-        questions, answers = generate_mazes(generate, rng, size, loop_fraction)
-    n = len(questions)
-    n_test = max(1, round(n * DEFAULT_TEST_FRACTION)) if test_size is None else test_size
-    if not 0 < n_test < n:
-        raise ValueError(f"test size {n_test} leaves no train or no test mazes out of {n}")
-    order = rng.permutation(n)
-    test_idx, train_idx = order[:n_test], order[n_test:]
-    return {"train": (questions[train_idx], answers[train_idx]), "test": (questions[test_idx], answers[test_idx])}
+    return load_splits(rng, source_csv=source_csv, generate=lambda: generate_mazes(generate, rng, size, loop_fraction),
+                       read=read_csv, test_size=test_size, what="mazes")
 
 
 def _encode_split(questions: np.ndarray, answers: np.ndarray, aug: bool) -> tuple[dict[str, np.ndarray], PuzzleDatasetMetadata]:
@@ -171,7 +141,7 @@ def build_maze_dataset(
     rng = np.random.default_rng(seed)
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, size, loop_fraction)
     questions, answers = sources["train"]
-    keep = _choose(rng, len(questions), subsample_size)
+    keep = choose(rng, len(questions), subsample_size)
     sources["train"] = (questions[keep], answers[keep])
 
     for split, (questions, answers) in sources.items():

@@ -12,18 +12,17 @@ puzzles generated on the fly with a unique solution.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from data_pipeline.sources import choose, load_splits, read_qa_rows
 from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
 from data_pipeline.sudoku import DEFAULT_MIN_GIVENS, augment, generate_puzzle
 
 SEQ_LEN = 81
 VOCAB_SIZE = 11  # pad 0, blank 1, digits 1..9 -> 2..10
-DEFAULT_TEST_FRACTION = 0.1  # held out when the source is not already split
 
 # ASCII byte -> digit (0 = blank); 255 flags a character that is not allowed.
 _CHAR_TO_DIGIT = np.full(256, 255, dtype=np.uint8)
@@ -42,11 +41,7 @@ def _parse_grids(strings: list[str], path: Path, column: str) -> np.ndarray:
 
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(puzzles, solutions) as [N, 81] uint8 digits from a source,q,a,rating CSV."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"q", "a"} <= set(reader.fieldnames):
-            raise ValueError(f"{path}: expected a header with columns source,q,a,rating")
-        rows = [(row["q"], row["a"]) for row in reader]
+    rows = read_qa_rows(path)
     puzzles = _parse_grids([q for q, _ in rows], path, "q")
     solutions = _parse_grids([a for _, a in rows], path, "a")
     if np.any(solutions == 0):
@@ -54,38 +49,15 @@ def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return puzzles, solutions
 
 
-def _choose(rng: np.random.Generator, n: int, k: int | None) -> np.ndarray:
-    """Sorted indices of k rows drawn without replacement (all rows when k is None or >= n)."""
-    if k is None or k >= n:
-        return np.arange(n)
-    return np.sort(rng.choice(n, size=k, replace=False))
-
-
 def _load_sources(
     rng: np.random.Generator, generate: int | None, source_csv: Path | None, test_size: int | None, min_givens: int
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    if source_csv is not None and source_csv.is_dir():
-        missing = [name for name in ("train.csv", "test.csv") if not (source_csv / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{source_csv} lacks {missing}; pass the folder holding train.csv and test.csv")
-        train, test = read_csv(source_csv / "train.csv"), read_csv(source_csv / "test.csv")
-        keep = _choose(rng, len(test[0]), test_size)
-        return {"train": train, "test": (test[0][keep], test[1][keep])}
-
-    if source_csv is not None:
-        puzzles, solutions = read_csv(source_csv)
-    else:
-        assert generate is not None
+    def generated():
         pairs = [generate_puzzle(rng, min_givens) for _ in tqdm(range(generate), desc="generating sudoku")]
-        puzzles = np.stack([p for p, _ in pairs]).astype(np.uint8)
-        solutions = np.stack([s for _, s in pairs]).astype(np.uint8)
-    n = len(puzzles)
-    n_test = max(1, round(n * DEFAULT_TEST_FRACTION)) if test_size is None else test_size
-    if not 0 < n_test < n:
-        raise ValueError(f"test size {n_test} leaves no train or no test puzzles out of {n}")
-    order = rng.permutation(n)
-    test_idx, train_idx = order[:n_test], order[n_test:]
-    return {"train": (puzzles[train_idx], solutions[train_idx]), "test": (puzzles[test_idx], solutions[test_idx])}
+        return np.stack([p for p, _ in pairs]).astype(np.uint8), np.stack([s for _, s in pairs]).astype(np.uint8)
+
+    return load_splits(rng, source_csv=source_csv, generate=generated, read=read_csv, test_size=test_size,
+                       what="puzzles")
 
 
 def _encode_split(
@@ -155,7 +127,7 @@ def build_sudoku_dataset(
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, min_givens)
 
     train_puzzles, train_solutions = sources["train"]
-    keep = _choose(rng, len(train_puzzles), subsample_size)
+    keep = choose(rng, len(train_puzzles), subsample_size)
     sources["train"] = (train_puzzles[keep], train_solutions[keep])
 
     for split, (puzzles, solutions) in sources.items():
