@@ -284,9 +284,9 @@ def fake_gcs(monkeypatch, tmp_path):
 
 
 def test_gs_no_write_permission_names_principal_and_role(dataset, tmp_path, fake_gcs):
-    msg = fails(make_config(dataset, tmp_path, ckpt="gs://locked/runs/a"), tmp_path,
-                f"no write permission on gs://locked/runs/a: grant roles/storage.objectAdmin to {SA} "
-                "or choose another run.checkpoint.dir")
+    fails(make_config(dataset, tmp_path, ckpt="gs://locked/runs/a"), tmp_path,
+          f"no write permission on gs://locked/runs/a: grant roles/storage.objectAdmin to {SA} "
+          "or choose another run.checkpoint.dir")
     assert any("/upload/storage/v1/b/locked/o" in r for r in fake_gcs.requests), fake_gcs.requests
     assert len([r for r in fake_gcs.requests if "/upload/" in r]) == 1  # a 403 is not retried
 

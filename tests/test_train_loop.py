@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
