@@ -42,18 +42,24 @@ ARCH_SCHEMAS: dict[str, type] = {
 IGNORE_LABEL = -100
 
 
-def build_model(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1):
+def build_model(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1, init_states=None):
+    """`init_states`: TRM/HRM (H_init, L_init) to start the carry from (imported checkpoints)."""
     if isinstance(arch, TinyTransformerConfig):
         return TinyTransformer(arch, vocab_size=vocab_size, seq_len=seq_len)
+    if init_states is not None:
+        init_states = tuple(tuple(float(x) for x in v) for v in init_states)  # hashable module field
     if isinstance(arch, TRMConfig):
-        return TRM(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
+        return TRM(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+                   init_states=init_states)
     if isinstance(arch, HRMConfig):
-        return HRM(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
+        return HRM(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+                   init_states=init_states)
     raise ValueError(f"no model for arch config {type(arch).__name__}")
 
 
-def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1):
-    model = build_model(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
+def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1, init_states=None):
+    model = build_model(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+                        init_states=init_states)
     if isinstance(arch, TinyTransformerConfig):
         return SequenceTask(model)
     return ACTTask(model)
@@ -129,10 +135,10 @@ class ACTTask:
     """
 
     has_carry = True
-    loss_type = "stablemax_cross_entropy"  # the reference's Sudoku/ARC/Maze setting
 
     def __init__(self, model):
         self.model = model
+        self.loss_type = model.cfg.loss_type  # stablemax (the reference's Sudoku/ARC/Maze setting) or softmax
 
     def init(self, rng, example_batch):
         one = {k: v[:1] for k, v in example_batch.items()}
@@ -149,8 +155,13 @@ class ACTTask:
         return total / global_batch, (new_carry, sums, {"puzzle_identifiers": new_carry.current_data["puzzle_identifiers"]})
 
     def eval_sums(self, params, batch):
+        return self.eval_outputs(params, batch)[0]
+
+    def eval_outputs(self, params, batch):
+        """(metric sums, per-row outputs): the predictions and q_halt logits, for the ARC evaluator."""
         carry, out = act_evaluate(self.model, params, batch)
-        return act_loss(out, carry.current_data["labels"], carry.halted, carry.steps, loss_type=self.loss_type)[1]
+        sums = act_loss(out, carry.current_data["labels"], carry.halted, carry.steps, loss_type=self.loss_type)[1]
+        return sums, {"preds": out["logits"].argmax(-1).astype(jnp.int32), "q_halt_logits": out["q_halt_logits"]}
 
     @staticmethod
     def summarize(sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:

@@ -205,7 +205,7 @@ def plan_for_topology(config: Config) -> int:
     row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
     row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
                  f"vocab {vocab}; {examples} train examples ({source})")
-    t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len), gen.hbm_gib * GiB
+    t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields), gen.hbm_gib * GiB
     try:
         compiled = steps.train.lower(steps.abstract_state, batch).compile()
     except jax.errors.JaxRuntimeError as e:

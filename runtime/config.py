@@ -44,7 +44,7 @@ class DataConfig(Freezable):
 
 @dataclass
 class OptimConfig(Freezable):
-    name: str = "adamw"  # adamw | adam_atan2 | lion (the network; the puzzle table always gets sign-SGD)
+    name: str = "adamw"  # adamw | adam_atan2 | lion | adafactor (the network; a puzzle table always gets sign-SGD)
     lr: float = 1e-3
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -54,6 +54,7 @@ class OptimConfig(Freezable):
     lr_min_ratio: float = 1.0  # 1.0 = constant after warmup
     grad_clip_norm: Optional[float] = None
     ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
+    state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored (bf16 halves them)
     # Sparse sign-SGD on the puzzle-embedding table (models with one: TRM, HRM); same schedule shape.
     puzzle_emb_lr: float = 1e-2
     puzzle_emb_weight_decay: float = 0.1
@@ -109,6 +110,11 @@ class TrainConfig(Freezable):
     profile_steps: int = 5
     # No step for this long (compile excluded) = a dead or hung worker: dump stacks, exit 4.
     watchdog_timeout_s: float = 1800.0
+    # A fresh run starts from these parameters instead of a random init: a directory written by
+    # `python -m models.recursive_reasoning.import_reference` (params/, init_states/), local or
+    # gs://. Ignored when resuming (the checkpoint has the parameters).
+    init_params_from: Optional[str] = None
+    eval_only: bool = False  # evaluate the starting parameters (init_params_from or the latest checkpoint), exit
 
 
 @dataclass
@@ -151,7 +157,8 @@ def register_schemas() -> None:
 
 
 _CHOICES = {
-    ("optim", "name"): ("adamw", "adam_atan2", "lion"),
+    ("optim", "name"): ("adamw", "adam_atan2", "lion", "adafactor"),
+    ("optim", "state_dtype"): ("float32", "bfloat16"),
     ("run", "wandb", "mode"): ("online", "offline", "disabled"),
     ("distributed", "mode"): ("auto", "single", "cluster", "explicit"),
 }
@@ -182,6 +189,12 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
             value = getattr(value, key)
         if value not in allowed:
             raise UserError(f"{'.'.join(path)}={value!r} is not one of {list(allowed)}")
+    loss_type = getattr(config.arch, "loss_type", None)
+    if loss_type is not None:
+        from models.recursive_reasoning.losses import LOSS_FNS
+
+        if loss_type not in LOSS_FNS:
+            raise UserError(f"arch.loss_type={loss_type!r} is not one of {sorted(LOSS_FNS)}")
     t = config.train
     if (t.steps is None) == (t.epochs is None):
         raise UserError("set exactly one of train.steps and train.epochs (the other =null)")

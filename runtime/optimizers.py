@@ -14,6 +14,8 @@
   on the full logical table, so a table sharded over rows stays sharded under jit.
 * `recursive_optimizer`: `sparse_sign_sgd` on the ``puzzle_emb`` table and a main optimizer
   on everything else (the reference's two optimizers), via ``optax.partition``.
+* Full fine-tuning: `adafactor` (optax's, factored second moments, decoupled weight decay)
+  and `with_state_dtype` (any optimizer's state stored in e.g. bfloat16, updated in fp32).
 * EMA helpers (`ema_init`, `ema_update`, `with_ema`): an EMA of every parameter except the
   puzzle table (the reference keeps EMA only for trained ``nn.Parameter``s; its table is a
   buffer). Evaluation uses EMA weights with the live table.
@@ -182,6 +184,57 @@ def with_ema(params: Any, ema: Any) -> Any:
     if isinstance(params, dict) and PUZZLE_EMB in params:
         return dict(ema) | {PUZZLE_EMB: params[PUZZLE_EMB]}
     return ema
+
+
+# ------------------------------------------------------------------------------- full fine-tuning
+
+def adafactor(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.0, min_dim_size_to_factor: int = 128,
+              decay_rate: float = 0.8, clipping_threshold: float | None = 1.0,
+              multiply_by_parameter_scale: bool = True, momentum: float | None = None,
+              weight_decay_mask: Any = None) -> optax.GradientTransformationExtraArgs:
+    """optax's Adafactor (factored second moments: a [R, C] matrix keeps R + C floats of state,
+    not Adam's 2 R C) with decoupled weight decay ``p <- p (1 - lr wd)`` as in AdamW.
+
+    optax adds its ``weight_decay_rate`` after the learning-rate scaling (``-wd p``, not
+    ``-lr wd p``), so the rate handed to it is ``lr(count) * wd``. Both count updates from 0.
+    With ``multiply_by_parameter_scale`` (optax's default) the step is relative to each
+    parameter block's RMS; pass False for an absolute learning rate.
+    """
+    decay = None
+    if weight_decay:
+        decay = ((lambda count: learning_rate(count) * weight_decay) if callable(learning_rate)
+                 else learning_rate * weight_decay)
+    return optax.adafactor(learning_rate, min_dim_size_to_factor=min_dim_size_to_factor, decay_rate=decay_rate,
+                           clipping_threshold=clipping_threshold,
+                           multiply_by_parameter_scale=multiply_by_parameter_scale, momentum=momentum,
+                           weight_decay_rate=decay, weight_decay_mask=weight_decay_mask)
+
+
+def _cast_state(tree: Any, dtype) -> Any:
+    """Floating arrays (ndim >= 1) to `dtype`. Counts stay integer; float scalars (injected
+    hyperparameters, scale factors) stay as they are: they cost nothing and need the precision."""
+    def cast(x):
+        if hasattr(x, "dtype") and getattr(x, "ndim", 0) >= 1 and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+    return jax.tree.map(cast, tree)
+
+
+def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformationExtraArgs:
+    """`tx` with its floating-point state stored in `dtype` (e.g. bfloat16: half the optimizer
+    memory). The update runs in float32 (state cast up, then back down), so only storage
+    precision is lost: with round-to-nearest, EMA increments below ~1/256 of a bf16 moment
+    (e.g. Adam's nu with b2 = 0.999 once it has settled) are rounded away."""
+    inner = optax.with_extra_args_support(tx)
+
+    def init(params):
+        return _cast_state(inner.init(params), dtype)
+
+    def update(grads, state, params=None, **extra):
+        updates, new_state = inner.update(grads, _cast_state(state, jnp.float32), params, **extra)
+        return updates, _cast_state(new_state, dtype)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adam_atan2": adam_atan2, "lion": lion}

@@ -57,6 +57,23 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
     else:
         check_local_writable(checkpoint_dir, "checkpoint directory", ckpt_setting)
     check_dataset(config.data, gcs)
+    if config.train.init_params_from:
+        check_init_params(config.train.init_params_from)
+
+
+def check_init_params(path: str) -> None:
+    """train.init_params_from must hold an imported parameter checkpoint (params/)."""
+    import fsspec
+
+    try:
+        fs, base = fsspec.core.url_to_fs(path)
+        ok = fs.exists(f"{base.rstrip('/')}/params")
+    except Exception as e:
+        raise UserError(f"cannot read train.init_params_from={path} ({one_line(e)[:200]}); check the path and "
+                        "this worker's read access") from e
+    if not ok:
+        raise UserError(f"train.init_params_from={path} has no params/ checkpoint; point it at a directory written "
+                        "by `python -m models.recursive_reasoning.import_reference --out DIR`")
 
 
 # ----------------------------------------------------------------------------------- W&B

@@ -59,7 +59,8 @@ def puzzle_lr_schedule(cfg: OptimConfig, total_steps: int, warmup_steps: int) ->
 
 def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule, puzzle_schedule: optax.Schedule | None = None
                    ) -> optax.GradientTransformation:
-    """The network's optimizer (adamw | adam_atan2 | lion, optional global-norm clipping); with
+    """The network's optimizer (adamw | adam_atan2 | lion | adafactor, optional global-norm clipping,
+    moments stored in optim.state_dtype); with
     `puzzle_schedule` (a model with a puzzle table), sign-SGD on the table beside it."""
     parts = []
     if cfg.grad_clip_norm is not None:
@@ -70,9 +71,13 @@ def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule, puzzle_schedule: 
         parts.append(optimizers.adam_atan2(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
     elif cfg.name == "lion":
         parts.append(optimizers.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+    elif cfg.name == "adafactor":  # factored second moments: O(rows + cols) state per matrix
+        parts.append(optimizers.adafactor(schedule, weight_decay=cfg.weight_decay, multiply_by_parameter_scale=False))
     else:
         raise ValueError(f"unknown optimizer {cfg.name}")
     main = optax.chain(*parts)
+    if cfg.state_dtype != "float32":
+        main = optimizers.with_state_dtype(main, jnp.dtype(cfg.state_dtype))
     if puzzle_schedule is None:
         return main
     return optimizers.recursive_optimizer(main, puzzle_schedule, cfg.puzzle_emb_weight_decay)
@@ -92,15 +97,21 @@ def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
-def batch_shardings(mesh: Mesh) -> dict[str, Any]:
-    return {"inputs": batch_sharding(mesh, 2), "labels": batch_sharding(mesh, 2),
-            "puzzle_identifiers": batch_sharding(mesh, 1)}
+# A batch's fields and their ranks (int32, batch first): puzzle tasks by default; a task may
+# declare its own as `batch_fields` (e.g. Gemma SFT: inputs, labels, segment_ids, positions).
+PUZZLE_BATCH_FIELDS = {"inputs": 2, "labels": 2, "puzzle_identifiers": 1}
 
 
-def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[str, Any]:
+    return {k: batch_sharding(mesh, ndim) for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
+
+
+def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int, fields: dict[str, int] | None = None
+                   ) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and shardings of a global batch, for lowering without data."""
-    shapes = {"inputs": (global_batch, seq_len), "labels": (global_batch, seq_len), "puzzle_identifiers": (global_batch,)}
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_shardings(mesh)[k]) for k, shape in shapes.items()}
+    shardings = batch_shardings(mesh, fields)
+    return {k: jax.ShapeDtypeStruct((global_batch, seq_len)[:ndim], jnp.int32, sharding=shardings[k])
+            for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
 
 def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
@@ -108,38 +119,65 @@ def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a: NamedSharding(mesh, P(BATCH_AXES, *([None] * (a.ndim - 1)))), abstract_carry)
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def trainable_part(params: Any, mask: Any) -> Any:
+    """The trainable leaves of `params`; frozen ones become None (an empty subtree to optax)."""
+    return params if mask is None else jax.tree.map(lambda m, p: p if m else None, mask, params)
+
+
+def with_frozen(trainable: Any, params: Any) -> Any:
+    """`trainable` (None at frozen leaves) filled in from `params`."""
+    return jax.tree.map(lambda t, p: p if t is None else t, trainable, params, is_leaf=_is_none)
+
+
 @dataclass
 class Steps:
     """The compiled-once building blocks of a run, all sharded on `mesh`."""
 
     init: Callable[[jax.Array], TrainState]
+    init_from: Callable[[jax.Array, Any], TrainState]  # (rng, params) -> state starting from those params
     train: Callable  # (state, batch) -> (state, metrics)
     eval: Callable  # (params, ema_params, batch) -> metric sums
+    eval_rows: Callable | None  # (params, ema_params, batch) -> (sums, per-row outputs); tasks with eval_outputs
     state_shardings: Any
     abstract_state: Any  # ShapeDtypeStructs with shardings: the restore target
     summarize: Callable  # (sums, global_batch, training) -> metrics (host side)
+    batch_fields: dict[str, int]  # the batch's field names and ranks
+    task: Any = None
 
 
 def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
                 seq_len: int, ema_rate: float | None, global_batch: int = 1) -> Steps:
-    """`task`: a `models.build_task` Task (a bare flax module is wrapped as a stateless one)."""
+    """`task`: a `models.build_task` Task (a bare flax module is wrapped as a stateless one).
+
+    A task may name frozen parameters with ``trainable_mask(params) -> tree of bools`` (LoRA:
+    only the adapters train): frozen leaves get no gradient, no optimizer state and no EMA.
+    """
     if isinstance(task, nn.Module):
         from models import SequenceTask
 
         task = SequenceTask(task)
-    example = abstract_batch(mesh, global_batch, seq_len)
+    example = abstract_batch(mesh, global_batch, seq_len, getattr(task, "batch_fields", None))
+    zeros_batch = lambda: {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}  # noqa: E731
+    abstract_unboxed = nn.meta.unbox(jax.eval_shape(lambda: task.init(jax.random.key(0), zeros_batch())))
+    mask = task.trainable_mask(abstract_unboxed) if hasattr(task, "trainable_mask") else None
 
-    def boxed_init(rng_data):
-        batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}
-        params = task.init(jax.random.wrap_key_data(rng_data), batch)
+    def state_from(rng_data, params):
+        trainable = trainable_part(params, mask)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
-            ema_params=optimizers.ema_init(params) if ema_rate is not None else None,
+            opt_state=tx.init(trainable),
+            ema_params=optimizers.ema_init(trainable) if ema_rate is not None else None,
             rng=rng_data,
-            carry=task.init_carry(batch),
+            carry=task.init_carry(zeros_batch()),
         )
+
+    def boxed_init(rng_data):
+        return state_from(rng_data, task.init(jax.random.wrap_key_data(rng_data), zeros_batch()))
 
     rng_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
     boxed = jax.eval_shape(boxed_init, rng_shape)
@@ -148,6 +186,8 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
         state_shardings = state_shardings.replace(carry=carry_shardings(boxed.carry, mesh))
     # Created already sharded: each device computes only its own shard of every parameter.
     init = jax.jit(lambda r: nn.meta.unbox(boxed_init(r)), in_shardings=replicated(mesh), out_shardings=state_shardings)
+    init_from = jax.jit(state_from, in_shardings=(replicated(mesh), state_shardings.params),
+                        out_shardings=state_shardings)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.meta.unbox(boxed), state_shardings)
     puzzle_table = has_puzzle_table(boxed.params)
@@ -155,37 +195,49 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def loss_fn(params):
-            return task.train_loss(params, state.carry, batch, rng)
+        def loss_fn(trainable):
+            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng)
 
-        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        trainable = trainable_part(state.params, mask)
+        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         if puzzle_table:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params, **opt_extra)
+            updates, opt_state = tx.update(grads, state.opt_state, trainable, **opt_extra)
         else:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+            updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        params = with_frozen(trainable, state.params)
         ema = state.ema_params
         if ema is not None:
-            ema = optimizers.ema_update(ema, params, ema_rate)
+            ema = optimizers.ema_update(ema, trainable, ema_rate)
         metrics = {
             "sums": sums,
             "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(params),
+            "param_norm": optax.tree.norm(trainable),
             "lr": schedule(state.step),
         }
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema, carry=carry)
         return new_state, metrics
 
-    def eval_step(params, ema_params, batch):
-        if ema_params is not None:
-            params = optimizers.with_ema(params, ema_params)
-        return task.eval_sums(params, batch)
+    def eval_params(params, ema_params):
+        if ema_params is None:
+            return params
+        return with_frozen(optimizers.with_ema(trainable_part(params, mask), ema_params), params)
 
-    batch_specs = batch_shardings(mesh)
+    def eval_step(params, ema_params, batch):
+        return task.eval_sums(eval_params(params, ema_params), batch)
+
+    batch_specs = batch_shardings(mesh, getattr(task, "batch_fields", None))
     train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
     evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                        out_shardings=replicated(mesh))
-    return Steps(init=init, train=train, eval=evaluate, state_shardings=state_shardings, abstract_state=abstract_state,
-                 summarize=task.summarize)
+    eval_rows = None
+    if hasattr(task, "eval_outputs"):
+        eval_rows = jax.jit(lambda p, e, b: task.eval_outputs(eval_params(p, e), b),
+                            in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
+                            out_shardings=(replicated(mesh), batch_sharding(mesh, 1)))
+    return Steps(init=init, init_from=init_from, train=train, eval=evaluate, eval_rows=eval_rows,
+                 state_shardings=state_shardings,
+                 abstract_state=abstract_state, summarize=task.summarize,
+                 batch_fields=dict(getattr(task, "batch_fields", None) or PUZZLE_BATCH_FIELDS), task=task)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import re
 import time
 from typing import Any
@@ -91,26 +92,107 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
                     f"has {new.get(key)!r}; use the same value to resume, or a new run.name (or run.checkpoint.dir) to start fresh")
 
 
-def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None) -> dict[str, float]:
-    """Metrics over the eval set, with the EMA weights when EMA is on (and the live puzzle table)."""
+def local_rows(arrays: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """This process's rows of batch-sharded global arrays, in row order (replicas counted once)."""
+    out = {}
+    for name, arr in arrays.items():
+        shards = {(s.index[0].start or 0): s.data for s in arr.addressable_shards}
+        out[name] = np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
+    return out
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """`obj` from every process (pickled through a uint8 all-gather), in process order."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    everything = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(everything[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+def make_arc_evaluator(config: Config):
+    """The ARC evaluator (votes, pass@k, submission.json) for an ARC dataset, else None."""
+    if config.data.name != "arc":
+        return None
+    from data_pipeline.arc_eval import ARCEvaluator
+
+    return ARCEvaluator.from_dataset(config.data.path)
+
+
+def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None, *,
+             arc=None, submission_path: str | None = None) -> dict[str, float]:
+    """Metrics over the eval set, with the EMA weights when EMA is on (and the live puzzle table).
+
+    With an ARC evaluator (`arc`, fresh per evaluation), every process votes with the rows it
+    holds; process 0 merges all votes, adds pass@k and writes the Kaggle submission."""
     totals: dict[str, float] = {}
     rows = 0
     for batch in feeder.eval_batches(max_examples):
         beat()
         rows += feeder.global_batch
-        for k, v in jax.device_get(steps.eval(state.params, state.ema_params, batch)).items():
+        if arc is None:
+            sums = steps.eval(state.params, state.ema_params, batch)
+        else:
+            sums, outputs = steps.eval_rows(state.params, state.ema_params, batch)
+            mine = local_rows({k: batch[k] for k in ("inputs", "labels", "puzzle_identifiers")} | outputs)
+            real = (mine["labels"] != -100).any(-1)  # padding rows of the last batch have no labels
+            arc.update(mine["inputs"][real], mine["preds"][real], mine["puzzle_identifiers"][real],
+                       mine["q_halt_logits"][real])
+        for k, v in jax.device_get(sums).items():
             totals[k] = totals.get(k, 0) + float(v)
-    return {f"eval/{k}": float(v) for k, v in steps.summarize(totals, rows, False).items()} if totals else {}
+    metrics = {f"eval/{k}": float(v) for k, v in steps.summarize(totals, rows, False).items()} if totals else {}
+    if arc is not None:
+        states = gather_objects(arc.state())
+        if jax.process_index() == 0:
+            for other in states[1:]:
+                arc.merge(other)
+            metrics |= {f"eval/{k}": v for k, v in arc.result(submission_path).items()}
+    return metrics
+
+
+def load_init_params(path: str, abstract_params: Any) -> Any:
+    """Parameters from an imported checkpoint (DIR/params), placed with the run's shardings."""
+    import orbax.checkpoint as ocp
+
+    where = path.rstrip("/") if "://" in path else os.path.abspath(path)
+    try:
+        return ocp.StandardCheckpointer().restore(f"{where}/params", abstract_params)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"train.init_params_from={path} does not fit this model ({' '.join(str(e).split())[:300]}); "
+                        "import with the same arch values and dataset sizes as this run") from e
+
+
+def read_init_states(config: Config, meta: dict | None) -> Any:
+    """TRM/HRM (H_init, L_init): from the checkpoint being resumed, else from the imported
+    checkpoint (init_params_from/init_states), else None (the models' fixed vectors)."""
+    if meta is not None:
+        return meta.get("init_states")
+    path = config.train.init_params_from
+    if not path:
+        return None
+    import fsspec
+    import orbax.checkpoint as ocp
+
+    fs, base = fsspec.core.url_to_fs(path)
+    if not fs.exists(f"{base.rstrip('/')}/init_states"):
+        return None
+    where = path.rstrip("/") if "://" in path else os.path.abspath(path)
+    states = ocp.StandardCheckpointer().restore(f"{where}/init_states")
+    return [np.asarray(states["H_init"], np.float32).tolist(), np.asarray(states["L_init"], np.float32).tolist()]
 
 
 def plan_and_build(config: Config, *, devices, num_processes: int, train_examples: int, vocab_size: int,
-                   seq_len: int, num_puzzle_identifiers: int = 1) -> tuple[Plan, Any, Any]:
+                   seq_len: int, num_puzzle_identifiers: int = 1, init_states: Any = None) -> tuple[Plan, Any, Any]:
     """Plan (all checks that need the machine), mesh, model and the jitted steps, for real
     devices or a TPU topology's compile-only devices (runtime/compile_only.py)."""
     plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples)
     log.info("plan:\n%s", plan.table())
     mesh = make_mesh(plan.mesh_shape, devices)
-    task = build_task(config.arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
+    task = build_task(config.arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+                      init_states=init_states)
     schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     puzzle_schedule = puzzle_lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     abstract_params = jax.eval_shape(lambda: task.init(jax.random.key(0), {
@@ -134,21 +216,28 @@ def run(config: Config) -> int:
     except DatasetError as e:
         raise UserError(str(e)) from e
     train_meta = train_split.metadata
-    plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
-                                       train_examples=len(train_split), vocab_size=train_meta.vocab_size,
-                                       seq_len=train_meta.seq_len, num_puzzle_identifiers=train_meta.num_puzzle_identifiers)
-    ckpt = Checkpoints(plan.checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
+    ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = ckpt.latest_step(), None
     if start_step is not None:
         if not config.run.checkpoint.resume:
-            raise UserError(f"{plan.checkpoint_dir} already holds checkpoints (latest step {start_step}) and "
+            raise UserError(f"{checkpoint_dir} already holds checkpoints (latest step {start_step}) and "
                             "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
         meta = ckpt.read_meta(start_step)
-        check_resumable(meta, config, plan.train_examples, plan.checkpoint_dir, start_step)
+        check_resumable(meta, config, len(train_split), checkpoint_dir, start_step)
+    init_states = read_init_states(config, meta)
+    plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
+                                       train_examples=len(train_split), vocab_size=train_meta.vocab_size,
+                                       seq_len=train_meta.seq_len, num_puzzle_identifiers=train_meta.num_puzzle_identifiers,
+                                       init_states=init_states)
+    rng = jax.random.key_data(jax.random.key(config.train.seed))
+    if start_step is not None:
         state = ckpt.restore_state(start_step, steps.abstract_state)
         log.info("resumed from step %d of %s", start_step, plan.checkpoint_dir)
+    elif config.train.init_params_from:
+        state = steps.init_from(rng, load_init_params(config.train.init_params_from, steps.abstract_state.params))
+        log.info("parameters from %s", config.train.init_params_from)
     else:
-        state = steps.init(jax.random.key_data(jax.random.key(config.train.seed)))
+        state = steps.init(rng)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
     run_id = meta["run_id"] if meta else new_run_id(config)
     position = int(meta["data_position"]["next_batch"]) if meta else 0
@@ -168,8 +257,14 @@ def run(config: Config) -> int:
 
     status, exit_code, final = "failed", 1, None
     try:
+        if config.train.eval_only:
+            final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, arc=make_arc_evaluator(config),
+                             submission_path=f"{plan.output_dir}/submission.json")
+            sinks.log(position, final)
+            status, exit_code = "evaluated", 0
+            return exit_code
         exit_code, status, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position,
-                                              run_id, config_dict, seq_len=train_meta.seq_len)
+                                              run_id, config_dict, seq_len=train_meta.seq_len, init_states=init_states)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         return exit_code
     except UserError as e:
@@ -197,7 +292,7 @@ def _best_effort(action, what: str) -> None:
 
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
                ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
-               seq_len: int) -> tuple[int, str, dict | None]:
+               seq_len: int, init_states: Any = None) -> tuple[int, str, dict | None]:
     """The loop: step, log, eval, checkpoint, NaN guard, preemption, watchdog, profiler window.
     Returns (exit code, status for the manifest, final metrics)."""
     if position >= plan.total_steps:
@@ -240,7 +335,8 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                         "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
                         "seed": config.train.seed, "train_examples": plan.train_examples}
             ckpt.save(done, state, {"step": done, "run_id": run_id, "config": config_dict,
-                                    "metrics": train_metrics | eval_metrics, "data_position": position})
+                                    "metrics": train_metrics | eval_metrics, "data_position": position,
+                                    "init_states": init_states})
             last_good_ckpt = done
 
     preemption = PreemptionWatcher()
@@ -270,7 +366,8 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
             if done % plan.eval_every == 0 or last:
                 with timer.paused():
                     eval_metrics = evaluate(steps, state, eval_feeder, config.data.eval_max_examples,
-                                            lambda: watchdog.beat(done, "eval"))
+                                            lambda: watchdog.beat(done, "eval"), arc=make_arc_evaluator(config),
+                                            submission_path=f"{plan.output_dir}/submission.json")
                     sinks.log(done, eval_metrics)
             if done % plan.checkpoint_every == 0 or last or preempted:
                 save(done)

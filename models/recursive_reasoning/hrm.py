@@ -14,7 +14,7 @@ the puzzle embedding takes ``ceil(puzzle_emb_ndim / hidden)`` prefix positions (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -44,6 +44,7 @@ class HRMConfig(Freezable):
     rope_theta: float = 10000.0
     # HRM always halts on q_halt > q_continue and learns Q-continue; kept for the ACT wrapper.
     no_ACT_continue: bool = False
+    loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy
 
 
 class HRM(RecursiveIO):
@@ -53,6 +54,9 @@ class HRM(RecursiveIO):
     vocab_size: int
     seq_len: int
     num_puzzle_identifiers: int = 1
+    # (H_init, L_init) as tuples of floats (hashable), e.g. imported from a reference checkpoint;
+    # None = the fixed vectors of `initial_states`.
+    init_states: Any = None
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array], carry: InnerCarry | None = None):

@@ -106,6 +106,8 @@ def normalize_state_dict(sd: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """{key: array-like} (prefixed or not, any float dtype numpy can hold) -> stripped float32 numpy."""
     out: dict[str, np.ndarray] = {}
     for k, v in sd.items():
+        if hasattr(v, "detach"):  # a torch tensor; numpy cannot take bfloat16 from torch directly
+            v = v.detach().float().cpu().numpy()
         out.update(_stripped(k, np.asarray(v, np.float32), out))
     return out
 

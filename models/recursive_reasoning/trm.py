@@ -59,6 +59,7 @@ class TRMConfig(Freezable):
     forward_dtype: str = "bfloat16"  # float32 | bfloat16 | float16 (parameters stay float32)
     no_ACT_continue: bool = True  # halt on q_halt > 0; no Q-continue target/loss
     rope_theta: float = 10000.0
+    loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy (the reference's two choices)
 
 
 @flax.struct.dataclass
@@ -109,6 +110,9 @@ class RecursiveIO(nn.Module):
 
     @nn.nowrap
     def initial_states(self) -> Tuple[jax.Array, jax.Array]:
+        if self.init_states is not None:
+            h, l = self.init_states
+            return jnp.asarray(h, self.dtype), jnp.asarray(l, self.dtype)
         return initial_states(self.cfg.hidden, self.dtype)
 
     @nn.nowrap
@@ -197,6 +201,9 @@ class TRM(RecursiveIO):
     vocab_size: int
     seq_len: int
     num_puzzle_identifiers: int = 1
+    # (H_init, L_init) as tuples of floats (hashable), e.g. imported from a reference checkpoint;
+    # None = the fixed vectors of `initial_states`.
+    init_states: Any = None
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array], carry: InnerCarry | None = None):

@@ -1,0 +1,89 @@
+"""Gemma arch config (the `arch` group's schema for Gemma 1, 2 and 3 text models) and the
+parameter layout every Gemma module of this package agrees on.
+
+The sizes of the released models live in conf/arch/gemma*.yaml (one file per model, numbers
+from ../shared/reference/GEMMA.md); tests build tiny configs directly.
+
+Parameter tree (the model's `params`; layers stacked on a leading axis so they run under
+`lax.scan`). Logical axis names in brackets; runtime/sharding.py maps them to mesh axes::
+
+    embedder/input_embedding          [V, D]           (vocab, embed)
+    layers/pre_attention_norm/scale   [L, D]           (layers, embed)        zero init (x * (1 + scale))
+    layers/post_attention_norm/scale  [L, D]           Gemma 2/3 only
+    layers/pre_ffw_norm/scale         [L, D]
+    layers/post_ffw_norm/scale        [L, D]           Gemma 2/3 only
+    layers/attn/q_einsum/w            [L, H, D, hd]    (layers, heads, embed, head_dim)
+    layers/attn/kv_einsum/w           [L, 2, K, D, hd] (layers, None, kv_heads, embed, head_dim)
+    layers/attn/attn_vec_einsum/w     [L, H, hd, D]    (layers, heads, head_dim, embed)
+    layers/attn/query_norm/scale      [L, hd]          Gemma 3 only (QK-norm)
+    layers/attn/key_norm/scale        [L, hd]          Gemma 3 only
+    layers/mlp/gating_einsum/w        [L, 2, D, F]     (layers, None, embed, mlp)  [0] gate (GELU), [1] up
+    layers/mlp/linear/w               [L, F, D]        (layers, mlp, embed)
+    final_norm/scale                  [D]              (embed,)
+
+LoRA (lora_rank > 0) adds, for each targeted weight `w` above, `lora_a` and `lora_b` beside it
+(e.g. layers/attn/q_einsum/lora_a, .../lora_b); see models/gemma/lora.py. B starts at zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from runtime.frozen import Freezable
+
+LORA_TARGETS = ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+LOSSES = ("chunked", "plain")
+
+
+@dataclass
+class GemmaConfig(Freezable):
+    """One Gemma text model. Defaults: a tiny Gemma-2-shaped model for tests and the CPU demo."""
+
+    name: str = "gemma"
+    version: int = 2  # 1 | 2 | 3: post-norms from 2 on, QK-norm in 3
+    num_layers: int = 2
+    embed_dim: int = 64  # D
+    hidden_dim: int = 128  # F, the MLP width
+    num_heads: int = 4  # H
+    num_kv_heads: int = 2  # K; 1 = multi-query
+    head_dim: int = 16  # hd
+    vocab_size: int = 512  # rows of the embedding table (may exceed the tokenizer's vocab)
+    # Attention pattern: layer i is global when (i + 1) % global_every == 0, else local with
+    # `sliding_window` (a key is visible when key_pos > query_pos - window). 1 = all global.
+    global_every: int = 1
+    sliding_window: Optional[int] = None
+    rope_base_local: float = 10_000.0
+    rope_base_global: float = 10_000.0
+    rope_scale_global: float = 1.0  # linear position scaling on global layers (Gemma3-4B: 8)
+    query_pre_attn_scalar: Optional[float] = None  # queries scaled by this ** -0.5; None = head_dim
+    attn_logit_softcap: Optional[float] = None  # Gemma 2: 50
+    final_logit_softcap: Optional[float] = None  # Gemma 2: 30
+    dtype: str = "bfloat16"  # activations / matmuls
+    param_dtype: str = "float32"  # stored parameters (the optimizer updates these)
+    remat: str = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
+    scan_layers: bool = True  # layers under lax.scan: compile time flat in depth
+    # Loss: "chunked" never materialises [B, T, V] logits (scan over token chunks, logits
+    # recomputed in the backward pass); "plain" is the naive version, kept to measure against.
+    loss: str = "chunked"
+    loss_chunk_size: int = 512  # tokens per chunk (over the flattened batch x length)
+    # LoRA: rank 0 = full fine-tuning. Base weights are frozen and hold no optimizer state.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # Pretrained weights to start from: a Hugging Face safetensors file or folder, or a Kaggle
+    # Flax/Orbax checkpoint folder; local path or gs://. None = random init.
+    checkpoint: Optional[str] = None
+    checkpoint_format: str = "auto"  # auto | hf | kaggle
+
+    @property
+    def post_norms(self) -> bool:
+        return self.version >= 2
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.version >= 3
+
+    def is_global_layer(self, i: int) -> bool:
+        return self.sliding_window is None or (i + 1) % self.global_every == 0
