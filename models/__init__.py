@@ -18,7 +18,8 @@ A `Task` (all methods traceable under `jit`):
   or eval batches (``global_batch`` = rows those sums cover).
 
 Families: `tiny_transformer` (stateless test model, softmax CE) and the recursive-reasoning
-models `trm` / `hrm` (ACT carry, one optimizer step per ACT step, stablemax CE + Q losses).
+models `trm` / `hrm` (ACT carry, one optimizer step per ACT step, stablemax CE + Q losses),
+and `gemma` (supervised fine-tuning on token sequences, models/gemma/task.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ import optax
 
 from models.recursive_reasoning import (HRM, HRMConfig, TRM, TRMConfig, act_evaluate, act_loss, act_step, init_params,
                                         initial_carry)
+from models.gemma.config import GemmaConfig
 from models.tiny_transformer import TinyTransformer, TinyTransformerConfig
+from runtime.errors import UserError
 
 ARCH_SCHEMAS: dict[str, type] = {
     "tiny_transformer": TinyTransformerConfig,
     "trm": TRMConfig,
     "hrm": HRMConfig,
+    "gemma": GemmaConfig,
 }
 
 IGNORE_LABEL = -100
@@ -57,7 +61,15 @@ def build_model(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifi
     raise ValueError(f"no model for arch config {type(arch).__name__}")
 
 
-def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1, init_states=None):
+def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1, init_states=None,
+               packed: bool = False):
+    if isinstance(arch, GemmaConfig):
+        from models.gemma.task import GemmaTask
+
+        if vocab_size > arch.vocab_size:
+            raise UserError(f"the tokenizer has {vocab_size} ids but arch.vocab_size={arch.vocab_size} embedding rows; "
+                            f"set arch.vocab_size >= {vocab_size}")
+        return GemmaTask(arch, packed=packed)
     model = build_model(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                         init_states=init_states)
     if isinstance(arch, TinyTransformerConfig):

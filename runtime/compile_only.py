@@ -107,6 +107,8 @@ def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
     from data_pipeline.puzzle_format import DatasetError, load_metadata
 
     data = config.data
+    if data.name == "sft":
+        return _sft_shape(config)
     try:
         meta = load_metadata(data.path, data.train_split)
         with fsspec.open(f"{data.path.rstrip('/')}/{data.train_split}/all__inputs.npy", "rb") as f:
@@ -121,6 +123,19 @@ def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
 
     examples = data.generate_puzzles * (1 + data.generate_num_aug)
     return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, 1, "Sudoku to be generated, not built yet"
+
+
+def _sft_shape(config: Config) -> tuple[int, int, int, int, str]:
+    """A built SFT set's shape, or (before it is built) data.seq_len and the model's vocabulary."""
+    from data_pipeline.puzzle_format import DatasetError
+    from data_pipeline.sft_format import load_sft_metadata
+
+    try:
+        meta = load_sft_metadata(config.data.path, config.data.train_split)
+        return meta.num_rows, meta.vocab_size, meta.seq_len, 1, f"dataset {config.data.path}"
+    except (DatasetError, FileNotFoundError):
+        rows = 1_000_000  # only the schedule's length depends on it
+        return rows, config.arch.vocab_size, config.data.seq_len, 1, f"SFT set not built; data.seq_len={config.data.seq_len}"
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")

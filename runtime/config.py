@@ -28,8 +28,8 @@ from runtime.frozen import Freezable, freeze
 
 @dataclass
 class DataConfig(Freezable):
-    name: str = MISSING  # dataset family: sudoku (more come with the recursive-model issue)
-    path: str = MISSING  # dataset root (reference on-disk format), local path or gs://bucket/prefix
+    name: str = MISSING  # sudoku | maze | arc (puzzle format) | sft (tokenized chat, data_pipeline/sft_format.py)
+    path: str = MISSING  # dataset root, local path or gs://bucket/prefix
     train_split: str = "train"
     eval_split: str = "test"
     eval_max_examples: Optional[int] = None  # cap the eval set (None = all of it)
@@ -40,6 +40,12 @@ class DataConfig(Freezable):
     generate_num_aug: int = 0
     generate_min_givens: int = 30
     generate_seed: int = 0
+    # SFT (name=sft): token length of a generated set (and of compile-only plans without data);
+    # the tokenizer (default <path>/tokenizer.model); greedy-generation eval on the first N prompts.
+    seq_len: int = 128
+    tokenizer: Optional[str] = None
+    eval_generate_examples: int = 0
+    eval_max_new_tokens: int = 64
 
 
 @dataclass

@@ -305,6 +305,8 @@ def check_dataset(data: Any, gcs: Optional[_Gcs] = None) -> None:
     root = str(data.path)
     remote = "://" in root
     splits = list(dict.fromkeys([data.train_split, data.eval_split]))
+    if data.name == "sft":
+        return check_sft_dataset(data, splits, gcs)
     train_meta = os.path.join(root, data.train_split, "dataset.json")
     if not remote and data.generate_if_missing and not os.path.exists(train_meta):
         _check_buildable(root)  # the trainer builds it; only where it goes is checked
@@ -339,6 +341,27 @@ def check_dataset(data: Any, gcs: Optional[_Gcs] = None) -> None:
                                     "rebuild the dataset or point data.path at a complete one")
                 if not remote:
                     _check_npy_readable(os.path.join(split_dir, file))
+
+
+def check_sft_dataset(data: Any, splits: list[str], gcs: Optional[_Gcs]) -> None:
+    """A tokenized chat dataset: each split's sft.json parses (the arrays are checked on load)."""
+    from data_pipeline.puzzle_format import DatasetError
+    from data_pipeline.sft_format import load_sft_metadata
+
+    root = str(data.path)
+    if "://" not in root and data.generate_if_missing and not os.path.exists(os.path.join(root, data.train_split, "sft.json")):
+        _check_buildable(root)
+        return
+    if root.startswith("gs://"):
+        (gcs or _Gcs(DEFAULT_GCS_TIMEOUT_S)).bucket(root, "data.path", need_metadata=False)
+    for split in splits:
+        try:
+            load_sft_metadata(root, split)
+        except DatasetError as e:
+            raise UserError(str(e)) from e
+        except Exception as e:
+            raise UserError(f"cannot read the dataset at {root}/{split} ({one_line(e)[:200]}); check data.path and "
+                            "that this worker can read it (roles/storage.objectViewer for gs://)") from e
 
 
 def _check_npy_readable(path: str) -> None:

@@ -53,6 +53,14 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
         return
 
     def build_if_missing():
+        if data.name == "sft":
+            if not os.path.exists(os.path.join(data.path, data.train_split, "sft.json")):
+                from data_pipeline.build_sft import build_generated_arithmetic
+
+                log.info("building a generated arithmetic reasoning set at %s", data.path)
+                build_generated_arithmetic(data.path, data.generate_puzzles, data.generate_test_puzzles, data.seq_len,
+                                           data.generate_seed)
+            return
         if not os.path.exists(os.path.join(data.path, data.train_split, "dataset.json")):
             from data_pipeline.build_sudoku import build_sudoku_dataset
 
@@ -66,6 +74,32 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
     if info.process_count > 1:
         multihost_utils.sync_global_devices("dataset ready")
         build_if_missing()  # workers with their own disks build the same (seeded) data
+
+
+def load_any_split(config: Config, split: str):
+    """A puzzle split (reference format) or, for data.name=sft, a tokenized chat split."""
+    if config.data.name == "sft":
+        from data_pipeline.sft_format import load_sft_split
+
+        return load_sft_split(config.data.path, split)
+    return load_split(config.data.path, split)
+
+
+def make_generation_eval(config: Config, steps, split, mesh, global_batch: int):
+    """For SFT runs with data.eval_generate_examples > 0: params -> answer/format metrics."""
+    if config.data.name != "sft" or config.data.eval_generate_examples <= 0:
+        return None
+    from data_pipeline.tokenizer import Tokenizer, TokenizerError
+    from models.gemma.task import generation_metrics
+
+    path = config.data.tokenizer or f"{config.data.path.rstrip('/')}/tokenizer.model"
+    try:
+        tokenizer = Tokenizer(path)
+    except TokenizerError as e:
+        raise UserError(str(e)) from e
+    return lambda params: generation_metrics(steps.task, params, split, tokenizer, mesh,
+                                             examples=config.data.eval_generate_examples,
+                                             max_new_tokens=config.data.eval_max_new_tokens, batch_size=global_batch)
 
 
 def new_run_id(config: Config) -> str:
@@ -123,7 +157,7 @@ def make_arc_evaluator(config: Config):
 
 
 def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None, *,
-             arc=None, submission_path: str | None = None) -> dict[str, float]:
+             arc=None, submission_path: str | None = None, generation=None) -> dict[str, float]:
     """Metrics over the eval set, with the EMA weights when EMA is on (and the live puzzle table).
 
     With an ARC evaluator (`arc`, fresh per evaluation), every process votes with the rows it
@@ -150,6 +184,9 @@ def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | 
             for other in states[1:]:
                 arc.merge(other)
             metrics |= {f"eval/{k}": v for k, v in arc.result(submission_path).items()}
+    if generation is not None:
+        beat()
+        metrics |= {f"eval/{k}": v for k, v in generation(state.params).items()}
     return metrics
 
 
@@ -185,14 +222,15 @@ def read_init_states(config: Config, meta: dict | None) -> Any:
 
 
 def plan_and_build(config: Config, *, devices, num_processes: int, train_examples: int, vocab_size: int,
-                   seq_len: int, num_puzzle_identifiers: int = 1, init_states: Any = None) -> tuple[Plan, Any, Any]:
+                   seq_len: int, num_puzzle_identifiers: int = 1, init_states: Any = None,
+                   packed: bool = False) -> tuple[Plan, Any, Any]:
     """Plan (all checks that need the machine), mesh, model and the jitted steps, for real
     devices or a TPU topology's compile-only devices (runtime/compile_only.py)."""
     plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples)
     log.info("plan:\n%s", plan.table())
     mesh = make_mesh(plan.mesh_shape, devices)
     task = build_task(config.arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
-                      init_states=init_states)
+                      init_states=init_states, packed=packed)
     schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     puzzle_schedule = puzzle_lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     abstract_params = jax.eval_shape(lambda: task.init(jax.random.key(0), {
@@ -211,8 +249,7 @@ def run(config: Config) -> int:
     preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
     ensure_dataset(config, info)
     try:
-        train_split = load_split(config.data.path, config.data.train_split)
-        eval_split = load_split(config.data.path, config.data.eval_split)
+        train_split, eval_split = (load_any_split(config, s) for s in (config.data.train_split, config.data.eval_split))
     except DatasetError as e:
         raise UserError(str(e)) from e
     train_meta = train_split.metadata
@@ -228,7 +265,7 @@ def run(config: Config) -> int:
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
                                        train_examples=len(train_split), vocab_size=train_meta.vocab_size,
                                        seq_len=train_meta.seq_len, num_puzzle_identifiers=train_meta.num_puzzle_identifiers,
-                                       init_states=init_states)
+                                       init_states=init_states, packed=bool(getattr(train_meta, "packed", False)))
     rng = jax.random.key_data(jax.random.key(config.train.seed))
     if start_step is not None:
         state = ckpt.restore_state(start_step, steps.abstract_state)
@@ -236,6 +273,9 @@ def run(config: Config) -> int:
     elif config.train.init_params_from:
         state = steps.init_from(rng, load_init_params(config.train.init_params_from, steps.abstract_state.params))
         log.info("parameters from %s", config.train.init_params_from)
+    elif getattr(config.arch, "checkpoint", None):
+        state = steps.init_from(rng, steps.task.load_pretrained(steps.abstract_state.params, jax.random.key(config.train.seed)))
+        log.info("pretrained weights from %s", config.arch.checkpoint)
     else:
         state = steps.init(rng)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
@@ -255,16 +295,18 @@ def run(config: Config) -> int:
     if info.is_primary:
         manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
 
+    generation = make_generation_eval(config, steps, eval_split, mesh, plan.global_batch_size)
     status, exit_code, final = "failed", 1, None
     try:
         if config.train.eval_only:
             final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, arc=make_arc_evaluator(config),
-                             submission_path=f"{plan.output_dir}/submission.json")
+                             submission_path=f"{plan.output_dir}/submission.json", generation=generation)
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
             return exit_code
         exit_code, status, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position,
-                                              run_id, config_dict, seq_len=train_meta.seq_len, init_states=init_states)
+                                              run_id, config_dict, seq_len=train_meta.seq_len, init_states=init_states,
+                                              generation=generation)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         return exit_code
     except UserError as e:
@@ -292,7 +334,7 @@ def _best_effort(action, what: str) -> None:
 
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
                ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
-               seq_len: int, init_states: Any = None) -> tuple[int, str, dict | None]:
+               seq_len: int, init_states: Any = None, generation=None) -> tuple[int, str, dict | None]:
     """The loop: step, log, eval, checkpoint, NaN guard, preemption, watchdog, profiler window.
     Returns (exit code, status for the manifest, final metrics)."""
     if position >= plan.total_steps:
@@ -367,7 +409,7 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                 with timer.paused():
                     eval_metrics = evaluate(steps, state, eval_feeder, config.data.eval_max_examples,
                                             lambda: watchdog.beat(done, "eval"), arc=make_arc_evaluator(config),
-                                            submission_path=f"{plan.output_dir}/submission.json")
+                                            submission_path=f"{plan.output_dir}/submission.json", generation=generation)
                     sinks.log(done, eval_metrics)
             if done % plan.checkpoint_every == 0 or last or preempted:
                 save(done)

@@ -1,0 +1,274 @@
+"""Gemma 1/2/3 text model in Flax linen (facts: ../shared/reference/GEMMA.md; layout: config.py).
+
+One code path serves training (full sequences, optional packed segments) and decoding (a
+KV cache [L, B, S, K, hd] whose slot s holds the key/value of position s; see decode.py).
+
+Init: weights normal(fan_in ** -0.5); norm scales 0 (the norm multiplies by 1 + scale); the
+embedding normal(D ** -0.5), so that the sqrt(D)-scaled inputs and the tied output logits
+both start at unit scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.gemma import lora
+from models.gemma.config import REMAT_POLICIES, GemmaConfig
+from models.layers import dtype_from_name
+
+NORM_EPS = 1e-6
+_NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked row gives no NaN
+
+_REMAT_POLICY = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def logits_from_hidden(hidden: jax.Array, embedding: jax.Array, cfg: GemmaConfig) -> jax.Array:
+    """Tied output layer: hidden [..., D] @ E^T with float32 accumulation, then the final softcap."""
+    dtype = dtype_from_name(cfg.dtype)
+    logits = jnp.einsum("...d,vd->...v", hidden.astype(dtype), embedding.astype(dtype),
+                        preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_logit_softcap)
+
+
+def rope_table(positions: jax.Array, head_dim: int, base: float, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [B, T, head_dim / 2] float32 for positions [B, T] (divided by `scale`: linear scaling)."""
+    half = head_dim // 2
+    inv_freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
+    angle = (positions.astype(jnp.float32) / scale)[..., None] * inv_freq
+    return jnp.sin(angle), jnp.cos(angle)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, T, N, hd] (first half / second half), in float32."""
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + scale) in float32, returned in x's dtype."""
+
+    names: tuple[str, ...]
+    param_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, self.names), (x.shape[-1],),
+                           jnp.dtype(self.param_dtype))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + NORM_EPS)
+        return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+class Einsum(nn.Module):
+    """A weight `w` applied with `eqn` ("x,w->y"), plus the LoRA path when this weight is targeted."""
+
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    fan_in: int
+    cfg: GemmaConfig
+
+    @nn.compact
+    def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
+        dtype = dtype_from_name(self.cfg.dtype)
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.normal(self.fan_in**-0.5), self.names),
+                       self.shape, jnp.dtype(self.cfg.param_dtype))
+        y = jnp.einsum(eqn, x, w.astype(dtype))
+        if lora.enabled(self.cfg, self.name):
+            y = y + lora.lora_path(self, self.name, eqn, x, self.shape, self.names, self.cfg, dtype)
+        return y
+
+
+class Attention(nn.Module):
+    cfg: GemmaConfig
+
+    @nn.compact
+    def __call__(self, x, is_global, positions, rope, mask, cache):
+        """x [B, T, D]; rope: this layer's (sin, cos); mask [B, T, S] (S = T, or the cache length);
+        cache None or (k, v) [B, S, K, hd]."""
+        cfg = self.cfg
+        dtype = dtype_from_name(cfg.dtype)
+        B, T, D = x.shape
+        H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = Einsum((H, D, hd), ("heads", "embed", "head_dim"), D, cfg, name="q_einsum")("btd,hdk->bthk", x)
+        k, v = Einsum((2, K, D, hd), (None, "kv_heads", "embed", "head_dim"), D, cfg, name="kv_einsum")(
+            "btd,ckdh->cbtkh", x)
+        if cfg.qk_norm:
+            q = RMSNorm(("head_dim",), cfg.param_dtype, name="query_norm")(q)
+            k = RMSNorm(("head_dim",), cfg.param_dtype, name="key_norm")(k)
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
+        q = q * jnp.asarray((cfg.query_pre_attn_scalar or hd) ** -0.5, dtype)
+        if cache is not None:  # write this chunk into slots = positions, then attend over the cache
+            rows = jnp.arange(B)[:, None]
+            k = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
+            v = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
+            cache = (k, v)
+        qg = q.reshape(B, T, K, H // K, hd)  # query head h reads kv head h // (H / K)
+        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), preferred_element_type=jnp.float32)
+        logits = softcap(logits, cfg.attn_logit_softcap)
+        logits = jnp.where(mask[:, None, None], logits, _NEG)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype)).reshape(B, T, H, hd)
+        y = Einsum((H, hd, D), ("heads", "head_dim", "embed"), H * hd, cfg, name="attn_vec_einsum")("bthk,hkd->btd", out)
+        return y, cache
+
+
+class Mlp(nn.Module):
+    cfg: GemmaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        D, F = cfg.embed_dim, cfg.hidden_dim
+        gate, up = Einsum((2, D, F), (None, "embed", "mlp"), D, cfg, name="gating_einsum")("btd,cdf->cbtf", x)
+        h = jax.nn.gelu(gate, approximate=True) * up
+        return Einsum((F, D), ("mlp", "embed"), F, cfg, name="linear")("btf,fd->btd", h)
+
+
+class Block(nn.Module):
+    """One decoder layer. Signature fits nn.scan: (carry, scanned, *broadcast) -> (carry, scanned out)."""
+
+    cfg: GemmaConfig
+
+    @nn.compact
+    def __call__(self, x, layer_in, positions, tables):
+        """tables: (global, local) pairs of masks [B, T, S] and RoPE (sin, cos), built once per call."""
+        is_global, cache = layer_in
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(("embed",), cfg.param_dtype, name=name)
+        pick = lambda pair: jax.tree.map(lambda g, l: jnp.where(is_global, g, l), *pair)
+        masks, ropes = tables
+        h, cache = Attention(cfg, name="attn")(norm("pre_attention_norm")(x), is_global, positions, pick(ropes),
+                                               pick(masks), cache)
+        if cfg.post_norms:
+            h = norm("post_attention_norm")(h)
+        x = x + h
+        h = Mlp(cfg, name="mlp")(norm("pre_ffw_norm")(x))
+        if cfg.post_norms:
+            h = norm("post_ffw_norm")(h)
+        return x + h, cache
+
+
+def _masks(cfg: GemmaConfig, positions, segment_ids, cache_len: int | None):
+    """(global, local) visibility masks [B, T, S].
+
+    No cache: causal by index within the sequence, plus same-segment. With a cache: slot s holds
+    position s, visible when s <= the query's position. Local layers also need key_pos > q_pos - window.
+    """
+    B, T = positions.shape
+    if cache_len is None:
+        idx = jnp.arange(T)
+        visible = jnp.broadcast_to(idx[None, None, :] <= idx[None, :, None], (B, T, T))
+        key_pos = positions[:, None, :]
+        if segment_ids is not None:
+            visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    else:
+        key_pos = jnp.arange(cache_len)[None, None, :]
+        visible = key_pos <= positions[:, :, None]
+    if cfg.sliding_window is None:
+        return visible, visible
+    return visible, visible & (key_pos > positions[:, :, None] - cfg.sliding_window)
+
+
+def _remat_policy(cfg: GemmaConfig):
+    if cfg.remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat {cfg.remat!r}; use one of {REMAT_POLICIES}")
+    return _REMAT_POLICY.get(cfg.remat)
+
+
+class Gemma(nn.Module):
+    config: GemmaConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None, *, return_hidden: bool = False,
+                 cache: dict[str, jax.Array] | None = None):
+        """tokens [B, T] -> logits [B, T, V] float32, or (return_hidden) final-normed hidden [B, T, D].
+
+        With `cache` ({"k", "v"}: [L, B, S, K, hd]; see decode.py) `positions` are required,
+        the chunk is written at slots = positions, and the result is (output, new cache).
+        """
+        cfg = self.config
+        dtype = dtype_from_name(cfg.dtype)
+        B, T = tokens.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("decoding with a cache needs explicit positions")
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids are not supported with a cache")
+        embedding = Embedder(cfg, name="embedder")()
+        x = jnp.take(embedding, tokens, axis=0).astype(dtype) * jnp.asarray(math.sqrt(cfg.embed_dim), dtype)
+        masks = _masks(cfg, positions, segment_ids, None if cache is None else cache["k"].shape[2])
+        ropes = (rope_table(positions, cfg.head_dim, cfg.rope_base_global, cfg.rope_scale_global),
+                 rope_table(positions, cfg.head_dim, cfg.rope_base_local, 1.0))
+        is_global = jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)])
+        layer_in = (is_global, None if cache is None else (cache["k"], cache["v"]))
+        if cfg.scan_layers or self.is_initializing():  # loop mode initialises through the scan: one layout
+            x, new_cache = self._scanned(x, layer_in, positions, (masks, ropes))
+        else:
+            x, new_cache = self._looped(x, layer_in, positions, (masks, ropes))
+        x = RMSNorm(("embed",), cfg.param_dtype, name="final_norm")(x)
+        out = x if return_hidden else logits_from_hidden(x, embedding, cfg)
+        if cache is None:
+            return out
+        return out, {"k": new_cache[0], "v": new_cache[1]}
+
+    def _scanned(self, x, layer_in, positions, tables):
+        cfg = self.config
+        block = Block
+        if cfg.remat != "none":
+            block = nn.remat(Block, policy=_remat_policy(cfg), prevent_cse=False)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+                        metadata_params={nn.PARTITION_NAME: "layers"})
+        return stack(cfg, name="layers")(x, layer_in, positions, tables)
+
+    def _looped(self, x, layer_in, positions, tables):
+        """Python loop over layers, slicing the same stacked params the scan uses."""
+        cfg = self.config
+        stacked = nn.meta.unbox(self.variables["params"]["layers"])
+        block = Block(cfg, parent=None)
+
+        def layer(p, x, li):
+            return block.apply({"params": p}, x, li, positions, tables)
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_remat_policy(cfg))
+        caches = []
+        for i in range(cfg.num_layers):
+            take = lambda a, i=i: a[i]
+            x, c = layer(jax.tree.map(take, stacked), x, jax.tree.map(take, layer_in))
+            caches.append(c)
+        if caches[0] is None:
+            return x, None
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *caches)
+
+
+class Embedder(nn.Module):
+    cfg: GemmaConfig
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        cfg = self.cfg
+        return self.param("input_embedding",
+                          nn.with_logical_partitioning(nn.initializers.normal(cfg.embed_dim**-0.5), ("vocab", "embed")),
+                          (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype))
+
+
+def init_params(cfg: GemmaConfig, rng: jax.Array) -> Any:
+    """Boxed params (nn.LogicallyPartitioned leaves); use under jax.eval_shape to count without allocating."""
+    return Gemma(cfg).init(rng, jnp.zeros((1, 8), jnp.int32))["params"]

@@ -1,0 +1,120 @@
+"""Gemma supervised fine-tuning as a runner Task (see models/__init__.py for the protocol).
+
+Loss: next-token cross-entropy on the model turns only (labels -100 elsewhere), summed over the
+tokens of the global batch and divided by their count, computed from the final hidden states
+with `models.gemma.loss` (chunked: never the full [B, T, V] logits). LoRA (lora_rank > 0):
+only the adapters train (`trainable_mask`); the base weights get no gradient and no optimizer
+state. Pretrained weights (`arch.checkpoint`) load straight into the run's shardings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.gemma.config import GemmaConfig
+from models.gemma.lora import is_lora_path
+from models.gemma.loss import cross_entropy
+from models.gemma.model import Gemma, dtype_from_name
+
+PACKED_FIELDS = {"inputs": 2, "labels": 2, "segment_ids": 2, "positions": 2}
+PADDED_FIELDS = {"inputs": 2, "labels": 2}
+
+
+class GemmaTask:
+    has_carry = False
+
+    def __init__(self, cfg: GemmaConfig, packed: bool = False):
+        self.cfg = cfg
+        self.model = Gemma(cfg)
+        self.batch_fields = PACKED_FIELDS if packed else PADDED_FIELDS
+
+    def init(self, rng, example_batch):
+        return self.model.init(rng, jnp.zeros((1, 8), jnp.int32))["params"]
+
+    def init_carry(self, example_batch):
+        return None
+
+    def trainable_mask(self, params) -> Any:
+        """LoRA: only lora_* leaves train. Full fine-tuning: everything (None)."""
+        if self.cfg.lora_rank <= 0:
+            return None
+        return jax.tree_util.tree_map_with_path(lambda path, _: is_lora_path(path), params)
+
+    def _sums(self, params, batch) -> dict[str, jax.Array]:
+        hidden = self.model.apply({"params": params}, batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
+                                  return_hidden=True)
+        embedding = params["embedder"]["input_embedding"].astype(dtype_from_name(self.cfg.dtype))
+        loss_sum, stats = cross_entropy(hidden, embedding, batch["labels"], kind=self.cfg.loss,
+                                        chunk_size=self.cfg.loss_chunk_size, softcap=self.cfg.final_logit_softcap)
+        return {"loss_sum": loss_sum, "tokens": stats["tokens"], "correct": stats["correct"]}
+
+    def train_loss(self, params, carry, batch, rng):
+        sums = self._sums(params, batch)
+        return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), (None, sums, {})
+
+    def eval_sums(self, params, batch):
+        return self._sums(params, batch)
+
+    @staticmethod
+    def summarize(sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
+        tokens = max(float(sums["tokens"]), 1.0)
+        return {"loss": float(sums["loss_sum"]) / tokens, "token_accuracy": float(sums["correct"]) / tokens,
+                "target_tokens": float(sums["tokens"])}
+
+    def load_pretrained(self, abstract_params: Any, rng: jax.Array) -> Any:
+        """Parameters from `arch.checkpoint` (HF safetensors or Kaggle Orbax), placed with the
+        shardings of `abstract_params`; LoRA adapters fresh (A random, B zero)."""
+        from models.gemma.weights import load_params
+
+        cfg = self.cfg
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+        base = load_params(cfg.checkpoint, cfg, shardings, fmt=cfg.checkpoint_format)
+        if cfg.lora_rank <= 0:
+            return base
+        fresh = jax.jit(lambda r: nn.meta.unbox(self.init(r, None)), out_shardings=shardings)(rng)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, f: f if is_lora_path(path) else _at(base, path), fresh)
+
+
+def _at(tree: Any, path) -> Any:
+    for entry in path:
+        tree = tree[getattr(entry, "key", entry)]
+    return tree
+
+
+def generation_metrics(task: GemmaTask, params: Any, split: Any, tokenizer: Any, mesh: Any, *, examples: int,
+                       max_new_tokens: int, batch_size: int) -> dict[str, float]:
+    """Greedy answers for the first `examples` eval prompts (KV cache, sharded over the batch),
+    scored on process 0: answer exact match and adherence to <reasoning>...</reasoning><answer>...</answer>."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from data_pipeline.sft import score
+    from models.gemma.sampling import generate
+    from runtime.sharding import BATCH_AXES
+
+    n = min(examples, len(split))
+    stop = (tokenizer.eos_id, tokenizer.end_of_turn_id)
+    gen = jax.jit(lambda p, t, lengths: generate(p, task.cfg, t, lengths, max_new_tokens=max_new_tokens,
+                                                 stop_ids=stop, pad_id=tokenizer.pad_id))
+    responses: list[str] = []
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, start + batch_size) % n  # the last batch wraps around; extra rows are dropped
+        tokens, lengths = split.prompts(idx)
+        width = int(lengths.max())
+        tokens = tokens[:, :width]
+        sharding = NamedSharding(mesh, P(BATCH_AXES))
+        put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i])  # noqa: E731
+        out = multihost_utils.process_allgather(gen(params, put(tokens), put(lengths)), tiled=True)
+        for row in np.asarray(out)[: min(batch_size, n - start)]:
+            ids = [int(t) for t in row if t not in (*stop, tokenizer.pad_id)]
+            responses.append(tokenizer.decode(ids))
+    if responses and jax.process_index() == 0:
+        logging.getLogger("runtime").info("eval sample: %r", responses[0][:300])
+    return score(responses, split.answers(np.arange(n)))
