@@ -120,3 +120,21 @@ def test_state_dtype_keeps_logical_axis_boxes():
     mu = state[0].mu["w"]
     assert isinstance(mu, nn.LogicallyPartitioned) and mu.names == ("vocab", "embed")
     assert mu.value.dtype == jnp.bfloat16
+
+
+def test_config_selects_adafactor_and_bf16_state():
+    """optim.name=adafactor / optim.state_dtype=bfloat16 reach the optimizer the train step uses."""
+    from runtime.config import OptimConfig
+    from runtime.train_step import lr_schedule, make_optimizer
+
+    params = {"w": jnp.ones((256, 128), jnp.float32), "b": jnp.ones((128,), jnp.float32)}
+    for name, dtype in (("adamw", "bfloat16"), ("adafactor", "float32"), ("adafactor", "bfloat16")):
+        cfg = OptimConfig(name=name, state_dtype=dtype, lr=1e-2, warmup_steps=1)
+        tx = make_optimizer(cfg, lr_schedule(cfg, 10, 1))
+        state = tx.init(params)
+        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0]
+        assert floats and {x.dtype for x in floats} == {jnp.dtype(dtype)}, (name, dtype)
+        assert all(bool(jnp.all(jnp.isfinite(u))) and float(jnp.abs(u).max()) > 0 for u in jax.tree.leaves(updates))
+        if name == "adafactor":  # factored: no state of the weight matrix's full size
+            assert max(x.size for x in floats) < params["w"].size
