@@ -74,8 +74,8 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"devices: {jax.device_count()} x {device.device_kind} ({device.platform}), jax {jax.__version__}, "
           f"{os.cpu_count()} host cores; {args.steps} timed steps after 1 warm-up\n")
-    print(f"| model | params | batch | compile (s) | steps/s | examples/s |")
-    print(f"|---|---|---|---|---|---|")
+    print("| model | params | batch | compile (s) | steps/s | examples/s |")
+    print("|---|---|---|---|---|---|")
     for label, overrides in MODELS.items():
         if args.only and args.only not in label:
             continue

@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, fields
 
 import fsspec
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
-from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError
+from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError, _fs, _join
 
 BUILD_HINT = ("python -m data_pipeline.build_sft --jsonl TRAIN.jsonl --tokenizer MODEL --seq-len 256 --output-dir {root}"
               " (or --generate-arithmetic 1000 instead of --jsonl/--tokenizer for a synthetic set)")
@@ -68,15 +67,6 @@ class SFTMetadata:
     @property
     def array_names(self) -> tuple[str, ...]:
         return PACKED_FIELDS if self.packed else UNPACKED_FIELDS
-
-
-def _join(root: str, *parts: str) -> str:
-    return "/".join([str(root).rstrip("/"), *parts])
-
-
-def _fs(root: str) -> tuple[fsspec.AbstractFileSystem, str, bool]:
-    fs, base = fsspec.core.url_to_fs(str(root))
-    return fs, base, isinstance(fs, LocalFileSystem)
 
 
 class SFTSplit:

@@ -90,16 +90,15 @@ def make_generation_eval(config: Config, steps, split, mesh, global_batch: int):
     if config.data.name != "sft" or config.data.eval_generate_examples <= 0:
         return None
     from data_pipeline.tokenizer import Tokenizer, TokenizerError
-    from models.gemma.task import generation_metrics
+    from models.gemma.task import generation_eval
 
     path = config.data.tokenizer or f"{config.data.path.rstrip('/')}/tokenizer.model"
     try:
         tokenizer = Tokenizer(path)
     except TokenizerError as e:
         raise UserError(str(e)) from e
-    return lambda params: generation_metrics(steps.task, params, split, tokenizer, mesh,
-                                             examples=config.data.eval_generate_examples,
-                                             max_new_tokens=config.data.eval_max_new_tokens, batch_size=global_batch)
+    return generation_eval(steps.task, split, tokenizer, mesh, examples=config.data.eval_generate_examples,
+                           max_new_tokens=config.data.eval_max_new_tokens, batch_size=global_batch)
 
 
 def new_run_id(config: Config) -> str:
@@ -147,21 +146,25 @@ def gather_objects(obj: Any) -> list[Any]:
     return [pickle.loads(everything[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
 
 
-def make_arc_evaluator(config: Config):
-    """The ARC evaluator (votes, pass@k, submission.json) for an ARC dataset, else None."""
+def arc_evaluator_factory(config: Config):
+    """For an ARC dataset, `() -> a fresh ARCEvaluator` (votes, pass@k, submission.json), with
+    the dataset's identifiers and test puzzles read once; else None."""
     if config.data.name != "arc":
         return None
     from data_pipeline.arc_eval import ARCEvaluator
 
-    return ARCEvaluator.from_dataset(config.data.path)
+    template = ARCEvaluator.from_dataset(config.data.path)
+    return lambda: ARCEvaluator(template.identifiers, template.test_puzzles)
 
 
 def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | None, beat=lambda: None, *,
-             arc=None, submission_path: str | None = None, generation=None) -> dict[str, float]:
+             new_arc=None, submission_path: str | None = None, generation=None) -> dict[str, float]:
     """Metrics over the eval set, with the EMA weights when EMA is on (and the live puzzle table).
 
-    With an ARC evaluator (`arc`, fresh per evaluation), every process votes with the rows it
-    holds; process 0 merges all votes, adds pass@k and writes the Kaggle submission."""
+    With an ARC evaluator (`new_arc()`, fresh per evaluation), every process votes with the rows
+    it holds; process 0 merges all votes, adds pass@k and writes the Kaggle submission.
+    `generation(params)` adds the SFT answer/format metrics."""
+    arc = new_arc() if new_arc is not None else None
     totals: dict[str, float] = {}
     rows = 0
     for batch in feeder.eval_batches(max_examples):
@@ -192,11 +195,10 @@ def evaluate(steps, state: TrainState, feeder: BatchFeeder, max_examples: int | 
 
 def load_init_params(path: str, abstract_params: Any) -> Any:
     """Parameters from an imported checkpoint (DIR/params), placed with the run's shardings."""
-    import orbax.checkpoint as ocp
+    from models.recursive_reasoning.import_reference import load_imported_params
 
-    where = path.rstrip("/") if "://" in path else os.path.abspath(path)
     try:
-        return ocp.StandardCheckpointer().restore(f"{where}/params", abstract_params)
+        return load_imported_params(path, abstract_params)
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"train.init_params_from={path} does not fit this model ({' '.join(str(e).split())[:300]}); "
                         "import with the same arch values and dataset sizes as this run") from e
@@ -207,17 +209,13 @@ def read_init_states(config: Config, meta: dict | None) -> Any:
     checkpoint (init_params_from/init_states), else None (the models' fixed vectors)."""
     if meta is not None:
         return meta.get("init_states")
-    path = config.train.init_params_from
-    if not path:
+    if not config.train.init_params_from:
         return None
-    import fsspec
-    import orbax.checkpoint as ocp
+    from models.recursive_reasoning.import_reference import load_imported_states
 
-    fs, base = fsspec.core.url_to_fs(path)
-    if not fs.exists(f"{base.rstrip('/')}/init_states"):
+    states = load_imported_states(config.train.init_params_from)
+    if states is None:
         return None
-    where = path.rstrip("/") if "://" in path else os.path.abspath(path)
-    states = ocp.StandardCheckpointer().restore(f"{where}/init_states")
     return [np.asarray(states["H_init"], np.float32).tolist(), np.asarray(states["L_init"], np.float32).tolist()]
 
 
@@ -296,17 +294,18 @@ def run(config: Config) -> int:
         manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
 
     generation = make_generation_eval(config, steps, eval_split, mesh, plan.global_batch_size)
+    new_arc = arc_evaluator_factory(config)
     status, exit_code, final = "failed", 1, None
     try:
         if config.train.eval_only:
-            final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, arc=make_arc_evaluator(config),
+            final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, new_arc=new_arc,
                              submission_path=f"{plan.output_dir}/submission.json", generation=generation)
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
             return exit_code
         exit_code, status, final = train_loop(config, plan, steps, state, feeder, eval_feeder, ckpt, sinks, position,
                                               run_id, config_dict, seq_len=train_meta.seq_len, init_states=init_states,
-                                              generation=generation)
+                                              generation=generation, new_arc=new_arc)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         return exit_code
     except UserError as e:
@@ -334,7 +333,7 @@ def _best_effort(action, what: str) -> None:
 
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
                ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
-               seq_len: int, init_states: Any = None, generation=None) -> tuple[int, str, dict | None]:
+               seq_len: int, init_states: Any = None, generation=None, new_arc=None) -> tuple[int, str, dict | None]:
     """The loop: step, log, eval, checkpoint, NaN guard, preemption, watchdog, profiler window.
     Returns (exit code, status for the manifest, final metrics)."""
     if position >= plan.total_steps:
@@ -408,7 +407,7 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
             if done % plan.eval_every == 0 or last:
                 with timer.paused():
                     eval_metrics = evaluate(steps, state, eval_feeder, config.data.eval_max_examples,
-                                            lambda: watchdog.beat(done, "eval"), arc=make_arc_evaluator(config),
+                                            lambda: watchdog.beat(done, "eval"), new_arc=new_arc,
                                             submission_path=f"{plan.output_dir}/submission.json", generation=generation)
                     sinks.log(done, eval_metrics)
             if done % plan.checkpoint_every == 0 or last or preempted:

@@ -14,12 +14,12 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
@@ -79,21 +79,11 @@ def shardings(cfg, mesh) -> dict:
 
 
 def nest(flat: dict) -> dict:
-    tree: dict = {}
-    for p, v in flat.items():
-        *parents, leaf = p.split("/")
-        node = tree
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = v
-    return tree
+    return unflatten_dict(flat, sep="/")
 
 
-def flat(tree, prefix="") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(flat(v, f"{prefix}{k}/") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
-    return out
+def flat(tree) -> dict:
+    return flatten_dict(tree, sep="/")
 
 
 def ref_params(cfg, seed=0) -> dict[str, np.ndarray]:

@@ -15,13 +15,15 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
 from models.gemma.config import GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
 from models.gemma.model import Gemma, dtype_from_name
 
-PACKED_FIELDS = {"inputs": 2, "labels": 2, "segment_ids": 2, "positions": 2}
+PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [batch, seq_len] each
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
 
 
@@ -87,11 +89,14 @@ def _at(tree: Any, path) -> Any:
     return tree
 
 
-def generation_metrics(task: GemmaTask, params: Any, split: Any, tokenizer: Any, mesh: Any, *, examples: int,
-                       max_new_tokens: int, batch_size: int) -> dict[str, float]:
-    """Greedy answers for the first `examples` eval prompts (KV cache, sharded over the batch),
-    scored on process 0: answer exact match and adherence to <reasoning>...</reasoning><answer>...</answer>."""
-    import numpy as np
+def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, examples: int, max_new_tokens: int,
+                    batch_size: int):
+    """`params -> metrics`: greedy answers for the first `examples` eval prompts (KV cache,
+    batch sharded over the mesh), scored on every process from the all-gathered tokens: answer
+    exact match and adherence to <reasoning>...</reasoning><answer>...</answer>.
+
+    Prompts, answers and the jitted generator are prepared once; every batch has the same shape
+    (prompts padded to the longest of the `examples`), so one compile serves all evaluations."""
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -100,21 +105,26 @@ def generation_metrics(task: GemmaTask, params: Any, split: Any, tokenizer: Any,
     from runtime.sharding import BATCH_AXES
 
     n = min(examples, len(split))
+    rows = -(-n // batch_size) * batch_size
+    tokens, lengths = split.prompts(np.arange(rows) % n)  # the last batch wraps around; extra rows are dropped
+    tokens = tokens[:, :int(lengths.max())]
+    answers = split.answers(np.arange(n))
     stop = (tokenizer.eos_id, tokenizer.end_of_turn_id)
-    gen = jax.jit(lambda p, t, lengths: generate(p, task.cfg, t, lengths, max_new_tokens=max_new_tokens,
-                                                 stop_ids=stop, pad_id=tokenizer.pad_id))
-    responses: list[str] = []
-    for start in range(0, n, batch_size):
-        idx = np.arange(start, start + batch_size) % n  # the last batch wraps around; extra rows are dropped
-        tokens, lengths = split.prompts(idx)
-        width = int(lengths.max())
-        tokens = tokens[:, :width]
-        sharding = NamedSharding(mesh, P(BATCH_AXES))
-        put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i, a=a: a[i])  # noqa: E731
-        out = multihost_utils.process_allgather(gen(params, put(tokens), put(lengths)), tiled=True)
-        for row in np.asarray(out)[: min(batch_size, n - start)]:
-            ids = [int(t) for t in row if t not in (*stop, tokenizer.pad_id)]
-            responses.append(tokenizer.decode(ids))
-    if responses and jax.process_index() == 0:
-        logging.getLogger("runtime").info("eval sample: %r", responses[0][:300])
-    return score(responses, split.answers(np.arange(n)))
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])  # noqa: E731
+    gen = jax.jit(lambda p, t, lens: generate(p, task.cfg, t, lens, max_new_tokens=max_new_tokens, stop_ids=stop,
+                                              pad_id=tokenizer.pad_id))
+
+    def metrics(params) -> dict[str, float]:
+        responses: list[str] = []
+        for start in range(0, rows, batch_size):
+            batch = slice(start, start + batch_size)
+            out = multihost_utils.process_allgather(gen(params, put(tokens[batch]), put(lengths[batch])), tiled=True)
+            responses += [tokenizer.decode([int(t) for t in row if t not in (*stop, tokenizer.pad_id)])
+                          for row in np.asarray(out)]
+        responses = responses[:n]
+        if responses and jax.process_index() == 0:
+            logging.getLogger("runtime").info("eval sample: %r", responses[0][:300])
+        return score(responses, answers)
+
+    return metrics

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; safetensors needs it)
 import numpy as np
 
+from flax.traverse_util import unflatten_dict
+
 from models.gemma.config import GemmaConfig
 from runtime.errors import UserError
 
@@ -95,17 +97,6 @@ def param_shapes(cfg: GemmaConfig) -> dict[str, tuple[int, ...]]:
     out.update({f"layers/{n}": (cfg.num_layers, *_shape(_LAYER[n], cfg)) for n in _layer_names(cfg)})
     out["final_norm/scale"] = (cfg.embed_dim,)
     return out
-
-
-def _nest(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
 
 
 def _get(tree: Any, path: str) -> Any:
@@ -471,7 +462,7 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
                 read = functools.partial(lambda s, n: src.read(n, s).astype(dtype), n=plan[p])
             sharding = _get(shardings, p) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             flat[p] = jax.make_array_from_callback(shape, sharding, _callback(read, shape), dtype=dtype)
-    return _nest(flat)
+    return unflatten_dict(flat, sep="/")
 
 
 # ----------------------------------------------------------------------------- export

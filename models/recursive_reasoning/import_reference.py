@@ -277,13 +277,9 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
     if missing_init:
         fail(f"state_dict has no {missing_init[0]!r} (the reference's persistent buffer); not a reference checkpoint?")
 
-    params: dict = {}
-    for path, val in flat.items():
-        node = params
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = val
+    from flax.traverse_util import unflatten_dict
+
+    params = unflatten_dict(flat, sep="/")
 
     from models.recursive_reasoning.trm import initial_states
 
@@ -328,18 +324,36 @@ def save_imported(out_dir: str, params: dict, init_states: Mapping[str, np.ndarr
     return out_dir
 
 
-def load_imported(out_dir: str, abstract_params: Any = None) -> tuple[dict, dict, dict]:
-    """(params, init_states, meta) from a directory `save_imported` wrote. `abstract_params`
+def _orbax_dir(out_dir: str) -> str:
+    return out_dir.rstrip("/") if "://" in out_dir else os.path.abspath(out_dir)  # Orbax wants absolute local paths
+
+
+def load_imported_params(out_dir: str, abstract_params: Any = None) -> dict:
+    """The params of a directory `save_imported` wrote (local or gs://). `abstract_params`
     (e.g. ``jax.eval_shape`` of the unboxed init, with shardings) places the arrays."""
     import orbax.checkpoint as ocp
 
-    out_dir = os.path.abspath(out_dir)
-    ckpt = ocp.StandardCheckpointer()
-    params = ckpt.restore(os.path.join(out_dir, "params"), abstract_params)
-    init_states = ckpt.restore(os.path.join(out_dir, "init_states"))
-    with open(os.path.join(out_dir, "import.json")) as f:
+    return ocp.StandardCheckpointer().restore(f"{_orbax_dir(out_dir)}/params", abstract_params)
+
+
+def load_imported_states(out_dir: str) -> dict | None:
+    """{"H_init", "L_init"} of an imported directory, or None when it has none."""
+    import fsspec
+    import orbax.checkpoint as ocp
+
+    fs, base = fsspec.core.url_to_fs(out_dir)
+    if not fs.exists(f"{base.rstrip('/')}/init_states"):
+        return None
+    return ocp.StandardCheckpointer().restore(f"{_orbax_dir(out_dir)}/init_states")
+
+
+def load_imported(out_dir: str, abstract_params: Any = None) -> tuple[dict, dict, dict]:
+    """(params, init_states, meta) from a directory `save_imported` wrote."""
+    import fsspec
+
+    with fsspec.open(f"{out_dir.rstrip('/')}/import.json", "r") as f:
         meta = json.load(f)
-    return params, init_states, meta
+    return load_imported_params(out_dir, abstract_params), load_imported_states(out_dir), meta
 
 
 # ---------------------------------------------------------------- CLI
