@@ -5,6 +5,10 @@
     python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] -- +experiment=exp01/hidden256
     python experiments/launch.py status --tpu NAME --zone Z
     python experiments/launch.py stop   --tpu NAME --zone Z
+    python experiments/launch.py list   [GROUP ...]                    # the programme: groups, variants, changes
+    python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, this machine
+    python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
+    python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -202,6 +206,121 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_status)
 
 
+# --- the experiment programme (experiments/programme.py, conf/experiment/<group>/) ---------------
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Every group of the programme (or the named ones): its variants and what each changes
+    against the baseline, from the composed configs (* = the baseline's own setting)."""
+    from experiments.compose import changes, describe, variants
+    from experiments.programme import GROUPS
+
+    names = args.groups or list(GROUPS)
+    unknown = [g for g in names if g not in GROUPS]
+    if unknown:
+        print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
+        return 2
+    for name in names:
+        g = GROUPS[name]
+        print(f"{name}: {g.title} -- varies {g.varies} (from {g.base})")
+        for v in variants(name):
+            mark = "*" if v == g.baseline_variant else " "
+            print(f"  {mark} {name}/{v:<20} {describe(changes(name, v))}")
+    return 0
+
+
+def _add_list(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", help="list the experiment groups, their variants and what each changes",
+                       description=cmd_list.__doc__)
+    p.add_argument("groups", nargs="*", metavar="GROUP")
+    p.set_defaults(func=cmd_list)
+
+
+def _sweep_variants(args: argparse.Namespace) -> list[str]:
+    from experiments.compose import variants
+    from experiments.programme import GROUPS
+
+    if args.group not in GROUPS:
+        raise pod.PodError(f"unknown group {args.group!r}; `python experiments/launch.py list` shows the groups")
+    known = variants(args.group)
+    chosen = args.variants.split(",") if args.variants else known
+    bad = [v for v in chosen if v not in known]
+    if bad:
+        raise pod.PodError(f"{args.group} has no variant(s) {bad}; it has {known}")
+    return chosen
+
+
+@_user_errors
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run every variant of GROUP (or --variants), one after another, each its own run
+    (<run.root>/<group>/<variant>): --local scales each down for this machine
+    (experiments/local_scale.yaml; runs under outputs/local), --tpu/--zone launches each on
+    all workers of a slice (like `pod`). A failed variant does not stop the sweep; the exit
+    code is the first non-zero one. Then: `launch.py analyze GROUP`."""
+    import subprocess
+
+    from experiments.compose import local_overrides
+
+    chosen = _sweep_variants(args)
+    if not args.local and not args.tpu:
+        raise pod.PodError("say where: --local (scaled down, this machine) or --tpu NAME --zone ZONE")
+    results = []
+    for variant in chosen:
+        experiment = f"+experiment={args.group}/{variant}"
+        if args.local:
+            overrides = [experiment, *local_overrides(args.group, variant), f"run.root={args.root}", *args.overrides]
+            command = [sys.executable, str(REPO_ROOT / "pretrain_jax.py"), *overrides]
+            print("$ " + " ".join(_quote(c) for c in command[1:]), flush=True)
+            code = 0 if args.dry_run else subprocess.call(command, cwd=REPO_ROOT)
+        else:
+            if not args.zone:
+                raise pod.PodError("--tpu needs --zone")
+            code = pod.launch_pod(pod.Target(args.tpu, args.zone, args.project), [experiment, *args.overrides],
+                                  repo_dir=args.repo_dir, run_id=None, log_dir=pod.DEFAULT_LOG_DIR, env=dict(args.env),
+                                  forward_env=args.forward_env, dry_run=args.dry_run, interrupt_grace=30.0,
+                                  leave_running=False)
+        results.append((variant, code))
+    print("\n".join(f"  {args.group}/{v:<20} exit {c}" for v, c in results))
+    return next((c for _, c in results if c), 0)
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="run a group's variants one by one (scaled down here, or on a pod)",
+                       description=cmd_sweep.__doc__, epilog="Extra overrides for every variant go after `--`.")
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--local", action="store_true", help="scaled down on this machine")
+    p.add_argument("--root", default="outputs/local", help="run.root of --local runs (default: %(default)s)")
+    p.add_argument("--tpu", default=None, help="TPU VM name (a pod run per variant)")
+    p.add_argument("--zone", default=None)
+    p.add_argument("--project", default=None)
+    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
+    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="pod runs: extra environment variable on every worker (e.g. PODRUNNER_DATA=gs://B/data)")
+    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                   help="pod runs: forward this local environment variable, masked (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from experiments import analyze
+
+    return analyze.main([args.group, *args.rest])
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("analyze", help="a group's table and plots (experiments/analyze.py)", add_help=False)
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_analyze)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
@@ -212,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setup(sub)
     _add_stop(sub)
     _add_status(sub)
+    _add_list(sub)
+    _add_sweep(sub)
+    _add_analyze(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ A `Task` (all methods traceable under `jit`):
 * ``init(rng, example_batch) -> boxed params`` (logical axis names attached);
 * ``init_carry(example_batch) -> carry | None``: state that persists across batches, part of the
   train state and checkpointed, batch dimension first (sharded like the batch). None = stateless;
-* ``train_loss(params, carry, batch, rng) -> (loss, (new_carry, sums, opt_extra))``: the loss
+* ``train_loss(params, carry, batch, rng, step) -> (loss, (new_carry, sums, opt_extra))``: the loss
   to differentiate (already divided by the global batch), metric sums over the global batch,
   and extra keyword arguments for the optimizer's ``update`` (the puzzle ids for sign-SGD);
 * ``eval_sums(params, batch) -> sums``;
@@ -62,7 +62,8 @@ def build_model(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifi
 
 
 def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifiers: int = 1, init_states=None,
-               packed: bool = False):
+               packed: bool = False, exploration=None):
+    """`exploration`: TRM/HRM, an optional traceable step -> halt exploration probability."""
     if isinstance(arch, GemmaConfig):
         from models.gemma.task import GemmaTask
 
@@ -74,7 +75,7 @@ def build_task(arch: Any, *, vocab_size: int, seq_len: int, num_puzzle_identifie
                         init_states=init_states)
     if isinstance(arch, TinyTransformerConfig):
         return SequenceTask(model)
-    return ACTTask(model)
+    return ACTTask(model, exploration=exploration)
 
 
 # ----------------------------------------------------------------------- tiny_transformer
@@ -116,7 +117,7 @@ class SequenceTask:
     def init_carry(self, example_batch):
         return None
 
-    def train_loss(self, params, carry, batch, rng):
+    def train_loss(self, params, carry, batch, rng, step=None):
         logits = self.model.apply({"params": params}, batch["inputs"])
         loss, sums = sequence_loss(logits, batch["labels"])
         return loss, (None, sums, {})
@@ -148,9 +149,14 @@ class ACTTask:
 
     has_carry = True
 
-    def __init__(self, model):
+    def __init__(self, model, exploration=None):
         self.model = model
         self.loss_type = model.cfg.loss_type  # stablemax (the reference's Sudoku/ARC/Maze setting) or softmax
+        # > 0: the cycle-consistency term (TRMConfig.cycle_consistency_weight) is in the loss
+        self.cycle_weight = float(getattr(model.cfg, "cycle_consistency_weight", 0.0))
+        # optional traceable step (int32 array) -> halt exploration probability (an annealed
+        # schedule); overrides the arch's halt_exploration_prob when train_loss gets a step
+        self.exploration = exploration
 
     def init(self, rng, example_batch):
         one = {k: v[:1] for k, v in example_batch.items()}
@@ -159,10 +165,11 @@ class ACTTask:
     def init_carry(self, example_batch):
         return initial_carry(self.model, example_batch)
 
-    def train_loss(self, params, carry, batch, rng):
-        new_carry, out = act_step(self.model, params, carry, batch, rng, True)
+    def train_loss(self, params, carry, batch, rng, step=None):
+        prob = self.exploration(step) if (self.exploration is not None and step is not None) else None
+        new_carry, out = act_step(self.model, params, carry, batch, rng, True, exploration_prob=prob)
         total, sums = act_loss(out, new_carry.current_data["labels"], new_carry.halted, new_carry.steps,
-                               loss_type=self.loss_type)
+                               loss_type=self.loss_type, cycle_weight=self.cycle_weight)
         global_batch = batch["inputs"].shape[0]
         return total / global_batch, (new_carry, sums, {"puzzle_identifiers": new_carry.current_data["puzzle_identifiers"]})
 
@@ -172,18 +179,22 @@ class ACTTask:
     def eval_outputs(self, params, batch):
         """(metric sums, per-row outputs): the predictions and q_halt logits, for the ARC evaluator."""
         carry, out = act_evaluate(self.model, params, batch)
-        sums = act_loss(out, carry.current_data["labels"], carry.halted, carry.steps, loss_type=self.loss_type)[1]
+        sums = act_loss(out, carry.current_data["labels"], carry.halted, carry.steps, loss_type=self.loss_type,
+                        cycle_weight=self.cycle_weight)[1]
         return sums, {"preds": out["logits"].argmax(-1).astype(jnp.int32), "q_halt_logits": out["q_halt_logits"]}
 
-    @staticmethod
-    def summarize(sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
+    def summarize(self, sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
         """The reference's normalisation: in training, losses / global batch and the rest / count
-        (halted rows with labels); in evaluation everything / count."""
+        (halted rows with labels); in evaluation everything / count. ``cycle_loss`` (present only
+        with the cycle-consistency term) is a loss too; ``loss`` includes it times its weight."""
         s = {k: float(v) for k, v in sums.items()}
         count = max(s["count"], 1.0)
         loss_div = float(global_batch) if training else count
         out = {k: s[k] / loss_div for k in ("lm_loss", "q_halt_loss", "q_continue_loss")}
         out["loss"] = out["lm_loss"] + 0.5 * (out["q_halt_loss"] + out["q_continue_loss"])
+        if "cycle_loss" in s:
+            out["cycle_loss"] = s["cycle_loss"] / loss_div
+            out["loss"] += self.cycle_weight * out["cycle_loss"]
         out |= {"token_accuracy": s["accuracy"] / count, "exact_accuracy": s["exact_accuracy"] / count,
                 "q_halt_accuracy": s["q_halt_accuracy"] / count, "steps": s["steps"] / count, "count": s["count"]}
         return out

@@ -12,6 +12,7 @@ initialised, so this works under JAX_PLATFORMS=cpu (as in the tests) and on a ma
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ import numpy as np
 
 from runtime.config import Config
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
+
+log = logging.getLogger("runtime")
 
 GiB = 1 << 30
 
@@ -100,8 +103,9 @@ def expected_local_devices(accelerator_type: str) -> int:
 
 def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
     """(train examples, vocab size, seq len, puzzle identifiers, source) without reading the arrays:
-    dataset.json and the inputs' .npy header, or the Sudoku builder's constants when the dataset is
-    still to be generated. The identifier count sizes the puzzle table (~2 GB for ARC)."""
+    dataset.json and the inputs' .npy header, or the Sudoku / maze builder's constants when the
+    dataset is still to be generated. The identifier count sizes the puzzle table (~2 GB for ARC).
+    data.name=multitask: the sums over the tasks (see `task_shapes` for each task's)."""
     import fsspec
 
     from data_pipeline.puzzle_format import DatasetError, load_metadata
@@ -109,6 +113,11 @@ def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
     data = config.data
     if data.name == "sft":
         return _sft_shape(config)
+    if data.name == "multitask":
+        shapes = task_shapes(config)
+        return (sum(s.examples for s in shapes.values()), max(s.vocab_size for s in shapes.values()),
+                max(s.seq_len for s in shapes.values()), sum(s.num_puzzle_identifiers for s in shapes.values()),
+                f"{len(shapes)} tasks: " + ", ".join(f"{t} seq_len {s.seq_len}" for t, s in shapes.items()))
     try:
         meta = load_metadata(data.path, data.train_split)
         with fsspec.open(f"{data.path.rstrip('/')}/{data.train_split}/all__inputs.npy", "rb") as f:
@@ -117,12 +126,54 @@ def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
             examples = int(header(f)[0][0])
         return examples, meta.vocab_size, meta.seq_len, meta.num_puzzle_identifiers, f"dataset {data.path}"
     except (DatasetError, FileNotFoundError) as e:
-        if not (data.generate_if_missing and data.name == "sudoku" and not data.path.startswith("gs://")):
+        # Sudoku and maze shapes follow from the config's sizes: plan before the set is built or
+        # copied here (a pod's data is usually only on GCS or the workers).
+        if data.name not in ("sudoku", "maze"):
             raise UserError(str(e)) from e
+        log.info("no dataset at %s: planning from the config's sizes", data.path)
+    if data.name == "maze":
+        from data_pipeline import maze
+
+        side = data.generate_grid_size or maze.DEFAULT_SIZE
+        examples = data.generate_puzzles * (8 if data.generate_num_aug > 0 else 1)  # aug: all 8 dihedral images
+        return examples, maze.VOCAB_SIZE, side * side, 1, f"{side}x{side} mazes to be generated, not built yet"
     from data_pipeline import build_sudoku
 
     examples = data.generate_puzzles * (1 + data.generate_num_aug)
     return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, 1, "Sudoku to be generated, not built yet"
+
+
+def planned_epoch_examples(config: Config) -> int | None:
+    """Examples per epoch (the reference's: one augmented copy of each puzzle), from dataset.json,
+    or from the config's puzzle count when the set is not here; None for SFT (the whole set)."""
+    import dataclasses
+
+    from data_pipeline.puzzle_format import DatasetError, load_metadata
+    from runtime.trainer import epoch_examples
+
+    data = config.data
+    if data.name == "sft":
+        return None
+    if data.name == "multitask":
+        from runtime.config import task_data_configs
+
+        return sum(planned_epoch_examples(dataclasses.replace(config, data=d)) or 0
+                   for d in task_data_configs(data).values())
+    try:
+        return epoch_examples(load_metadata(data.path, data.train_split))
+    except (DatasetError, FileNotFoundError):
+        return data.generate_puzzles
+
+
+def task_shapes(config: Config) -> dict:
+    """data.name=multitask: {task: runtime.multitask.TaskShape} from each task's `dataset_shape`."""
+    import dataclasses
+
+    from runtime.config import task_data_configs
+    from runtime.multitask import TaskShape
+
+    return {t: TaskShape(*dataset_shape(dataclasses.replace(config, data=d))[:4])
+            for t, d in task_data_configs(config.data).items()}
 
 
 def _sft_shape(config: Config) -> tuple[int, int, int, int, str]:
@@ -211,7 +262,9 @@ def plan_for_topology(config: Config) -> int:
     hosts = len({d.process_index for d in devices})
     examples, vocab, seq_len, puzzle_ids, source = dataset_shape(config)
     plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, train_examples=examples,
-                                       vocab_size=vocab, seq_len=seq_len, num_puzzle_identifiers=puzzle_ids)
+                                       per_epoch=planned_epoch_examples(config),
+                                       vocab_size=vocab, seq_len=seq_len, num_puzzle_identifiers=puzzle_ids,
+                                       tasks=task_shapes(config) if config.data.name == "multitask" else None)
 
     row = lambda key, value: print(f"  {key:<18} {value}")  # noqa: E731
     print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, one JAX device per chip")
@@ -220,7 +273,8 @@ def plan_for_topology(config: Config) -> int:
     row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
     row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
                  f"vocab {vocab}; {examples} train examples ({source})")
-    t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields), gen.hbm_gib * GiB
+    t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields,
+                                                                steps.batch_shapes), gen.hbm_gib * GiB
     try:
         compiled = steps.train.lower(steps.abstract_state, batch).compile()
     except jax.errors.JaxRuntimeError as e:

@@ -27,18 +27,44 @@ from runtime.frozen import Freezable, freeze
 
 
 @dataclass
+class TaskDataConfig(Freezable):
+    """One dataset of a multi-task run (data.name=multitask, data.tasks.<task>): its own puzzle
+    table and heads, the reasoning core shared (models/multitask.py). Splits come from data.*."""
+
+    name: str = MISSING  # sudoku | maze | arc
+    path: str = MISSING
+    batch_fraction: float = 1.0  # share of each global batch: fraction / sum of fractions
+    eval_max_examples: Optional[int] = None  # None = data.eval_max_examples
+    # As in DataConfig: what the dataset is, and a missing local path is built from these.
+    generate_if_missing: bool = False
+    generate_puzzles: int = 1000
+    generate_test_puzzles: int = 200
+    generate_num_aug: int = 0
+    generate_min_givens: int = 30
+    generate_grid_size: Optional[int] = None
+    generate_seed: int = 0
+
+
+MULTITASK_NAMES = ("sudoku", "maze", "arc")
+
+
+@dataclass
 class DataConfig(Freezable):
     name: str = MISSING  # sudoku | maze | arc (puzzle format) | sft (tokenized chat, data_pipeline/sft_format.py)
     path: str = MISSING  # dataset root, local path or gs://bucket/prefix
     train_split: str = "train"
     eval_split: str = "test"
     eval_max_examples: Optional[int] = None  # cap the eval set (None = all of it)
-    # Build a small dataset at `path` when it is missing (local paths only; demos and CI).
+    # What the dataset is (the builder's arguments; data configs name `path` after them):
+    # training puzzles (--subsample-size / --generate), augmentations per puzzle (--num-aug),
+    # held-out puzzles, Sudoku givens, maze side. With generate_if_missing, a missing local
+    # `path` is built from these (demos, CI, scaled-down runs); on a pod, build it beforehand.
     generate_if_missing: bool = False
     generate_puzzles: int = 1000
     generate_test_puzzles: int = 200
     generate_num_aug: int = 0
     generate_min_givens: int = 30
+    generate_grid_size: Optional[int] = None  # maze side (None = the builder's 30)
     generate_seed: int = 0
     # SFT (name=sft): token length of a generated set (and of compile-only plans without data);
     # the tokenizer (default <path>/tokenizer.model); greedy-generation eval on the first N prompts.
@@ -46,6 +72,8 @@ class DataConfig(Freezable):
     tokenizer: Optional[str] = None
     eval_generate_examples: int = 0
     eval_max_new_tokens: int = 64
+    # name=multitask: the datasets trained together (path is then unused), e.g. conf/data/sudoku_maze.yaml
+    tasks: dict[str, TaskDataConfig] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +140,9 @@ class TrainConfig(Freezable):
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     checkpoint_every: int = 0  # 0 = only at the end
+    # The same cadences in epochs (the reference's eval_interval); when set they replace the above.
+    eval_every_epochs: Optional[float] = None
+    checkpoint_every_epochs: Optional[float] = None
     profile_start_step: Optional[int] = None  # jax.profiler trace window
     profile_steps: int = 5
     # No step for this long (compile excluded) = a dead or hung worker: dump stacks, exit 4.
@@ -121,6 +152,31 @@ class TrainConfig(Freezable):
     # gs://. Ignored when resuming (the checkpoint has the parameters).
     init_params_from: Optional[str] = None
     eval_only: bool = False  # evaluate the starting parameters (init_params_from or the latest checkpoint), exit
+
+
+@dataclass
+class RampConfig(Freezable):
+    """A value that moves from `start` to `end` over the first `fraction` of training, then holds.
+    Integer quantities (cycle counts) take the floor, so each value between gets an equal share."""
+
+    start: Optional[float] = None  # None (with end None) = no ramp: the arch's value throughout
+    end: Optional[float] = None
+    fraction: float = 1.0  # of the run's total steps
+    shape: str = "linear"  # linear | cosine
+
+    @property
+    def on(self) -> bool:
+        return self.start is not None
+
+
+@dataclass
+class CurriculumConfig(Freezable):
+    # Values that change during training, e.g. curriculum.L_cycles={start: 2, end: 6, fraction: 0.2}
+    # (start null = the arch's value throughout). Each distinct (H_cycles, L_cycles) pair is its
+    # own compiled train step, built when first reached.
+    H_cycles: RampConfig = field(default_factory=RampConfig)
+    L_cycles: RampConfig = field(default_factory=RampConfig)
+    halt_exploration_prob: RampConfig = field(default_factory=RampConfig)  # traced: no recompiles
 
 
 @dataclass
@@ -144,10 +200,43 @@ class Config(Freezable):
     mesh: MeshConfig = MISSING
     run: RunConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     # Compile the real train step for a TPU topology (e.g. v4-64, v5e-8), print per-chip
     # memory and FLOPs, and exit without training.
     compile_only: Optional[str] = None
+
+
+_CALC_NAMES = {"sqrt": math.sqrt, "log2": math.log2, "min": min, "max": max, "round": round, "int": int}
+
+
+def _calc(expression: str) -> float | int:
+    """`${calc:'1e-4 * sqrt(${train.global_batch_size} / 6144)'}`: arithmetic on numbers (after
+    interpolation), + - * / // ** and the functions in _CALC_NAMES; nothing else evaluates."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.USub: operator.neg}
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.operand))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALC_NAMES:
+            return _CALC_NAMES[node.func.id](*[ev(a) for a in node.args])
+        raise ValueError(f"calc: unsupported expression {ast.dump(node)[:80]}")
+
+    return ev(ast.parse(str(expression), mode="eval"))
+
+
+if not OmegaConf.has_resolver("calc"):
+    OmegaConf.register_new_resolver("calc", _calc)
 
 
 def register_schemas() -> None:
@@ -207,9 +296,24 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     for name in ("global_batch_size", "log_every"):
         if getattr(t, name) <= 0:
             raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
+    for name in ("H_cycles", "L_cycles", "halt_exploration_prob"):
+        ramp = getattr(config.curriculum, name)
+        if (ramp.start is None) != (ramp.end is None):
+            raise UserError(f"curriculum.{name} needs both start and end (or neither), got start={ramp.start} end={ramp.end}")
+        if not ramp.on:
+            continue
+        if not hasattr(config.arch, name):
+            raise UserError(f"curriculum.{name} is set but arch {config.arch.name!r} has no {name}; use a TRM/HRM arch or "
+                            f"curriculum.{name}.start=null curriculum.{name}.end=null")
+        if ramp.shape not in ("linear", "cosine") or not 0 < ramp.fraction <= 1:
+            raise UserError(f"curriculum.{name}: shape must be linear|cosine and 0 < fraction <= 1, got "
+                            f"shape={ramp.shape!r} fraction={ramp.fraction}")
+        if name != "halt_exploration_prob" and min(ramp.start, ramp.end) < 1:
+            raise UserError(f"curriculum.{name} must stay >= 1 (start={ramp.start}, end={ramp.end})")
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
+    _check_tasks(config.data)
 
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
@@ -219,6 +323,37 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
         if sweep_job:
             config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
     return freeze(config)
+
+
+def _check_tasks(data: DataConfig) -> None:
+    """data.tasks is used exactly when data.name=multitask; names, kinds and fractions are sane."""
+    if data.name != "multitask":
+        if data.tasks:
+            raise UserError(f"data.tasks is set but data.name={data.name!r}; use data.name=multitask (e.g. "
+                            "data=sudoku_maze) or drop data.tasks")
+        return
+    if not data.tasks:
+        raise UserError("data.name=multitask needs data.tasks (e.g. data=sudoku_maze)")
+    for key, task in data.tasks.items():
+        if not key or "/" in key:
+            raise UserError(f"data.tasks key {key!r}: task names cannot be empty or hold '/'")
+        if task.name not in MULTITASK_NAMES:
+            raise UserError(f"data.tasks.{key}.name={task.name!r} is not one of {list(MULTITASK_NAMES)}")
+        if not task.batch_fraction > 0:
+            raise UserError(f"data.tasks.{key}.batch_fraction={task.batch_fraction} must be > 0")
+
+
+def task_data_configs(data: DataConfig) -> dict[str, DataConfig]:
+    """data.name=multitask: each task as a single-dataset DataConfig (its path, builder arguments
+    and eval cap; splits from `data`), in data.tasks order."""
+    out = {}
+    for key, task in data.tasks.items():
+        fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(TaskDataConfig)
+                  if f.name not in ("batch_fraction", "eval_max_examples")}
+        eval_max = task.eval_max_examples if task.eval_max_examples is not None else data.eval_max_examples
+        out[key] = DataConfig(**fields, train_split=data.train_split, eval_split=data.eval_split,
+                              eval_max_examples=eval_max)
+    return out
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -237,7 +372,8 @@ class Plan:
     per_process_batch_size: int
     per_device_batch_size: float  # a batch shard spans data x fsdp devices; tensor replicas share it
     train_examples: int
-    steps_per_epoch: int
+    epoch_examples: int  # examples per epoch (puzzle sets: one augmented copy of each puzzle)
+    steps_per_epoch: float
     total_steps: int
     epochs: float
     warmup_steps: int
@@ -279,8 +415,42 @@ def run_dirs(config: Config) -> tuple[str, str]:
     return output_dir, config.run.checkpoint.dir or f"{output_dir}/checkpoints"
 
 
-def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int) -> Plan:
-    """All derived numbers, with the checks that need the machine (before any compile)."""
+def _every(steps: int, epochs: Optional[float], steps_per_epoch: int, total_steps: int) -> int:
+    """A cadence in steps: from epochs when given (at least 1 step), else steps; 0 = only at the end."""
+    if epochs is not None:
+        return max(1, round(epochs * steps_per_epoch))
+    return steps or total_steps
+
+
+def ramp_value(ramp: RampConfig, step, total_steps: int):
+    """`ramp` at optimizer step `step` (a Python number or a traced array) of a `total_steps` run."""
+    import jax.numpy as jnp
+
+    span = max(1.0, ramp.fraction * total_steps)
+    progress = jnp.clip(jnp.asarray(step, jnp.float32) / span, 0.0, 1.0)
+    if ramp.shape == "cosine":
+        progress = 0.5 * (1.0 - jnp.cos(jnp.pi * progress))
+    return ramp.start + (ramp.end - ramp.start) * progress
+
+
+def cycles_at(config: Config, step: int, total_steps: int) -> tuple[int, int]:
+    """(H_cycles, L_cycles) in use at `step` under config.curriculum (the arch's when unset)."""
+    c = config.curriculum
+    out = []
+    for name in ("H_cycles", "L_cycles"):
+        ramp = getattr(c, name)
+        out.append(int(math.floor(float(ramp_value(ramp, step, total_steps)) + 1e-6)) if ramp.on else getattr(config.arch, name))
+    return out[0], out[1]
+
+
+def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int,
+           epoch_examples: int | None = None) -> Plan:
+    """All derived numbers, with the checks that need the machine (before any compile).
+
+    `epoch_examples`: examples per epoch when that is not the whole training set. Puzzle sets
+    follow the reference (epoch = total_groups x mean_puzzle_examples: one augmented copy of each
+    original puzzle), so 50k epochs of Sudoku-Extreme 1000 x 1000-aug are 50k x 1000 examples,
+    not 50k passes over the million augmented rows."""
     t = config.train
     mesh_shape = resolve_mesh_shape(config.mesh, num_devices)
     batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
@@ -293,13 +463,13 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} does not divide over {num_processes} processes"
         )
-    steps_per_epoch = train_examples // t.global_batch_size
-    if steps_per_epoch == 0:
+    if train_examples < t.global_batch_size:
         raise UserError(
             f"the training set has {train_examples} examples, fewer than one global batch "
             f"({t.global_batch_size}); lower train.global_batch_size or use a larger dataset"
         )
-    total_steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * steps_per_epoch))
+    steps_per_epoch = (epoch_examples or train_examples) / t.global_batch_size
+    total_steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * steps_per_epoch - 1e-9))
     output_dir, checkpoint_dir = run_dirs(config)
     return Plan(
         num_processes=num_processes,
@@ -309,13 +479,14 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
         per_process_batch_size=t.global_batch_size // num_processes,
         per_device_batch_size=t.global_batch_size / batch_shards,
         train_examples=train_examples,
-        steps_per_epoch=steps_per_epoch,
+        epoch_examples=epoch_examples or train_examples,
+        steps_per_epoch=round(steps_per_epoch, 4),
         total_steps=total_steps,
         epochs=round(total_steps / steps_per_epoch, 4),
         warmup_steps=min(config.optim.warmup_steps, total_steps),
         log_every=t.log_every,
-        eval_every=t.eval_every or total_steps,
-        checkpoint_every=t.checkpoint_every or total_steps,
+        eval_every=_every(t.eval_every, t.eval_every_epochs, steps_per_epoch, total_steps),
+        checkpoint_every=_every(t.checkpoint_every, t.checkpoint_every_epochs, steps_per_epoch, total_steps),
         output_dir=output_dir,
         checkpoint_dir=checkpoint_dir,
     )

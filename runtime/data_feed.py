@@ -75,17 +75,72 @@ class BatchFeeder:
             self._pending = (step + 1, self._pool.submit(self._local_train_rows, step + 1))
         return self._assemble(local)
 
+    def eval_count(self, max_examples: int | None = None) -> tuple[int, int]:
+        """(examples evaluated, eval batches)."""
+        n = self.num_examples if max_examples is None else min(max_examples, self.num_examples)
+        return n, -(-n // self.global_batch)
+
+    def eval_batch(self, n: int, b: int) -> dict[str, jax.Array]:
+        """Eval batch `b` of the first `n` examples; past the end, a batch of padding only."""
+        idx, valid = eval_batch_indices(n, self.global_batch, b)
+        idx, valid = idx[self.rows], valid[self.rows]
+        local = self.split.rows(idx)
+        local["labels"] = np.where(valid[:, None], local["labels"], -100).astype(np.int32)
+        return self._assemble(local)
+
     def eval_batches(self, max_examples: int | None = None):
         """The eval set in order, as padded global batches with a `valid` mask; rows of padding
         get label -100 so they count nowhere."""
-        n = self.num_examples if max_examples is None else min(max_examples, self.num_examples)
-        for b in range(-(-n // self.global_batch)):
-            idx, valid = eval_batch_indices(n, self.global_batch, b)
-            idx, valid = idx[self.rows], valid[self.rows]
-            local = self.split.rows(idx)
-            local["labels"] = np.where(valid[:, None], local["labels"], -100).astype(np.int32)
-            yield self._assemble(local)
+        n, batches = self.eval_count(max_examples)
+        for b in range(batches):
+            yield self.eval_batch(n, b)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MultiTaskFeeder:
+    """Global batches of a multi-task run (runtime/multitask.py): one `BatchFeeder` per task
+    with its sub-batch rows (round(fraction * global batch / sum)) and its own shuffled order
+    (seed from the run's seed and the task's name), keys prefixed ``<task>/``.
+
+    Eval: batch b holds batch b of every task's eval set; a task whose set is exhausted fills
+    its rows with padding (labels -100, counted nowhere), so every batch has the same fields.
+    `max_examples` caps each task's eval set (a task's own cap, ``split.eval_caps[task]``, wins).
+    """
+
+    def __init__(self, split: Any, sharding: NamedSharding, global_batch: int, seed: int, prefetch: bool = True):
+        from runtime.multitask import sub_batches, task_seed
+
+        self.split = split
+        self.global_batch = global_batch
+        self.seed = seed
+        self.sizes = sub_batches(split.fractions, global_batch)
+        if sum(self.sizes.values()) != global_batch:
+            raise ValueError(f"sub-batches {self.sizes} do not add up to the global batch {global_batch}")
+        self.feeders = {t: BatchFeeder(s, sharding, self.sizes[t], task_seed(seed, t), prefetch)
+                        for t, s in split.splits.items()}
+        self.eval_caps = dict(getattr(split, "eval_caps", None) or {})
+        self.num_examples = len(split)
+
+    def train_batch(self, step: int) -> dict[str, jax.Array]:
+        out = {}
+        for t, feeder in self.feeders.items():
+            out |= {f"{t}/{k}": v for k, v in feeder.train_batch(step).items()}
+        return out
+
+    def eval_batches(self, max_examples: int | None = None):
+        counts = {}
+        for t, feeder in self.feeders.items():
+            cap = self.eval_caps.get(t)
+            counts[t] = feeder.eval_count(cap if cap is not None else max_examples)
+        for b in range(max((c[1] for c in counts.values()), default=0)):
+            out = {}
+            for t, feeder in self.feeders.items():
+                out |= {f"{t}/{k}": v for k, v in feeder.eval_batch(counts[t][0], b).items()}
+            yield out
+
+    def close(self) -> None:
+        for feeder in self.feeders.values():
+            feeder.close()

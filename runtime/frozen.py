@@ -27,4 +27,7 @@ def freeze(obj: Any) -> Any:
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             freeze(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            freeze(item)
     return obj

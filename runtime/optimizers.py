@@ -25,7 +25,7 @@ Learning rates may be floats or optax schedules of the update count (0 for the f
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -114,12 +114,30 @@ def sign_sgd_rows(table: jax.Array, grad: jax.Array, ids: jax.Array, lr, weight_
     return table + sign_sgd_delta(table, grad, ids, lr, weight_decay)
 
 
+def _path_keys(path) -> list[Any]:
+    return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+
+
+def _table_ids(path, ids: Mapping[str, jax.Array]) -> jax.Array:
+    """The ids of the table at `path`: the entry named by the key after ``puzzle_emb`` (else by
+    the first key of the path that names an entry)."""
+    keys = _path_keys(path)
+    if PUZZLE_EMB in keys and keys.index(PUZZLE_EMB) + 1 < len(keys):
+        name = keys[keys.index(PUZZLE_EMB) + 1]
+    else:
+        name = next((k for k in keys if k in ids), None)
+    if name not in ids:
+        raise ValueError(f"no puzzle_identifiers for the table at {jax.tree_util.keystr(path)}; got ids for {sorted(ids)}")
+    return ids[name]
+
+
 def sparse_sign_sgd(learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.1
                     ) -> optax.GradientTransformationExtraArgs:
     """Sign-SGD on touched rows of every leaf (the puzzle table). Call
     ``update(grads, state, params, puzzle_identifiers=ids)`` with the ids the forward pass
     looked up (for ACT: ``new_carry.current_data['puzzle_identifiers']``, the whole global
-    batch)."""
+    batch). Several tables (multi-task: ``puzzle_emb/<task>``) take a dict ``{task: ids}``:
+    each table is updated with the ids of the task its path names."""
 
     def init(params):
         del params
@@ -130,7 +148,12 @@ def sparse_sign_sgd(learning_rate: optax.ScalarOrSchedule, weight_decay: float =
         if params is None or puzzle_identifiers is None:
             raise ValueError("sparse_sign_sgd needs params and puzzle_identifiers=")
         lr = _lr_at(learning_rate, state.count)
-        updates = jax.tree.map(lambda p, g: sign_sgd_delta(p, g, puzzle_identifiers, lr, weight_decay), params, grads)
+        if isinstance(puzzle_identifiers, Mapping):
+            updates = jax.tree_util.tree_map_with_path(
+                lambda path, p, g: sign_sgd_delta(p, g, _table_ids(path, puzzle_identifiers), lr, weight_decay),
+                params, grads)
+        else:
+            updates = jax.tree.map(lambda p, g: sign_sgd_delta(p, g, puzzle_identifiers, lr, weight_decay), params, grads)
         return updates, SignSGDState(count=state.count + 1)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -302,6 +302,12 @@ def check_dataset(data: Any, gcs: Optional[_Gcs] = None) -> None:
     """Train and eval splits: dataset.json parses, and each array file it promises exists."""
     from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata
 
+    if data.name == "multitask":  # every task's dataset (data.path is unused)
+        from runtime.config import task_data_configs
+
+        for task_data in task_data_configs(data).values():
+            check_dataset(task_data, gcs)
+        return
     root = str(data.path)
     remote = "://" in root
     splits = list(dict.fromkeys([data.train_split, data.eval_split]))

@@ -106,12 +106,20 @@ def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[st
     return {k: batch_sharding(mesh, ndim) for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
 
-def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int, fields: dict[str, int] | None = None
-                   ) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes, dtypes and shardings of a global batch, for lowering without data."""
+def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int, fields: dict[str, int] | None = None,
+                   shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes, dtypes and shardings of a global batch, for lowering without data. Each field is
+    (global_batch, seq_len)[:ndim] unless `shapes` (a task's ``batch_shapes(global_batch)``, e.g.
+    multi-task sub-batches of different lengths) gives its global shape."""
     shardings = batch_shardings(mesh, fields)
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len)[:ndim], jnp.int32, sharding=shardings[k])
+    return {k: jax.ShapeDtypeStruct(tuple(shapes[k]) if shapes is not None else (global_batch, seq_len)[:ndim],
+                                    jnp.int32, sharding=shardings[k])
             for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
+
+
+def task_batch_shapes(task: Any, global_batch: int) -> dict[str, tuple[int, ...]] | None:
+    """A task's own per-field global shapes (``task.batch_shapes(global_batch)``), else None."""
+    return task.batch_shapes(global_batch) if hasattr(task, "batch_shapes") else None
 
 
 def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
@@ -147,6 +155,13 @@ class Steps:
     summarize: Callable  # (sums, global_batch, training) -> metrics (host side)
     batch_fields: dict[str, int]  # the batch's field names and ranks
     task: Any = None
+    batch_shapes: dict[str, tuple[int, ...]] | None = None  # per-field global shapes when the task gives them
+    # step -> the Steps in use at that optimizer step (a curriculum swaps cycle counts); self by default
+    at_step: Callable[[int], "Steps"] | None = None
+
+    def __post_init__(self):
+        if self.at_step is None:
+            self.at_step = lambda step: self
 
 
 def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
@@ -160,7 +175,8 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
         from models import SequenceTask
 
         task = SequenceTask(task)
-    example = abstract_batch(mesh, global_batch, seq_len, getattr(task, "batch_fields", None))
+    shapes = task_batch_shapes(task, global_batch)
+    example = abstract_batch(mesh, global_batch, seq_len, getattr(task, "batch_fields", None), shapes)
     zeros_batch = lambda: {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}  # noqa: E731
     abstract_unboxed = nn.meta.unbox(jax.eval_shape(lambda: task.init(jax.random.key(0), zeros_batch())))
     mask = task.trainable_mask(abstract_unboxed) if hasattr(task, "trainable_mask") else None
@@ -196,7 +212,7 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
         def loss_fn(trainable):
-            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng)
+            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng, step=state.step)
 
         trainable = trainable_part(state.params, mask)
         (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
@@ -240,4 +256,5 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     return Steps(init=init, init_from=init_from, train=train, eval=evaluate, eval_rows=eval_rows,
                  state_shardings=state_shardings,
                  abstract_state=abstract_state, summarize=task.summarize,
-                 batch_fields=dict(getattr(task, "batch_fields", None) or PUZZLE_BATCH_FIELDS), task=task)
+                 batch_fields=dict(getattr(task, "batch_fields", None) or PUZZLE_BATCH_FIELDS), task=task,
+                 batch_shapes=shapes)

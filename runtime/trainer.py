@@ -7,6 +7,7 @@ compatibility), and reported as one line by `pretrain_jax.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,8 +24,8 @@ from data_pipeline.puzzle_format import DatasetError, load_split
 from models import build_task
 from runtime import manifest as manifest_lib
 from runtime.checkpointing import Checkpoints
-from runtime.config import Config, Plan, derive, run_dirs, to_dict
-from runtime.data_feed import BatchFeeder
+from runtime.config import Config, Plan, cycles_at, derive, ramp_value, run_dirs, to_dict
+from runtime.data_feed import BatchFeeder, MultiTaskFeeder
 from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import EXIT_NONFINITE, UserError
 from runtime.metrics_sinks import MetricsSinks
@@ -33,7 +34,8 @@ from runtime.perf import StepTimer, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
 from runtime.sharding import batch_sharding, describe, make_mesh
 from runtime.watchdog import Watchdog
-from runtime.train_step import TrainState, build_steps, has_puzzle_table, lr_schedule, make_optimizer, puzzle_lr_schedule
+from runtime.train_step import (TrainState, build_steps, has_puzzle_table, lr_schedule, make_optimizer,
+                                puzzle_lr_schedule, task_batch_shapes)
 
 log = logging.getLogger("runtime")
 
@@ -49,6 +51,12 @@ def setup_logging(is_primary: bool) -> None:
 def ensure_dataset(config: Config, info: ProcessInfo) -> None:
     """Build the small generated dataset when asked and missing (local paths only)."""
     data = config.data
+    if data.name == "multitask":  # each task's own dataset, by its own generate_* settings
+        from runtime.config import task_data_configs
+
+        for task_data in task_data_configs(data).values():
+            ensure_dataset(dataclasses.replace(config, data=task_data), info)
+        return
     if not data.generate_if_missing or data.path.startswith("gs://"):
         return
 
@@ -60,6 +68,19 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
                 log.info("building a generated arithmetic reasoning set at %s", data.path)
                 build_generated_arithmetic(data.path, data.generate_puzzles, data.generate_test_puzzles, data.seq_len,
                                            data.generate_seed)
+            return
+        if data.name == "maze" and not os.path.exists(os.path.join(data.path, data.train_split, "dataset.json")):
+            from data_pipeline.build_maze import build_maze_dataset
+            from data_pipeline.maze import DEFAULT_SIZE
+
+            side = data.generate_grid_size or DEFAULT_SIZE
+            if data.generate_num_aug not in (0, 7):
+                log.warning("maze augmentation adds the 7 other dihedral images of each maze (generate_num_aug=7); "
+                            "generate_num_aug=%d is treated as 7", data.generate_num_aug)
+            log.info("building a generated %dx%d maze dataset at %s", side, side, data.path)
+            build_maze_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
+                               test_size=data.generate_test_puzzles, aug=data.generate_num_aug > 0, size=side,
+                               seed=data.generate_seed)
             return
         if not os.path.exists(os.path.join(data.path, data.train_split, "dataset.json")):
             from data_pipeline.build_sudoku import build_sudoku_dataset
@@ -82,6 +103,10 @@ def load_any_split(config: Config, split: str):
         from data_pipeline.sft_format import load_sft_split
 
         return load_sft_split(config.data.path, split)
+    if config.data.name == "multitask":  # every task's split (runtime/multitask.py)
+        from runtime.multitask import load_multitask_split
+
+        return load_multitask_split(config, split)
     return load_split(config.data.path, split)
 
 
@@ -115,7 +140,10 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
     (which depends on seed, global batch and dataset size, not on where the data lives)."""
     saved = dict(meta.get("config", {}), dataset={"train_examples": meta["data_position"].get("train_examples")})
     now = dict(to_dict(config), dataset={"train_examples": train_examples})
-    checks = (("arch", None), ("train", ("seed", "global_batch_size")), ("data", ("name",)), ("dataset", None))
+    # What the checkpoint's numbers depend on: a sweep that reuses one checkpoint directory must
+    # not resume another variant's run (optimizer, EMA, schedule and curriculum included).
+    checks = (("arch", None), ("optim", None), ("curriculum", None), ("train", ("seed", "global_batch_size")),
+              ("data", ("name",)), ("dataset", None))
     for section, keys in checks:
         old, new = saved.get(section, {}), now[section]
         for key in keys or sorted(set(old) | set(new)):
@@ -219,24 +247,80 @@ def read_init_states(config: Config, meta: dict | None) -> Any:
     return [np.asarray(states["H_init"], np.float32).tolist(), np.asarray(states["L_init"], np.float32).tolist()]
 
 
+def epoch_examples(metadata: Any) -> int | None:
+    """The reference's epoch of a puzzle split: total_groups x mean_puzzle_examples; a
+    multi-task split: the sum over its tasks; None (the whole set) for other formats."""
+    if hasattr(metadata, "total_groups"):
+        return max(1, round(metadata.total_groups * metadata.mean_puzzle_examples))
+    return None
+
+
 def plan_and_build(config: Config, *, devices, num_processes: int, train_examples: int, vocab_size: int,
-                   seq_len: int, num_puzzle_identifiers: int = 1, init_states: Any = None,
-                   packed: bool = False) -> tuple[Plan, Any, Any]:
+                   seq_len: int, per_epoch: int | None = None, num_puzzle_identifiers: int = 1, init_states: Any = None,
+                   packed: bool = False, tasks: Any = None) -> tuple[Plan, Any, Any]:
     """Plan (all checks that need the machine), mesh, model and the jitted steps, for real
-    devices or a TPU topology's compile-only devices (runtime/compile_only.py)."""
-    plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples)
+    devices or a TPU topology's compile-only devices (runtime/compile_only.py). For
+    data.name=multitask, `tasks` = each task's `runtime.multitask.TaskShape`."""
+    plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=train_examples,
+                  epoch_examples=per_epoch)
     log.info("plan:\n%s", plan.table())
     mesh = make_mesh(plan.mesh_shape, devices)
-    task = build_task(config.arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
-                      init_states=init_states, packed=packed)
+    ramp = config.curriculum.halt_exploration_prob
+    exploration = (lambda step: ramp_value(ramp, step, plan.total_steps)) if ramp.on else None
+
+    def new_task(arch):
+        if config.data.name == "multitask":  # checks each task's sub-batch first (one line, before compile)
+            from runtime.multitask import build_multitask_task
+
+            return build_multitask_task(config, plan, tasks, arch=arch, init_states=init_states, exploration=exploration)
+        return build_task(arch, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+                          init_states=init_states, packed=packed, exploration=exploration)
+
+    task = new_task(config.arch)
     schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     puzzle_schedule = puzzle_lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    shapes = task_batch_shapes(task, plan.global_batch_size) or {"inputs": (1, seq_len), "labels": (1, seq_len),
+                                                                  "puzzle_identifiers": (1,)}
     abstract_params = jax.eval_shape(lambda: task.init(jax.random.key(0), {
-        "inputs": jax.numpy.zeros((1, seq_len), jax.numpy.int32), "labels": jax.numpy.zeros((1, seq_len), jax.numpy.int32),
-        "puzzle_identifiers": jax.numpy.zeros((1,), jax.numpy.int32)}))
+        k: jax.numpy.zeros(shape, jax.numpy.int32) for k, shape in shapes.items()}))
     tx = make_optimizer(config.optim, schedule, puzzle_schedule if has_puzzle_table(abstract_params) else None)
-    steps = build_steps(task, tx, schedule, mesh, seq_len, config.optim.ema_rate, global_batch=plan.global_batch_size)
+
+    def new_steps(task):
+        return build_steps(task, tx, schedule, mesh, seq_len, config.optim.ema_rate, global_batch=plan.global_batch_size)
+
+    steps = new_steps(task)
+    steps.at_step = curriculum_stages(config, plan.total_steps, steps, lambda arch: new_steps(new_task(arch)))
     return plan, mesh, steps
+
+
+def curriculum_stages(config: Config, total_steps: int, steps, build):
+    """`step -> Steps` under config.curriculum's H_cycles/L_cycles: one Steps per distinct
+    (H_cycles, L_cycles), built when first reached (same parameters and state shardings, so the
+    train state passes from one stage's compiled step to the next)."""
+    c = config.curriculum
+    if not (c.H_cycles.on or c.L_cycles.on):
+        return lambda step: steps
+    stages = {(config.arch.H_cycles, config.arch.L_cycles): steps}
+
+    def at_step(step: int):
+        cycles = cycles_at(config, step, total_steps)
+        if cycles not in stages:
+            log.info("curriculum: H_cycles=%d L_cycles=%d from step %d", *cycles, step)
+            stages[cycles] = build(dataclasses.replace(config.arch, H_cycles=cycles[0], L_cycles=cycles[1]))
+        return stages[cycles]
+
+    return at_step
+
+
+def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str, float]:
+    """The scheduled values in use at `step` (logged beside the train metrics)."""
+    c = config.curriculum
+    out = {}
+    if c.H_cycles.on or c.L_cycles.on:
+        out["train/H_cycles"], out["train/L_cycles"] = cycles_at(config, step, total_steps)
+    if c.halt_exploration_prob.on:
+        out["train/halt_exploration_prob"] = float(ramp_value(c.halt_exploration_prob, step, total_steps))
+    return out
 
 
 def run(config: Config) -> int:
@@ -260,10 +344,16 @@ def run(config: Config) -> int:
         meta = ckpt.read_meta(start_step)
         check_resumable(meta, config, len(train_split), checkpoint_dir, start_step)
     init_states = read_init_states(config, meta)
+    if config.data.name == "multitask":
+        per_epoch = sum(epoch_examples(s.metadata) or len(s) for s in train_split.splits.values())
+    else:
+        per_epoch = epoch_examples(train_meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count,
                                        train_examples=len(train_split), vocab_size=train_meta.vocab_size,
+                                       per_epoch=per_epoch,
                                        seq_len=train_meta.seq_len, num_puzzle_identifiers=train_meta.num_puzzle_identifiers,
-                                       init_states=init_states, packed=bool(getattr(train_meta, "packed", False)))
+                                       init_states=init_states, packed=bool(getattr(train_meta, "packed", False)),
+                                       tasks=train_split.task_shapes() if config.data.name == "multitask" else None)
     rng = jax.random.key_data(jax.random.key(config.train.seed))
     if start_step is not None:
         state = ckpt.restore_state(start_step, steps.abstract_state)
@@ -280,8 +370,9 @@ def run(config: Config) -> int:
     run_id = meta["run_id"] if meta else new_run_id(config)
     position = int(meta["data_position"]["next_batch"]) if meta else 0
 
-    feeder = BatchFeeder(train_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed)
-    eval_feeder = BatchFeeder(eval_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed, prefetch=False)
+    feeder_class = MultiTaskFeeder if config.data.name == "multitask" else BatchFeeder  # per-task sub-batches
+    feeder = feeder_class(train_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed)
+    eval_feeder = feeder_class(eval_split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed, prefetch=False)
     config_dict = to_dict(config)
     sinks = MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=config.run.wandb.mode,
                          wandb_project=config.run.wandb.project, wandb_entity=config.run.wandb.entity,
@@ -331,6 +422,17 @@ def _best_effort(action, what: str) -> None:
         log.warning("%s failed: %s", what, " ".join(str(e).split())[:300])
 
 
+def compiled_memory(compiled) -> dict[str, float]:
+    """Per-device bytes of the compiled train step (arguments = state + batch; temporaries =
+    activations and workspace), in GiB; empty where the backend does not report them."""
+    try:
+        mem = compiled.memory_analysis()
+        return {"perf/compiled_argument_gib": mem.argument_size_in_bytes / 2**30,
+                "perf/compiled_temp_gib": mem.temp_size_in_bytes / 2**30}
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return {}
+
+
 def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: BatchFeeder, eval_feeder: BatchFeeder,
                ckpt: Checkpoints, sinks: MetricsSinks, position: int, run_id: str, config_dict: dict,
                seq_len: int, init_states: Any = None, generation=None, new_arc=None) -> tuple[int, str, dict | None]:
@@ -339,11 +441,23 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
     if position >= plan.total_steps:
         log.info("nothing to do: the checkpoint is at step %d of %d", position, plan.total_steps)
         return 0, "completed", None
-    t0 = time.perf_counter()
     first_batch = feeder.train_batch(position)
-    compiled = steps.train.lower(state, first_batch).compile()
+    compiled_steps: dict[int, Any] = {}  # id(Steps) -> its compiled train step (one per curriculum stage)
+    timer = None
+
+    def compiled_for(step: int):
+        stage = steps.at_step(step)
+        if id(stage) not in compiled_steps:
+            with timer.paused() if timer is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                compiled_steps[id(stage)] = stage.train.lower(state, first_batch).compile()
+                log.info("compiled train step in %.1fs", time.perf_counter() - t0)
+        return compiled_steps[id(stage)]
+
+    compiled = compiled_for(position)
     flops = (compiled.cost_analysis() or {}).get("flops")
-    log.info("compiled train step in %.1fs; %s FLOPs/step/device", time.perf_counter() - t0, flops)
+    log.info("%s FLOPs/step/device", flops)
+    sinks.log(position, {"model/params": sum(x.size for x in jax.tree.leaves(state.params))} | compiled_memory(compiled))
     timer = StepTimer(plan.global_batch_size, seq_len, flops, peak_flops_per_device(jax.devices()[0]))
     pending: list[tuple[int, dict]] = []  # device metrics not yet checked/logged
     last_good_ckpt = ckpt.latest_step()
@@ -388,7 +502,7 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
         for step in range(position, plan.total_steps):
             if profile is not None and step == profile:
                 jax.profiler.start_trace(f"{plan.output_dir}/profile")
-            state, metrics = compiled(state, batch)
+            state, metrics = compiled_for(step)(state, batch)
             done = step + 1  # optimizer steps taken == index of the next global batch
             last = done == plan.total_steps
             if not last:
@@ -403,10 +517,10 @@ def train_loop(config: Config, plan: Plan, steps, state: TrainState, feeder: Bat
                 if not drain():
                     return EXIT_NONFINITE, "nonfinite", None
                 if done % plan.log_every == 0 or last:
-                    sinks.log(done, train_metrics | timer.lap(done))
+                    sinks.log(done, train_metrics | timer.lap(done) | curriculum_metrics(config, step, plan.total_steps))
             if done % plan.eval_every == 0 or last:
                 with timer.paused():
-                    eval_metrics = evaluate(steps, state, eval_feeder, config.data.eval_max_examples,
+                    eval_metrics = evaluate(steps.at_step(step), state, eval_feeder, config.data.eval_max_examples,
                                             lambda: watchdog.beat(done, "eval"), new_arc=new_arc,
                                             submission_path=f"{plan.output_dir}/submission.json", generation=generation)
                     sinks.log(done, eval_metrics)

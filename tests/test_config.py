@@ -52,7 +52,19 @@ def test_steps_or_epochs_exactly_one():
         composed("train.epochs=2")
     config = composed("train.steps=null", "train.epochs=2.5")
     plan = derive(config, num_processes=2, num_devices=8, train_examples=2000)
-    assert plan.steps_per_epoch == 2000 // 64 and plan.total_steps == 78  # ceil(2.5 * 31)
+    assert plan.steps_per_epoch == 2000 / 64 and plan.total_steps == 79  # ceil(2.5 * 31.25)
+
+
+def test_puzzle_epochs_count_one_augmented_copy_per_puzzle():
+    """The reference's epoch: total_groups x mean_puzzle_examples examples, so the baseline's
+    50k epochs of 1000 puzzles x 1000 augmentations at batch 6144 are ~8.1k steps, not 8.1M;
+    and evals every 5000 epochs (the baseline's cadence) come every 814 steps."""
+    config = composed("+experiment=baseline/trm_sudoku_extreme", experiment="baseline/trm_sudoku_extreme")
+    plan = derive(config, num_processes=8, num_devices=32, train_examples=1000 * 1001, epoch_examples=1000)
+    assert plan.total_steps == 8139 and plan.eval_every == plan.checkpoint_every == 814  # ceil(5e7 / 6144); 5e6 / 6144
+    assert plan.epoch_examples == 1000 and plan.epochs == pytest.approx(50000, rel=1e-3)
+    whole = derive(config, num_processes=8, num_devices=32, train_examples=1000 * 1001)
+    assert whole.total_steps == 1000 * 1001 * 50000 // 6144 + 1  # without it: passes over every augmented row
 
 
 def test_derived_numbers():

@@ -55,7 +55,7 @@ class GemmaTask:
                                         chunk_size=self.cfg.loss_chunk_size, softcap=self.cfg.final_logit_softcap)
         return {"loss_sum": loss_sum, "tokens": stats["tokens"], "correct": stats["correct"]}
 
-    def train_loss(self, params, carry, batch, rng):
+    def train_loss(self, params, carry, batch, rng, step=None):
         sums = self._sums(params, batch)
         return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), (None, sums, {})
 

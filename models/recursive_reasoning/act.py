@@ -7,7 +7,8 @@ One call of `act_step` is one ACT step (one optimizer step in training: deep sup
 2. one inner step runs (``model.apply``);
 3. ``steps += 1``; ``halted = steps >= halt_max_steps``; in training only (and when
    ``halt_max_steps > 1``): ``halted |= q_halt > 0`` (``no_ACT_continue``) or
-   ``q_halt > q_continue``; with probability ``halt_exploration_prob`` a row draws
+   ``q_halt > q_continue``; with probability ``halt_exploration_prob`` (or the traced
+   ``exploration_prob`` argument, e.g. an annealed schedule's value) a row draws
    ``min_halt ~ U{2..halt_max_steps}`` and ``halted &= steps >= min_halt``;
 4. training with Q-continue (HRM, or TRM with ``no_ACT_continue=False``): a second inner
    call without gradient on the new carry gives the bootstrapped target
@@ -56,13 +57,16 @@ def init_params(model: nn.Module, rng: jax.Array, batch: Mapping[str, jax.Array]
 
 
 def act_step(model: nn.Module, params: Any, carry: ACTCarry, batch: Mapping[str, jax.Array], rng: jax.Array | None,
-             training: bool) -> tuple[ACTCarry, dict[str, jax.Array]]:
+             training: bool, exploration_prob: jax.Array | float | None = None) -> tuple[ACTCarry, dict[str, jax.Array]]:
     """One ACT step. Returns (new_carry, outputs).
 
-    outputs: ``logits`` [B, L, V] f32, ``q_halt_logits`` / ``q_continue_logits`` [B] f32, and in
-    training with Q-continue ``target_q_continue`` [B] f32 (no gradient). The loss reads its
-    labels from ``new_carry.current_data`` and its halting mask from ``new_carry.halted``.
+    outputs: ``logits`` [B, L, V] f32, ``q_halt_logits`` / ``q_continue_logits`` [B] f32, in
+    training with Q-continue ``target_q_continue`` [B] f32 (no gradient), and with
+    ``cfg.cycle_consistency_weight > 0`` the inner model's ``cycle_delta`` [B] f32. The loss
+    reads its labels from ``new_carry.current_data`` and its halting mask from ``new_carry.halted``.
     `training` must be a Python bool; `rng` is only used when training with exploration.
+    `exploration_prob` (a scalar, may be traced) overrides ``cfg.halt_exploration_prob``; when
+    given, exploration is applied (and `rng` needed) even if the config's value is 0.
     """
     cfg = model.cfg
     halted = carry.halted
@@ -71,8 +75,16 @@ def act_step(model: nn.Module, params: Any, carry: ACTCarry, batch: Mapping[str,
     data = {k: jnp.where(halted.reshape((-1,) + (1,) * (batch[k].ndim - 1)), batch[k], carry.current_data[k])
             for k in carry.current_data}
 
-    inner, logits, q_halt, q_continue = model.apply({"params": params}, data, inner)
+    if getattr(cfg, "cycle_consistency_weight", 0.0) > 0:
+        (inner, logits, q_halt, q_continue), state = model.apply({"params": params}, data, inner,
+                                                                 mutable=["intermediates"])
+        cycle_delta = state["intermediates"]["cycle_delta"][0]
+    else:
+        inner, logits, q_halt, q_continue = model.apply({"params": params}, data, inner)
+        cycle_delta = None
     outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
+    if cycle_delta is not None:
+        outputs["cycle_delta"] = cycle_delta
 
     steps = steps + 1
     is_last = steps >= cfg.halt_max_steps
@@ -80,11 +92,12 @@ def act_step(model: nn.Module, params: Any, carry: ACTCarry, batch: Mapping[str,
     if training and cfg.halt_max_steps > 1:
         qh, qc = jax.lax.stop_gradient(q_halt), jax.lax.stop_gradient(q_continue)
         new_halted = new_halted | ((qh > 0) if cfg.no_ACT_continue else (qh > qc))
-        if cfg.halt_exploration_prob > 0:
+        prob = cfg.halt_exploration_prob if exploration_prob is None else exploration_prob
+        if exploration_prob is not None or cfg.halt_exploration_prob > 0:
             if rng is None:
                 raise ValueError("act_step needs an rng in training when halt_exploration_prob > 0")
             k_explore, k_min = jax.random.split(rng)
-            explore = jax.random.uniform(k_explore, steps.shape) < cfg.halt_exploration_prob
+            explore = jax.random.uniform(k_explore, steps.shape) < prob
             min_halt = jnp.where(explore, jax.random.randint(k_min, steps.shape, 2, cfg.halt_max_steps + 1), 0)
             new_halted = new_halted & (steps >= min_halt)
         if not cfg.no_ACT_continue:

@@ -45,6 +45,7 @@ class HRMConfig(Freezable):
     # HRM always halts on q_halt > q_continue and learns Q-continue; kept for the ACT wrapper.
     no_ACT_continue: bool = False
     loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy
+    remat: bool = False  # jax.checkpoint the final (with-gradient) L- and H-updates, as TRMConfig.remat
 
 
 class HRM(RecursiveIO):
@@ -89,6 +90,8 @@ class HRM(RecursiveIO):
         z_H, z_L = stop_gradient_tree(l_updates(z, cfg.L_cycles - 1))
 
         # One-step gradient.
+        if cfg.remat:
+            net_H, net_L = make_net_fn(h_def, cos_sin, remat=True), make_net_fn(l_def, cos_sin, remat=True)
         z_L = net_L(p_L, z_L, z_H + x)
         z_H = net_H(p_H, z_H, z_L)
 

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 RMS_EPS = 1e-5
 
@@ -33,6 +34,7 @@ _FORWARD_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": 
 _TRUNC2_STD = 0.87962566103423978
 
 CosSin = Optional[Tuple[jax.Array, jax.Array]]
+Mask = Optional[jax.Array]  # bool [T, T] (query, key); True = may attend; None = unmasked
 
 
 def forward_dtype(name: str):
@@ -93,6 +95,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * c + rotate_half(x32) * s).astype(x.dtype)
 
 
+# ---------------------------------------------------------------- attention masks
+
+def local_global_mask(prefix: int, height: int, width: int, window: int) -> np.ndarray:
+    """bool [T, T] (T = prefix + height*width; True = query row may attend key column).
+
+    The `prefix` (puzzle-embedding) tokens attend to every token and every token attends to
+    them; grid cell (r, c) (sequence position ``prefix + r*width + c``) attends grid cell
+    (r2, c2) iff ``|r - r2| <= window // 2`` and ``|c - c2| <= window // 2`` (a window x window
+    square, clipped at the grid's border). Symmetric, with a True diagonal.
+    """
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"attention window must be a positive odd side length, got {window}")
+    half = window // 2
+    rows, cols = np.divmod(np.arange(height * width), width)
+    near = ((np.abs(rows[:, None] - rows[None, :]) <= half) & (np.abs(cols[:, None] - cols[None, :]) <= half))
+    mask = np.ones((prefix + height * width,) * 2, dtype=bool)
+    mask[prefix:, prefix:] = near
+    return mask
+
+
 # ---------------------------------------------------------------- modules
 
 class SwiGLU(nn.Module):
@@ -120,7 +142,11 @@ class SwiGLU(nn.Module):
 
 
 class Attention(nn.Module):
-    """Non-causal, unmasked multi-head attention, fused qkv (kv heads == heads), no biases.
+    """Non-causal multi-head attention, fused qkv (kv heads == heads), no biases.
+
+    Unmasked by default; an optional bool `mask` [T, T] (True = may attend, e.g.
+    `local_global_mask`) sets the disallowed float32 scores to the float32 minimum before the
+    softmax (every row must allow at least one key).
 
     The qkv kernel is [embed, 3, heads, head_dim] (the reference's [3*H*Dh, D] transposed and
     reshaped in the same order), the output kernel [heads, head_dim, embed].
@@ -131,7 +157,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+    def __call__(self, x: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         head_dim = self.hidden // self.heads
@@ -145,6 +171,8 @@ class Attention(nn.Module):
             cos, sin = cos_sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+        if mask is not None:
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
         return jnp.einsum("blhk,hkd->bld", y, out_w.astype(self.dtype))
@@ -162,19 +190,21 @@ class Block(nn.Module):
     eps: float = RMS_EPS
 
     @nn.compact
-    def __call__(self, h: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+    def __call__(self, h: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         if self.mlp_t:
+            if mask is not None:
+                raise ValueError("an attention mask needs the attention token mixer (mlp_t=False)")
             ht = jnp.swapaxes(h, 1, 2)  # [B, D, L]
             ht = rms_norm(ht + SwiGLU(self.total_len, self.expansion, self.dtype, axis_name="length", name="mlp_t")(ht),
                           self.eps)  # normalises over the sequence axis
             h = jnp.swapaxes(ht, 1, 2)
         else:
-            h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin), self.eps)
+            h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin, mask), self.eps)
         return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, name="mlp")(h), self.eps)
 
 
 class ReasoningNet(nn.Module):
-    """`net(h, inj)`: `layers` blocks applied to `h + inj`."""
+    """`net(h, inj)`: `layers` blocks applied to `h + inj` (`mask`: optional attention mask)."""
 
     layers: int
     hidden: int
@@ -185,26 +215,27 @@ class ReasoningNet(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
 
     @nn.compact
-    def __call__(self, h: jax.Array, inj: jax.Array, cos_sin: CosSin = None) -> jax.Array:
+    def __call__(self, h: jax.Array, inj: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         h = h + inj
         for i in range(self.layers):
             h = Block(self.hidden, self.heads, self.expansion, self.total_len, self.mlp_t, self.dtype,
-                      name=f"block_{i}")(h, cos_sin)
+                      name=f"block_{i}")(h, cos_sin, mask)
         return h
 
 
-def make_net_fn(net_def: ReasoningNet, cos_sin: CosSin) -> Callable:
+def make_net_fn(net_def: ReasoningNet, cos_sin: CosSin, mask: Mask = None, remat: bool = False) -> Callable:
     """A pure `(params, h, inj) -> h` for a standalone (unbound) ReasoningNet definition.
 
     The recursion loops call the network through this function inside `lax.scan`/`fori_loop`,
     so the loop body is traced once whatever the cycle counts, and the no-gradient cycles can
-    be given stop-gradient parameters.
+    be given stop-gradient parameters. `remat=True` wraps it in `jax.checkpoint`: the backward
+    pass keeps only its inputs (params, h, inj) and recomputes the blocks' activations.
     """
 
     def fn(params, h, inj):
-        return net_def.apply({"params": params}, h, inj, cos_sin)
+        return net_def.apply({"params": params}, h, inj, cos_sin, mask)
 
-    return fn
+    return jax.checkpoint(fn) if remat else fn
 
 
 def repeat(fn: Callable, n: int, x):

@@ -18,6 +18,9 @@ batch. ``q_halt_loss = sum BCE-with-logits(q_halt, sequence exactly correct)``;
 ``q_continue_loss = sum BCE(q_continue, target_q_continue)`` when the target exists.
 ``total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)``; the caller divides by the
 GLOBAL batch size before differentiating (as the reference's ``loss / global_batch_size``).
+With the cycle-consistency regulariser on (``outputs["cycle_delta"]`` present, see
+``TRMConfig.cycle_consistency_weight``), ``total += cycle_weight * cycle_loss`` where
+``cycle_loss = sum over rows of cycle_delta`` (not part of the reference).
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def bce_with_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def act_loss(outputs: Mapping[str, jax.Array], labels: jax.Array, halted: jax.Array, steps: jax.Array,
-             loss_type: str = "stablemax_cross_entropy", precision: str = "float32"
+             loss_type: str = "stablemax_cross_entropy", precision: str = "float32", cycle_weight: float = 0.0
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(total, metric sums) for one ACT step.
 
@@ -98,7 +101,8 @@ def act_loss(outputs: Mapping[str, jax.Array], labels: jax.Array, halted: jax.Ar
     batch size). Metrics are on-device sums over this batch (reduce globally by summing):
     ``count`` (halted rows with >= 1 valid label), ``accuracy`` (sum of per-row token
     accuracy), ``exact_accuracy``, ``q_halt_accuracy``, ``steps`` (all over those rows), and
-    the loss sums ``lm_loss``, ``q_halt_loss``, ``q_continue_loss`` (over all rows). See
+    the loss sums ``lm_loss``, ``q_halt_loss``, ``q_continue_loss`` (over all rows), and
+    ``cycle_loss`` (unweighted, over all rows) only when `outputs` has ``cycle_delta``. See
     `summarize` for the reference's normalisation.
     """
     try:
@@ -124,6 +128,10 @@ def act_loss(outputs: Mapping[str, jax.Array], labels: jax.Array, halted: jax.Ar
     if "target_q_continue" in outputs:
         q_continue_loss = bce_with_logits(outputs["q_continue_logits"], outputs["target_q_continue"]).sum()
     total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
+    cycle_loss = None
+    if "cycle_delta" in outputs:
+        cycle_loss = outputs["cycle_delta"].astype(jnp.float32).sum()
+        total = total + cycle_weight * cycle_loss
 
     sg = jax.lax.stop_gradient
     metrics = {
@@ -136,6 +144,8 @@ def act_loss(outputs: Mapping[str, jax.Array], labels: jax.Array, halted: jax.Ar
         "q_halt_loss": sg(q_halt_loss),
         "q_continue_loss": sg(q_continue_loss),
     }
+    if cycle_loss is not None:
+        metrics["cycle_loss"] = sg(cycle_loss)
     return total, metrics
 
 

@@ -17,13 +17,18 @@ Parameters (float32, logical axis names in brackets)::
 ``H_init``/``L_init`` are NOT parameters: they are fixed vectors (trunc normal, std 1) computed
 deterministically from a constant key by ``initial_states`` (see there); nothing trains,
 checkpoints or shards them.
+
+Options beyond the reference, all off by default (see `TRMConfig`): ``remat`` (jax.checkpoint
+of the cycle with gradient), ``cycle_consistency_weight`` (sows ``cycle_delta`` for the loss)
+and ``attention_window`` / ``grid_width`` (local-window + global-prefix attention mask).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import flax.struct
@@ -31,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.recursive_reasoning.layers import (ReasoningNet, forward_dtype, make_net_fn, repeat, rope_cos_sin,
-                                               stop_gradient_tree, trunc_normal_init, lecun_init)
+from models.recursive_reasoning.layers import (ReasoningNet, forward_dtype, local_global_mask, make_net_fn, repeat,
+                                               rope_cos_sin, stop_gradient_tree, trunc_normal_init, lecun_init)
 from runtime.frozen import Freezable
 
 POS_ENCODINGS = ("rope", "learned", "none")
@@ -60,6 +65,16 @@ class TRMConfig(Freezable):
     no_ACT_continue: bool = True  # halt on q_halt > 0; no Q-continue target/loss
     rope_theta: float = 10000.0
     loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy (the reference's two choices)
+    # jax.checkpoint the network applications of the cycle with gradient: the backward pass keeps
+    # only the per-iteration z carries and recomputes each block's activations (same values).
+    remat: bool = False
+    # > 0: add weight * sum over rows of mean((z_H_after - z_H_before)^2) (float32, over positions
+    # and features) of the cycle with gradient to the loss; z_H_before gets no gradient.
+    cycle_consistency_weight: float = 0.0
+    # Attention variant only (mlp_t=False): odd side of a local square window on the 2-D grid;
+    # grid cells attend only cells within it, prefix tokens attend / are attended by all. None = full.
+    attention_window: Optional[int] = None
+    grid_width: Optional[int] = None  # grid columns for attention_window; None = sqrt(seq_len) (square grids)
 
 
 @flax.struct.dataclass
@@ -176,11 +191,33 @@ class RecursiveIO(nn.Module):
         q = (z_H[:, 0] @ qk.astype(dt) + qb.astype(dt)).astype(jnp.float32)
         return logits, q[..., 0], q[..., 1]
 
-    def _net_params(self, name: str, net: ReasoningNet, probe: Tuple[jax.Array, jax.Array], cos_sin) -> Any:
+    def _net_params(self, name: str, net: ReasoningNet, probe: Tuple[jax.Array, jax.Array], cos_sin,
+                    mask=None) -> Any:
         """Create the named network's parameters (init only) and return them as a subtree."""
         if self.is_initializing() and name not in self.variables.get("params", {}):
-            net.clone(parent=self, name=name)(*probe, cos_sin)
+            net.clone(parent=self, name=name)(*probe, cos_sin, mask)
         return self.variables["params"][name]
+
+    @nn.nowrap
+    def attention_mask(self) -> Optional[np.ndarray]:
+        """`local_global_mask` for ``cfg.attention_window`` (None when unset), validated."""
+        cfg = self.cfg
+        window = getattr(cfg, "attention_window", None)
+        if window is None:
+            return None
+        if getattr(cfg, "mlp_t", False):
+            raise ValueError("attention_window needs the attention variant; set mlp_t=False")
+        if not isinstance(window, int) or window < 1 or window % 2 == 0:
+            raise ValueError(f"attention_window must be a positive odd int, got {window!r}")
+        width = getattr(cfg, "grid_width", None)
+        if width is None:
+            side = math.isqrt(self.seq_len)
+            if side * side != self.seq_len:
+                raise ValueError(f"seq_len {self.seq_len} is not a perfect square; set grid_width for attention_window")
+            width = side
+        if width < 1 or self.seq_len % width:
+            raise ValueError(f"grid_width {width} does not divide seq_len {self.seq_len}")
+        return local_global_mask(self.prefix, self.seq_len // width, width, window)
 
     @nn.nowrap
     def _net_def(self, layers: int) -> ReasoningNet:
@@ -194,7 +231,9 @@ class TRM(RecursiveIO):
     """Inner TRM. ``apply({'params': p}, batch, carry) -> (new_carry, logits, q_halt, q_continue)``.
 
     `batch` needs ``inputs`` [B, L] and ``puzzle_identifiers`` [B]; `carry=None` starts from
-    (H_init, L_init). The returned carry is detached.
+    (H_init, L_init). The returned carry is detached. With ``cfg.cycle_consistency_weight > 0``
+    the per-row ``cycle_delta`` [B] (float32) is sown into the ``"intermediates"`` collection
+    (read it with ``apply(..., mutable=["intermediates"])``; see ``act.act_step``).
     """
 
     cfg: TRMConfig
@@ -212,24 +251,31 @@ class TRM(RecursiveIO):
         if carry is None:
             carry = self.initial_carry(x.shape[0])
         cos_sin = self._cos_sin()
+        mask = self.attention_mask()
+        mask = None if mask is None else jnp.asarray(mask)
         net_def = self._net_def(cfg.L_layers)
-        params = self._net_params("L_level", net_def, (carry.z_L, carry.z_H + x), cos_sin)
+        params = self._net_params("L_level", net_def, (carry.z_L, carry.z_H + x), cos_sin, mask)
         if self.is_initializing():  # parameters exist now; skip the recursion (cheaper init compile)
             return (carry, *self._heads(carry.z_H))
-        net = make_net_fn(net_def, cos_sin)
+        net = make_net_fn(net_def, cos_sin, mask)
+        net_grad = make_net_fn(net_def, cos_sin, mask, remat=getattr(cfg, "remat", False))
 
-        def cycle(p, inp, z):
+        def cycle(p, inp, z, f):
             z_H, z_L = z
             inj = z_H + inp
-            z_L = repeat(lambda zl: net(p, zl, inj), cfg.L_cycles, z_L)
-            z_H = net(p, z_H, z_L)
+            z_L = repeat(lambda zl: f(p, zl, inj), cfg.L_cycles, z_L)
+            z_H = f(p, z_H, z_L)
             return z_H, z_L
 
         z = (carry.z_H, carry.z_L)
         if cfg.H_cycles > 1:  # no-gradient cycles: parameters, input and carry all stop-gradient
             p_ng, x_ng = stop_gradient_tree(params), jax.lax.stop_gradient(x)
-            z = stop_gradient_tree(repeat(lambda zz: cycle(p_ng, x_ng, zz), cfg.H_cycles - 1, stop_gradient_tree(z)))
-        z_H, z_L = cycle(params, x, z)  # the one cycle with gradient
+            z = stop_gradient_tree(repeat(lambda zz: cycle(p_ng, x_ng, zz, net), cfg.H_cycles - 1, stop_gradient_tree(z)))
+        z_H, z_L = cycle(params, x, z, net_grad)  # the one cycle with gradient
+        if getattr(cfg, "cycle_consistency_weight", 0.0) > 0:
+            # per row: mean squared change of z_H over the cycle with gradient (none into z_H before)
+            before = jax.lax.stop_gradient(z[0]).astype(jnp.float32)
+            self.sow("intermediates", "cycle_delta", jnp.mean(jnp.square(z_H.astype(jnp.float32) - before), axis=(1, 2)))
 
         logits, q_halt, q_continue = self._heads(z_H)
         new_carry = InnerCarry(z_H=jax.lax.stop_gradient(z_H), z_L=jax.lax.stop_gradient(z_L))

@@ -1,0 +1,189 @@
+"""Compose the programme's variants and say what each changes; scale them down for one CPU.
+
+    variants("exp01")                     -> ["hidden256", ..., "hidden1536"] (numeric order)
+    changes("exp01", "hidden256")         -> {"arch.hidden": 256, "arch.heads": 4, "arch.puzzle_emb_ndim": 256}
+    differences("exp01", "hidden256")     -> {"arch.hidden": (512, 256), "arch.heads": (8, 4), ...}
+    local_overrides("exp01", "hidden256") -> ["arch.hidden=32", "arch.heads=1", ...]
+
+Differences are between RESOLVED configs (interpolations applied), so derived values such as
+exp06's learning rate or puzzle_emb_ndim = hidden show up as what they become.
+
+Scaling down (experiments/local_scale.yaml): every key listed there takes its local value,
+except that a key the variant changes keeps the variant's ratio to the pod baseline (hidden
+256 of 512 becomes 32 of a local 64; an EMA rate keeps its ratio of 1 - rate). Keys the
+variant changes that the local file does not list keep the variant's value (L_cycles 12,
+forward_dtype float16). So each group keeps what it studies and shrinks everything else.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra import compose as hydra_compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from experiments.programme import GROUPS, Group
+from runtime.config import register_schemas
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+LOCAL_SCALE = Path(__file__).resolve().parent / "local_scale.yaml"
+IGNORED = ("run.",)  # where a run goes is not what it studies
+
+
+def _natural(name: str) -> list:
+    return [float(t) if re.fullmatch(r"\d+(\.\d+)?", t) else t for t in re.split(r"(\d+(?:\.\d+)?)", name)]
+
+
+def variants(group: str) -> list[str]:
+    files = sorted((CONF / "experiment" / group).glob("*.yaml"), key=lambda p: _natural(p.stem))
+    return [p.stem for p in files]
+
+
+GROUP_CHOICES = ("arch", "data", "optim", "mesh")  # config groups an experiment may swap
+
+
+@lru_cache(maxsize=None)
+def _composed(experiment: str, overrides: tuple[str, ...] = ()) -> tuple[DictConfig, dict[str, str]]:
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=[f"+experiment={experiment}", *overrides],
+                            return_hydra_config=True)
+    choices = {k: cfg.hydra.runtime.choices[k] for k in GROUP_CHOICES}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
+def compose(experiment: str, overrides: tuple[str, ...] = ()) -> DictConfig:
+    """The composed (unresolved) config of `+experiment=<experiment>` with `overrides`."""
+    return _composed(experiment, tuple(overrides))[0]
+
+
+def choices(experiment: str) -> dict[str, str]:
+    """The experiment's config-group choices, e.g. {"arch": "trm_mlp", "data": "sudoku_extreme", ...}."""
+    return _composed(experiment)[1]
+
+
+def flat(cfg: DictConfig) -> dict[str, Any]:
+    """Resolved config as {dotted key: leaf value}; lists, and each curriculum ramp, stay whole."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node and prefix.count(".") < (2 if prefix.startswith("curriculum.") else 99):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def _diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    keys = set(before) | set(after)
+    return {k: (before.get(k), after.get(k)) for k in sorted(keys)
+            if before.get(k) != after.get(k) and not k.startswith(IGNORED)}
+
+
+def base_of(group: str) -> str:
+    return GROUPS[group].base if group in GROUPS else Group.base
+
+
+def differences(group: str, variant: str) -> dict[str, tuple[Any, Any]]:
+    """{key: (baseline value, variant value)} for every resolved key the variant changes
+    (a swapped preset, e.g. arch=trm_att, shows up as all the keys it changes)."""
+    return _diff(flat(compose(base_of(group))), flat(compose(f"{group}/{variant}")))
+
+
+def changes(group: str, variant: str) -> dict[str, Any]:
+    """What the variant itself says: swapped presets ({"arch": "trm_att"}) and every resolved
+    key that differs from the baseline composed with those same presets."""
+    base = base_of(group)
+    swapped = {k: v for k, v in choices(f"{group}/{variant}").items() if choices(base)[k] != v}
+    like_base = compose(base, tuple(f"{k}={v}" for k, v in swapped.items()))
+    keys = _diff(flat(like_base), flat(compose(f"{group}/{variant}")))
+    return swapped | {k: new for k, (_, new) in keys.items()}
+
+
+def describe(change: dict[str, Any]) -> str:
+    """'arch.hidden=256 arch.heads=4' (or 'the baseline')."""
+    return " ".join(f"{k}={_short(v)}" for k, v in change.items()) or "the baseline"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+# ------------------------------------------------------------------------------ scaled down
+
+
+def local_scale(family: str) -> dict[str, Any]:
+    with open(LOCAL_SCALE) as f:
+        return yaml.safe_load(f)[family]
+
+
+def family(group: str) -> str:
+    return "gemma" if GROUPS[group].base.startswith("gemma") else "trm"
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rescaled(key: str, local: Any, pod: Any, new: Any, scale: dict[str, Any]) -> Any:
+    """The local value of a key the variant changes from `pod` to `new`: numbers keep their
+    ratio; anything else keeps the variant's value, except strings the local file sets (paths)."""
+    if not (_number(local) and _number(pod) and pod):
+        return local if isinstance(local, str) else new
+    if new is None or not _number(new):
+        return new
+    if key in scale.get("complement", ()):  # rates near 1: keep the ratio of 1 - rate
+        return 1 - (1 - local) * (1 - new) / (1 - pod)
+    value = local * new / pod
+    if isinstance(local, int) and isinstance(new, int):
+        return max(0 if key in scale.get("may_be_zero", ()) else 1, round(value))
+    return float(f"{value:.6g}")
+
+
+def local_overrides(group: str, variant: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """Hydra overrides that run `<group>/<variant>` scaled down (see the module docstring)."""
+    scale = local_scale(family(group))
+    diff = differences(group, variant)
+    out = [f"{k}={v}" for k, v in scale.get("groups", {}).items()]  # e.g. arch=gemma_tiny
+    for key, local in scale["set"].items():
+        if key in diff and diff[key][0] is not None:
+            value = _rescaled(key, local, diff[key][0], diff[key][1], scale)
+        else:
+            value = local
+        out.append(f"{key}={_override_value(value)}")
+    tasks = OmegaConf.select(compose(f"{group}/{variant}"), "data.tasks") or {}
+    for task in tasks:  # multi-task data: each task's set is generated small, under the local data root
+        for key, local in scale.get("task", {}).items():
+            out.append(f"data.tasks.{task}.{key}={_override_value(local.replace('<task>', task) if isinstance(local, str) else local)}")
+    for key in scale.get("keep", ()):  # variant values to re-apply over a swapped group (arch=gemma_tiny)
+        if key in diff:
+            out.append(f"{key}={_override_value(diff[key][1])}")
+    return out + list(extra)
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, str) and "${" in value:
+        return f"'{value}'"
+    return str(value)
