@@ -128,9 +128,16 @@ def _short(value: Any) -> str:
 # ------------------------------------------------------------------------------ scaled down
 
 
-def local_scale(family: str) -> dict[str, Any]:
+def local_scale(family: str, scale: str = "local") -> dict[str, Any]:
+    """The family's section of local_scale.yaml; `scale="smoke"` merges the smaller test values in."""
     with open(LOCAL_SCALE) as f:
-        return yaml.safe_load(f)[family]
+        spec = yaml.safe_load(f)
+    out = dict(spec[family])
+    if scale == "smoke":
+        smoke = dict(spec["smoke"][family])
+        out["task"] = {**out.get("task", {}), **smoke.pop("task", {})}
+        out["set"] = {**out["set"], **smoke}
+    return out
 
 
 def family(group: str) -> str:
@@ -156,9 +163,9 @@ def _rescaled(key: str, local: Any, pod: Any, new: Any, scale: dict[str, Any]) -
     return float(f"{value:.6g}")
 
 
-def local_overrides(group: str, variant: str, extra: tuple[str, ...] = ()) -> list[str]:
+def local_overrides(group: str, variant: str, extra: tuple[str, ...] = (), scale_name: str = "local") -> list[str]:
     """Hydra overrides that run `<group>/<variant>` scaled down (see the module docstring)."""
-    scale = local_scale(family(group))
+    scale = local_scale(family(group), scale_name)
     diff = differences(group, variant)
     out = [f"{k}={v}" for k, v in scale.get("groups", {}).items()]  # e.g. arch=gemma_tiny
     for key, local in scale["set"].items():

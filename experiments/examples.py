@@ -2,7 +2,7 @@
 the tests exercise (tests/test_programme_runs.py) and what draws the example plot beside each
 group's README.
 
-    python experiments/examples.py [GROUP ...] [--steps 20] [--root outputs/examples] [--readme-plots]
+    python experiments/examples.py [GROUP ...] [--steps 20] [--root outputs/examples] [--scale local|smoke] [--readme-plots]
 
 Each group runs two variants scaled down exactly as `launch.py sweep GROUP --local` would
 (experiments/local_scale.yaml), cut to `--steps` steps with a small eval: its baseline variant
@@ -45,12 +45,15 @@ def tiny(steps: int) -> tuple[str, ...]:
             "data.generate_test_puzzles=8", "run.wandb.mode=disabled", "run.progress_bar=false")
 
 
+SCALE = "local"  # or "smoke" (--scale): local_scale.yaml's smaller sizes, for the tests
+
+
 def run_variant(group: str, variant: str, root: Path, steps: int) -> Path:
     """One scaled-down run, in this process; returns its output directory."""
     from runtime.config import validate
     from runtime.trainer import run
 
-    overrides = tuple(local_overrides(group, variant, tiny(steps) + (f"run.root={root}",)))
+    overrides = tuple(local_overrides(group, variant, tiny(steps) + (f"run.root={root}",), scale_name=SCALE))
     config = validate(compose(f"{group}/{variant}", overrides), f"{group}/{variant}")
     code = run(config)
     if code:
@@ -80,9 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("groups", nargs="*", metavar="GROUP")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--root", type=Path, default=Path("outputs/examples"))
+    parser.add_argument("--scale", choices=("local", "smoke"), default="local",
+                        help="local: as `sweep --local` (default); smoke: smaller still (the tests)")
     parser.add_argument("--readme-plots", action="store_true",
                         help="copy each group's first plot to experiments/<group>/example.png")
     args = parser.parse_args(argv)
+    global SCALE
+    SCALE = args.scale
     os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
     from experiments.analyze import analyze, collect_local
 

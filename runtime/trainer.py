@@ -141,8 +141,12 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
     saved = dict(meta.get("config", {}), dataset={"train_examples": meta["data_position"].get("train_examples")})
     now = dict(to_dict(config), dataset={"train_examples": train_examples})
     # What the checkpoint's numbers depend on: a sweep that reuses one checkpoint directory must
-    # not resume another variant's run (optimizer, EMA, schedule and curriculum included).
-    checks = (("arch", None), ("optim", None), ("curriculum", None), ("train", ("seed", "global_batch_size")),
+    # not resume another variant's run (optimizer, EMA and curriculum included). The step sizes
+    # (lr, puzzle_emb_lr, warmup, clipping) may change: relaunching with a lower lr after a
+    # spike is the usual recovery.
+    optim_keys = tuple(f.name for f in dataclasses.fields(config.optim)
+                       if f.name not in ("lr", "puzzle_emb_lr", "warmup_steps", "grad_clip_norm"))
+    checks = (("arch", None), ("optim", optim_keys), ("curriculum", None), ("train", ("seed", "global_batch_size")),
               ("data", ("name",)), ("dataset", None))
     for section, keys in checks:
         old, new = saved.get(section, {}), now[section]
