@@ -188,24 +188,35 @@ def write_identifiers(root: str, names: Sequence[str]) -> None:
         json.dump(list(names), f)
 
 
-def load_metadata(root: str, split: str) -> PuzzleDatasetMetadata:
+def read_split_metadata(root: str, split: str, filename: str, parse, hint: str, kind: str = "dataset",
+                        misfit: str | None = None):
+    """`parse(text of <root>/<split>/<filename>)`, or a DatasetError naming the path and the fix
+    (`hint`: the build command, with {root}). `kind` names the format in messages; `misfit`, a
+    file whose presence means the root holds the other format (a one-line pointer to `hint`)."""
     fs, base, local = _fs(root)
-    path = _join(root, split, "dataset.json")  # as the user wrote it, for messages
-    if not fs.exists(_join(base, split, "dataset.json")):
-        what = "dataset" if not fs.exists(base) else f"split '{split}'"
+    path = _join(root, split, filename)  # as the user wrote it, for messages
+    if not fs.exists(_join(base, split, filename)):
+        if misfit and fs.exists(_join(base, split, misfit)):
+            raise DatasetError(f"{_join(root, split)} holds {misfit}, not a {kind} split ({filename}); build one "
+                               f"with `{hint.format(root='DIR')}`")
+        what = kind if not fs.exists(base) else f"split '{split}'"
         if local:
-            fix = f"build it with `{BUILD_HINT.format(root=root)}`"
+            fix = f"build it with `{hint.format(root=root)}`"
         else:  # the builder writes locally; remote roots are uploaded copies
-            fix = f"build it locally with `{BUILD_HINT.format(root='DIR')}` and copy DIR to {root}"
-        raise DatasetError(f"{what} not found at {path}; {fix} or point the data path at an existing dataset root")
-    with fs.open(_join(base, split, "dataset.json"), "r") as f:
+            fix = f"build it locally with `{hint.format(root='DIR')}` and copy DIR to {root}"
+        raise DatasetError(f"{what} not found at {path}; {fix}, or point the data path at an existing dataset root")
+    with fs.open(_join(base, split, filename), "r") as f:
         text = f.read()
     try:
-        return PuzzleDatasetMetadata.from_json(text)
+        return parse(text)
     except (json.JSONDecodeError, TypeError) as e:
-        raise DatasetError(f"{path}: unreadable metadata ({e}); rebuild the dataset") from e
+        raise DatasetError(f"{path}: unreadable metadata ({e}); rebuild the {kind}") from e
     except DatasetError as e:
-        raise DatasetError(f"{path}: {e}; rebuild the dataset") from e
+        raise DatasetError(f"{path}: {e}; rebuild the {kind}") from e
+
+
+def load_metadata(root: str, split: str) -> PuzzleDatasetMetadata:
+    return read_split_metadata(root, split, "dataset.json", PuzzleDatasetMetadata.from_json, BUILD_HINT)
 
 
 def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: str) -> np.ndarray:

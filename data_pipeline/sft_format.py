@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 import fsspec
 import numpy as np
 
-from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError, _fs, _join
+from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError, _fs, _join, read_split_metadata
 
 BUILD_HINT = ("python -m data_pipeline.build_sft --jsonl TRAIN.jsonl --tokenizer MODEL --seq-len 256 --output-dir {root}"
               " (or --generate-arithmetic 1000 instead of --jsonl/--tokenizer for a synthetic set)")
@@ -154,26 +154,8 @@ def write_sft_split(root: str, split: str, arrays: Mapping[str, np.ndarray], met
 
 
 def load_sft_metadata(root: str, split: str) -> SFTMetadata:
-    fs, base, local = _fs(root)
-    path = _join(root, split, "sft.json")  # as the user wrote it, for messages
-    if not fs.exists(_join(base, split, "sft.json")):
-        if fs.exists(_join(base, split, "dataset.json")):
-            raise DatasetError(f"{_join(root, split)} holds a puzzle dataset (dataset.json), not an SFT split "
-                               f"(sft.json); build one with `{BUILD_HINT.format(root='DIR')}`")
-        what = "SFT dataset" if not fs.exists(base) else f"SFT split '{split}'"
-        if local:
-            fix = f"build it with `{BUILD_HINT.format(root=root)}`"
-        else:  # the builder is run locally; remote roots are uploaded copies
-            fix = f"build it locally with `{BUILD_HINT.format(root='DIR')}` and copy DIR to {root}"
-        raise DatasetError(f"{what} not found at {path}; {fix}, or point the data path at an existing dataset root")
-    with fs.open(_join(base, split, "sft.json"), "r") as f:
-        text = f.read()
-    try:
-        return SFTMetadata.from_json(text)
-    except (json.JSONDecodeError, TypeError) as e:
-        raise DatasetError(f"{path}: unreadable metadata ({e}); rebuild the split") from e
-    except DatasetError as e:
-        raise DatasetError(f"{path}: {e}; rebuild the split") from e
+    return read_split_metadata(root, split, "sft.json", SFTMetadata.from_json, BUILD_HINT, kind="SFT dataset",
+                               misfit="dataset.json")
 
 
 def _read(fs: fsspec.AbstractFileSystem, path: str, shown: str, local: bool, as_array: bool):

@@ -10,7 +10,7 @@ or the whole curve when x is ``step``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 BASELINE = "baseline/trm_sudoku_extreme"  # the experiment every TRM group varies
 GEMMA_BASELINE = "gemma_sft/gemma2b_full_v5e8"

@@ -423,13 +423,17 @@ def _every(steps: int, epochs: Optional[float], steps_per_epoch: int, total_step
 
 
 def ramp_value(ramp: RampConfig, step, total_steps: int):
-    """`ramp` at optimizer step `step` (a Python number or a traced array) of a `total_steps` run."""
-    import jax.numpy as jnp
+    """`ramp` at optimizer step `step` of a `total_steps` run: a traced array inside the train
+    step, a Python number on the host (the train loop asks every step: no device dispatch)."""
+    if isinstance(step, (int, float)):
+        import numpy as xp
+    else:
+        import jax.numpy as xp
 
     span = max(1.0, ramp.fraction * total_steps)
-    progress = jnp.clip(jnp.asarray(step, jnp.float32) / span, 0.0, 1.0)
+    progress = xp.clip(xp.asarray(step, xp.float32) / span, 0.0, 1.0)
     if ramp.shape == "cosine":
-        progress = 0.5 * (1.0 - jnp.cos(jnp.pi * progress))
+        progress = 0.5 * (1.0 - xp.cos(xp.pi * progress))
     return ramp.start + (ramp.end - ramp.start) * progress
 
 

@@ -554,6 +554,23 @@ def start_gcs_emulator(
     return emu
 
 
+@contextlib.contextmanager
+def gs_bucket(tmp_dir: os.PathLike | str, bucket: str):
+    """A running emulator that this process talks to, with `bucket` created; yields an fsspec
+    "gs" filesystem. Skips the test when gcsfs was imported earlier in the process without the
+    emulator switch (apply_env cannot take effect then)."""
+    import fsspec  # pylint: disable=import-outside-toplevel
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    with start_gcs_emulator(tmp_dir) as emu:
+        try:
+            emu.apply_env()
+        except EmulatorError as e:
+            pytest.skip(str(e))
+        emu.create_bucket(bucket)
+        yield fsspec.filesystem("gs")
+
+
 def gcs_emulator_fixture(scope: str = "function", *, apply_env: bool = True):
     """Build a pytest fixture yielding a started :class:`Emulator`.
 

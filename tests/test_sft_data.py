@@ -38,13 +38,7 @@ from data_pipeline.sft import (
 from data_pipeline.sft_format import load_sft_split
 from data_pipeline.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
-try:
-    from gcs_emulator import (  # tests/ on sys.path (rootdir-style tests)
-        EmulatorError,
-        start_gcs_emulator,
-    )
-except ImportError:  # tests/ imported as a package
-    from tests.gcs_emulator import EmulatorError, start_gcs_emulator
+from gcs_emulator import gs_bucket  # tests/ is on sys.path (conftest)
 
 REPO = Path(__file__).resolve().parents[1]
 ENGLISH = ["The quick brown fox jumps over the lazy dog.", "Show your work, then give the answer.",
@@ -297,15 +291,7 @@ def test_gcs_round_trip_against_emulator(tok, tok_path, tmp_path):
     train = _write_jsonl(tmp_path / "train.jsonl", generate_records(12, seed=5))
     build_sft_dataset(tmp_path / "ds", train, tok_path, 128, eval_fraction=0.25, packing=True)
     local = {s: load_sft_split(str(tmp_path / "ds"), s) for s in ("train", "test")}
-    with start_gcs_emulator(tmp_path) as emu:
-        try:
-            emu.apply_env()
-        except EmulatorError as e:  # gcsfs imported earlier in this process without the switch
-            pytest.skip(str(e))
-        emu.create_bucket("bkt")
-        import fsspec
-
-        gs = fsspec.filesystem("gs")
+    with gs_bucket(tmp_path, "bkt") as gs:
         gs.put(str(tmp_path / "ds"), "bkt/ds", recursive=True)
         gs.put(tok_path, "bkt/tokenizer.model")
         for split, want in local.items():

@@ -24,10 +24,7 @@ from data_pipeline.puzzle_format import (
 )
 from data_pipeline.sudoku import augment, count_solutions, generate_puzzle, is_valid_solution, solve
 
-try:
-    from gcs_emulator import EmulatorError, start_gcs_emulator  # tests/ on sys.path (rootdir-style tests)
-except ImportError:  # tests/ imported as a package
-    from tests.gcs_emulator import EmulatorError, start_gcs_emulator
+from gcs_emulator import gs_bucket  # tests/ is on sys.path (conftest)
 
 # A published puzzle with a known unique solution.
 PUZZLE = "53..7....6..195....98....6.8...6...34..8.3..17...2...6.6....28....419..5....8..79"
@@ -231,15 +228,8 @@ def test_remote_path_reads_bytes():
 def test_gcs_round_trip_against_emulator(tmp_path):
     arrays, metadata = _random_split(np.random.default_rng(3))
     write_split(str(tmp_path / "ds"), "train", arrays, metadata)
-    with start_gcs_emulator(tmp_path) as emu:
-        try:
-            emu.apply_env()
-        except EmulatorError as e:  # gcsfs imported earlier in this process without the switch
-            pytest.skip(str(e))
-        emu.create_bucket("bkt")
-        import fsspec
-
-        fsspec.filesystem("gs").put(str(tmp_path / "ds"), "bkt/ds", recursive=True)
+    with gs_bucket(tmp_path, "bkt") as gs:
+        gs.put(str(tmp_path / "ds"), "bkt/ds", recursive=True)
         split = load_split("gs://bkt/ds", "train")
         np.testing.assert_array_equal(split.inputs, arrays["inputs"])
         np.testing.assert_array_equal(split.labels, np.where(arrays["labels"] == 0, -100, arrays["labels"]))
