@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from runtime.config import register_schemas, validate  # noqa: E402
-from runtime.trainer import plan_and_build  # noqa: E402
+from runtime.builder import plan_and_build  # noqa: E402
+from runtime.task import DataShape  # noqa: E402
 
 MODELS = {  # label -> overrides (reference Sudoku shapes: vocab 11, 81 cells, hidden 512)
     "TRM-MLP (Sudoku, hidden 512)": ["arch=trm_mlp", "optim=adam_atan2"],
@@ -40,8 +41,8 @@ def bench(overrides: list[str], batch: int, steps: int) -> dict[str, float]:
         cfg = compose(config_name="config", overrides=overrides + [f"train.global_batch_size={batch}",
                                                                    "train.steps=1000", "mesh=data_parallel"])
     config = validate(cfg)
-    plan, mesh, built = plan_and_build(config, devices=jax.devices(), num_processes=1, train_examples=100 * batch,
-                                       vocab_size=VOCAB, seq_len=SEQ_LEN, num_puzzle_identifiers=1)
+    plan, mesh, built = plan_and_build(config, devices=jax.devices(), num_processes=1,
+                                       shape=DataShape(examples=100 * batch, vocab_size=VOCAB, seq_len=SEQ_LEN))
     state = built.init(jax.random.key_data(jax.random.key(0)))
     rng = np.random.default_rng(0)
     batch_arrays = {"inputs": rng.integers(1, VOCAB, (batch, SEQ_LEN)).astype(np.int32),

@@ -15,7 +15,7 @@ Parameters::
 
 The batch is flat, with keys prefixed by task: ``sudoku/inputs`` [B_sudoku, 81],
 ``maze/inputs`` [B_maze, 900], ...; each task's sub-batch size is fixed (its batch_fraction of
-the global batch, see runtime/multitask.py). One `train_loss` call is one ACT step of every
+the global batch, see data_pipeline/kinds/multitask.py). One `train_loss` call is one ACT step of every
 task: loss = (sum over tasks of the ACT loss totals) / (global batch), so every row of the
 global batch weighs the same, whichever task it belongs to. Metric sums are prefixed
 ``<task>/``; `summarize` gives each task's metrics under its prefix and the means over tasks of
@@ -30,10 +30,11 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from models import ACTTask, build_model
 from models.recursive_reasoning import IGNORE_LABEL_ID, TRMConfig
 from models.recursive_reasoning.losses import bce_with_logits
+from models.recursive_reasoning.task import ACTTask, build_model
 from runtime.errors import UserError
+from runtime.task import DataShape, Task
 
 CORE = "L_level"  # the shared parameters
 TABLE = "puzzle_emb"
@@ -51,10 +52,8 @@ class TaskSpec:
     batch_size: int
 
 
-class MultiTaskACT:
+class MultiTaskACT(Task):
     """The `models` Task interface over several TRMs sharing `L_level` (see the module docstring)."""
-
-    has_carry = True
 
     def __init__(self, arch: Any, specs: Mapping[str, TaskSpec], init_states=None,
                  exploration: Callable | None = None):
@@ -75,8 +74,8 @@ class MultiTaskACT:
         self.global_batch = sum(s.batch_size for s in self.specs.values())
         self.acts = {}
         for name, spec in self.specs.items():
-            model = build_model(arch, vocab_size=spec.vocab_size, seq_len=spec.seq_len,
-                                num_puzzle_identifiers=spec.num_puzzle_identifiers, init_states=init_states)
+            model = build_model(arch, DataShape(examples=0, vocab_size=spec.vocab_size, seq_len=spec.seq_len,
+                                                num_puzzle_identifiers=spec.num_puzzle_identifiers), init_states)
             self.acts[name] = ACTTask(model, exploration) if exploration is not None else ACTTask(model)
         self.batch_fields = {f"{t}/{f}": ndim for t in self.names for f, ndim in FIELDS.items()}
 
@@ -183,5 +182,9 @@ class MultiTaskACT:
         return out
 
 
-def build_multitask(arch: Any, specs: Mapping[str, TaskSpec], init_states=None, exploration=None) -> MultiTaskACT:
+def build_multitask(arch: Any, shape: DataShape, global_batch: int, init_states=None, exploration=None) -> MultiTaskACT:
+    """The mixture's model: each task of `shape.tasks` with its rows of a `global_batch`."""
+    sizes = shape.sub_batches(global_batch)
+    specs = {t: TaskSpec(vocab_size=s.vocab_size, seq_len=s.seq_len, num_puzzle_identifiers=s.num_puzzle_identifiers,
+                         batch_size=sizes[t]) for t, s in shape.tasks.items()}
     return MultiTaskACT(arch, specs, init_states=init_states, exploration=exploration)

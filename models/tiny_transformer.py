@@ -8,12 +8,17 @@ annotated with logical axis names so the same sharding rules apply as for the re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import optax
 
-from runtime.frozen import Freezable
 from models.layers import Attention, MlpBlock, dtype_from_name
+from runtime.frozen import Freezable
+from runtime.registry import ModelFamily, register_model_family
+from runtime.task import IGNORE_LABEL, DataShape, Task
 
 
 @dataclass
@@ -58,3 +63,59 @@ class TinyTransformer(nn.Module):
         head = self.param("head", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "vocab")),
                           (self.cfg.hidden, self.vocab_size))
         return jnp.einsum("ble,ev->blv", x, head.astype(dtype)).astype(jnp.float32)
+
+
+def sequence_loss(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Softmax cross-entropy averaged per sequence over its valid tokens, then over the batch.
+
+    Returns the loss and metric sums (reduced over the global batch on device).
+    """
+    valid = labels != IGNORE_LABEL
+    safe = jnp.where(valid, labels, 0)
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    count = valid.sum(-1)
+    seq_loss = jnp.where(valid, token_loss, 0.0).sum(-1) / jnp.maximum(count, 1)
+    correct = (logits.argmax(-1) == safe) & valid
+    has_labels = count > 0
+    sums = {
+        "loss_sum": seq_loss.sum(),
+        "sequences": has_labels.sum(),
+        "correct_tokens": correct.sum(),
+        "tokens": count.sum(),
+        "exact": (has_labels & (correct.sum(-1) == count)).sum(),
+    }
+    return seq_loss.sum() / logits.shape[0], sums
+
+
+class SequenceTask(Task):
+    """A stateless sequence model: ``model.apply(params, inputs) -> logits``."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def init(self, rng, example_batch):
+        return self.model.init(rng, jnp.zeros((1,) + example_batch["inputs"].shape[1:], jnp.int32))["params"]
+
+    def train_loss(self, params, carry, batch, rng, step=None):
+        logits = self.model.apply({"params": params}, batch["inputs"])
+        loss, sums = sequence_loss(logits, batch["labels"])
+        return loss, (None, sums, {})
+
+    def eval_sums(self, params, batch):
+        logits = self.model.apply({"params": params}, batch["inputs"])
+        return sequence_loss(logits, batch["labels"])[1]
+
+    def summarize(self, sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
+        seqs = max(float(sums["sequences"]), 1.0)
+        return {
+            "loss": float(sums["loss_sum"]) / seqs,
+            "token_accuracy": float(sums["correct_tokens"]) / max(float(sums["tokens"]), 1.0),
+            "exact_accuracy": float(sums["exact"]) / seqs,
+        }
+
+
+def build_task(arch: TinyTransformerConfig, shape: DataShape, **_: Any) -> SequenceTask:
+    return SequenceTask(TinyTransformer(arch, vocab_size=shape.vocab_size, seq_len=shape.seq_len))
+
+
+register_model_family(ModelFamily("tiny_transformer", TinyTransformerConfig, build_task))

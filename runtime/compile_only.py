@@ -21,7 +21,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from runtime.config import Config
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
@@ -101,94 +100,6 @@ def expected_local_devices(accelerator_type: str) -> int:
     return chips if chips <= gen.single_host_chips else 4
 
 
-def dataset_shape(config: Config) -> tuple[int, int, int, int, str]:
-    """(train examples, vocab size, seq len, puzzle identifiers, source) without reading the arrays:
-    dataset.json and the inputs' .npy header, or the Sudoku / maze builder's constants when the
-    dataset is still to be generated. The identifier count sizes the puzzle table (~2 GB for ARC).
-    data.name=multitask: the sums over the tasks (see `task_shapes` for each task's)."""
-    import fsspec
-
-    from data_pipeline.puzzle_format import DatasetError, load_metadata
-
-    data = config.data
-    if data.name == "sft":
-        return _sft_shape(config)
-    if data.name == "multitask":
-        shapes = task_shapes(config)
-        return (sum(s.examples for s in shapes.values()), max(s.vocab_size for s in shapes.values()),
-                max(s.seq_len for s in shapes.values()), sum(s.num_puzzle_identifiers for s in shapes.values()),
-                f"{len(shapes)} tasks: " + ", ".join(f"{t} seq_len {s.seq_len}" for t, s in shapes.items()))
-    try:
-        meta = load_metadata(data.path, data.train_split)
-        with fsspec.open(f"{data.path.rstrip('/')}/{data.train_split}/all__inputs.npy", "rb") as f:
-            version = np.lib.format.read_magic(f)
-            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            examples = int(header(f)[0][0])
-        return examples, meta.vocab_size, meta.seq_len, meta.num_puzzle_identifiers, f"dataset {data.path}"
-    except (DatasetError, FileNotFoundError) as e:
-        # Sudoku and maze shapes follow from the config's sizes: plan before the set is built or
-        # copied here (a pod's data is usually only on GCS or the workers).
-        if data.name not in ("sudoku", "maze"):
-            raise UserError(str(e)) from e
-        log.info("no dataset at %s: planning from the config's sizes", data.path)
-    if data.name == "maze":
-        from data_pipeline import maze
-
-        side = data.generate_grid_size or maze.DEFAULT_SIZE
-        examples = data.generate_puzzles * (8 if data.generate_num_aug > 0 else 1)  # aug: all 8 dihedral images
-        return examples, maze.VOCAB_SIZE, side * side, 1, f"{side}x{side} mazes to be generated, not built yet"
-    from data_pipeline import build_sudoku
-
-    examples = data.generate_puzzles * (1 + data.generate_num_aug)
-    return examples, build_sudoku.VOCAB_SIZE, build_sudoku.SEQ_LEN, 1, "Sudoku to be generated, not built yet"
-
-
-def planned_epoch_examples(config: Config) -> int | None:
-    """Examples per epoch (the reference's: one augmented copy of each puzzle), from dataset.json,
-    or from the config's puzzle count when the set is not here; None for SFT (the whole set)."""
-    import dataclasses
-
-    from data_pipeline.puzzle_format import DatasetError, load_metadata
-    from runtime.trainer import epoch_examples
-
-    data = config.data
-    if data.name == "sft":
-        return None
-    if data.name == "multitask":
-        from runtime.config import task_data_configs
-
-        return sum(planned_epoch_examples(dataclasses.replace(config, data=d)) or 0
-                   for d in task_data_configs(data).values())
-    try:
-        return epoch_examples(load_metadata(data.path, data.train_split))
-    except (DatasetError, FileNotFoundError):
-        return data.generate_puzzles
-
-
-def task_shapes(config: Config) -> dict:
-    """data.name=multitask: {task: runtime.multitask.TaskShape} from each task's `dataset_shape`."""
-    import dataclasses
-
-    from runtime.config import task_data_configs
-    from runtime.multitask import TaskShape
-
-    return {t: TaskShape(*dataset_shape(dataclasses.replace(config, data=d))[:4])
-            for t, d in task_data_configs(config.data).items()}
-
-
-def _sft_shape(config: Config) -> tuple[int, int, int, int, str]:
-    """A built SFT set's shape, or (before it is built) data.seq_len and the model's vocabulary."""
-    from data_pipeline.puzzle_format import DatasetError
-    from data_pipeline.sft_format import load_sft_metadata
-
-    try:
-        meta = load_sft_metadata(config.data.path, config.data.train_split)
-        return meta.num_rows, meta.vocab_size, meta.seq_len, 1, f"dataset {config.data.path}"
-    except (DatasetError, FileNotFoundError):
-        rows = 1_000_000  # only the schedule's length depends on it
-        return rows, config.arch.vocab_size, config.data.seq_len, 1, f"SFT set not built; data.seq_len={config.data.seq_len}"
-
-
 _ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\(([^)]*)\)(.*)$")
 
@@ -254,17 +165,17 @@ def _size(n: float) -> str:
 
 def plan_for_topology(config: Config) -> int:
     """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
+    from runtime.builder import plan_and_build
+    from runtime.registry import dataset_kind
     from runtime.train_step import abstract_batch
-    from runtime.trainer import plan_and_build, setup_logging
+    from runtime.trainer import setup_logging
 
     setup_logging(is_primary=True)
     gen, shape, devices = topology_devices(config.compile_only)
     hosts = len({d.process_index for d in devices})
-    examples, vocab, seq_len, puzzle_ids, source = dataset_shape(config)
-    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, train_examples=examples,
-                                       per_epoch=planned_epoch_examples(config),
-                                       vocab_size=vocab, seq_len=seq_len, num_puzzle_identifiers=puzzle_ids,
-                                       tasks=task_shapes(config) if config.data.name == "multitask" else None)
+    data = dataset_kind(config.data.name).planned_shape(config.data, config)
+    examples, vocab, seq_len, source = data.examples, data.vocab_size, data.seq_len, data.source
+    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
 
     row = lambda key, value: print(f"  {key:<18} {value}")  # noqa: E731
     print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, one JAX device per chip")

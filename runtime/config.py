@@ -21,8 +21,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from models import ARCH_SCHEMAS
 from runtime.errors import UserError, one_line
+from runtime.registry import arch_schemas, dataset_kind, family_of
 from runtime.frozen import Freezable, freeze
 
 
@@ -31,7 +31,7 @@ class TaskDataConfig(Freezable):
     """One dataset of a multi-task run (data.name=multitask, data.tasks.<task>): its own puzzle
     table and heads, the reasoning core shared (models/multitask.py). Splits come from data.*."""
 
-    name: str = MISSING  # sudoku | maze | arc
+    name: str = MISSING  # a dataset kind that can be mixed: sudoku | maze | arc
     path: str = MISSING
     batch_fraction: float = 1.0  # share of each global batch: fraction / sum of fractions
     eval_max_examples: Optional[int] = None  # None = data.eval_max_examples
@@ -45,12 +45,9 @@ class TaskDataConfig(Freezable):
     generate_seed: int = 0
 
 
-MULTITASK_NAMES = ("sudoku", "maze", "arc")
-
-
 @dataclass
 class DataConfig(Freezable):
-    name: str = MISSING  # sudoku | maze | arc (puzzle format) | sft (tokenized chat, data_pipeline/sft_format.py)
+    name: str = MISSING  # a registered dataset kind (data_pipeline/kinds/): sudoku | maze | arc | sft | multitask
     path: str = MISSING  # dataset root, local path or gs://bucket/prefix
     train_split: str = "train"
     eval_split: str = "test"
@@ -194,7 +191,7 @@ class DistributedConfig(Freezable):
 
 @dataclass
 class Config(Freezable):
-    arch: Any = MISSING  # one of models.ARCH_SCHEMAS, chosen by the arch group
+    arch: Any = MISSING  # a registered model family's schema, chosen by the arch group
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     mesh: MeshConfig = MISSING
@@ -247,7 +244,7 @@ def register_schemas() -> None:
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="mesh", name="base_mesh", node=MeshConfig)
     cs.store(group="run", name="base_run", node=RunConfig)
-    for arch_name, schema in ARCH_SCHEMAS.items():
+    for arch_name, schema in arch_schemas().items():
         cs.store(group="arch", name=f"base_{arch_name}", node=schema)
 
 
@@ -268,8 +265,9 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     sweep has its own run directory and checkpoints.
     """
     arch = cfg.get("arch")
-    if arch is None or OmegaConf.get_type(arch) not in ARCH_SCHEMAS.values():
-        raise UserError(f"arch must extend one of {sorted(ARCH_SCHEMAS)}; pick one with arch=<name>")
+    schemas = arch_schemas()
+    if arch is None or OmegaConf.get_type(arch) not in schemas.values():
+        raise UserError(f"arch must extend one of {sorted(schemas)}; pick one with arch=<name>")
     schema = OmegaConf.structured(Config)
     schema.arch = OmegaConf.structured(OmegaConf.get_type(arch))
     try:
@@ -284,12 +282,9 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
             value = getattr(value, key)
         if value not in allowed:
             raise UserError(f"{'.'.join(path)}={value!r} is not one of {list(allowed)}")
-    loss_type = getattr(config.arch, "loss_type", None)
-    if loss_type is not None:
-        from models.recursive_reasoning.losses import LOSS_FNS
-
-        if loss_type not in LOSS_FNS:
-            raise UserError(f"arch.loss_type={loss_type!r} is not one of {sorted(LOSS_FNS)}")
+    family = family_of(config.arch)
+    if family.validate is not None:
+        family.validate(config.arch)
     t = config.train
     if (t.steps is None) == (t.epochs is None):
         raise UserError("set exactly one of train.steps and train.epochs (the other =null)")
@@ -313,7 +308,7 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
-    _check_tasks(config.data)
+    dataset_kind(config.data.name).validate(config.data)
 
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
@@ -323,37 +318,6 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
         if sweep_job:
             config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
     return freeze(config)
-
-
-def _check_tasks(data: DataConfig) -> None:
-    """data.tasks is used exactly when data.name=multitask; names, kinds and fractions are sane."""
-    if data.name != "multitask":
-        if data.tasks:
-            raise UserError(f"data.tasks is set but data.name={data.name!r}; use data.name=multitask (e.g. "
-                            "data=sudoku_maze) or drop data.tasks")
-        return
-    if not data.tasks:
-        raise UserError("data.name=multitask needs data.tasks (e.g. data=sudoku_maze)")
-    for key, task in data.tasks.items():
-        if not key or "/" in key:
-            raise UserError(f"data.tasks key {key!r}: task names cannot be empty or hold '/'")
-        if task.name not in MULTITASK_NAMES:
-            raise UserError(f"data.tasks.{key}.name={task.name!r} is not one of {list(MULTITASK_NAMES)}")
-        if not task.batch_fraction > 0:
-            raise UserError(f"data.tasks.{key}.batch_fraction={task.batch_fraction} must be > 0")
-
-
-def task_data_configs(data: DataConfig) -> dict[str, DataConfig]:
-    """data.name=multitask: each task as a single-dataset DataConfig (its path, builder arguments
-    and eval cap; splits from `data`), in data.tasks order."""
-    out = {}
-    for key, task in data.tasks.items():
-        fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(TaskDataConfig)
-                  if f.name not in ("batch_fraction", "eval_max_examples")}
-        eval_max = task.eval_max_examples if task.eval_max_examples is not None else data.eval_max_examples
-        out[key] = DataConfig(**fields, train_split=data.train_split, eval_split=data.eval_split,
-                              eval_max_examples=eval_max)
-    return out
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -382,6 +346,11 @@ class Plan:
     checkpoint_every: int
     output_dir: str
     checkpoint_dir: str
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices one global batch is split over (data x fsdp; tensor replicas share a shard)."""
+        return self.mesh_shape["data"] * self.mesh_shape["fsdp"]
 
     def table(self) -> str:
         rows = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]

@@ -11,10 +11,10 @@ at the first problem:
   file written, read back and removed; `gs://bucket/prefix` -> the bucket exists and can be
   read (Orbax reads its metadata), and a probe object `<prefix>/.preflight/<host>-<pid>` is
   written, read back and deleted (a 403 names the principal and the role to grant).
-* dataset (every process reads it): `<path>/<split>/dataset.json` of the train and eval
-  splits parses and every array file it promises exists (gcsfs for gs://). Skipped for a
-  missing local path with `data.generate_if_missing` (the trainer builds it), where only the
-  build location is checked.
+* dataset (every process reads it): the dataset kind's own checks (`DatasetKind.preflight`,
+  data_pipeline/kinds/): its train and eval splits' metadata parses and the files it promises
+  exist (gcsfs for gs://). A missing local path with `data.generate_if_missing` (the run
+  builds it) only has its build location checked.
 
 GCS calls use google-cloud-storage with a bounded per-request timeout and a bounded retry
 deadline (`gcs_timeout_s`), so an unreachable endpoint is one line within seconds, not a hang.
@@ -56,7 +56,9 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
                         f"supported; change {ckpt_setting}")
     else:
         check_local_writable(checkpoint_dir, "checkpoint directory", ckpt_setting)
-    check_dataset(config.data, gcs)
+    from runtime.registry import dataset_kind
+
+    dataset_kind(config.data.name).preflight(config.data, gcs)
     if config.train.init_params_from:
         check_init_params(config.train.init_params_from)
 
@@ -108,7 +110,7 @@ def check_wandb(mode: str) -> None:
 # --------------------------------------------------------------------------- local paths
 
 
-def _reason(e: OSError) -> str:
+def os_reason(e: OSError) -> str:
     return e.strerror or one_line(e)
 
 
@@ -125,7 +127,7 @@ def check_local_writable(directory: str, what: str, setting: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create {what} {directory} ({_reason(e)}); choose another {setting} "
+        raise UserError(f"cannot create {what} {directory} ({os_reason(e)}); choose another {setting} "
                         "or fix the path") from e
     if not os.path.isdir(directory):
         raise UserError(f"{what} {directory} exists but is not a directory; choose another {setting}")
@@ -138,7 +140,7 @@ def check_local_writable(directory: str, what: str, setting: str) -> None:
             ok = f.read() == token
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"no write permission on {what} {directory} ({_reason(e)}); make it writable for this "
+        raise UserError(f"no write permission on {what} {directory} ({os_reason(e)}); make it writable for this "
                         f"user (chmod/chown) or choose another {setting}") from e
     if not ok:
         raise UserError(f"{what} {directory} does not read back what was written; choose another {setting}")
@@ -164,7 +166,7 @@ _NETWORK_PHRASES = ("Connection refused", "Read timed out", "Connect timeout", "
 _PRINCIPAL = re.compile(r"([A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+)\s+does not have")
 
 
-def _principal_in(error: BaseException) -> Optional[str]:
+def principal_in(error: BaseException) -> Optional[str]:
     m = _PRINCIPAL.search(one_line(error))
     return m.group(1) if m else None
 
@@ -203,7 +205,7 @@ class _Gcs:
 
     def principal(self, error: BaseException) -> Optional[str]:
         """Who was refused: GCS names it in the 403 message; else the credentials' service account."""
-        who = _principal_in(error)
+        who = principal_in(error)
         if who:
             return who
         email = getattr(getattr(self._client, "_credentials", None), "service_account_email", None)
@@ -295,93 +297,21 @@ class _Gcs:
             raise UserError(f"a probe object written under {url} read back different content; choose another {setting}")
 
 
-# ------------------------------------------------------------------------------ dataset
+# ------------------------------------------------------- helpers for the dataset kinds' checks
 
 
-def check_dataset(data: Any, gcs: Optional[_Gcs] = None) -> None:
-    """Train and eval splits: dataset.json parses, and each array file it promises exists."""
-    from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata
-
-    if data.name == "multitask":  # every task's dataset (data.path is unused)
-        from runtime.config import task_data_configs
-
-        for task_data in task_data_configs(data).values():
-            check_dataset(task_data, gcs)
-        return
-    root = str(data.path)
-    remote = "://" in root
-    splits = list(dict.fromkeys([data.train_split, data.eval_split]))
-    if data.name == "sft":
-        return check_sft_dataset(data, splits, gcs)
-    train_meta = os.path.join(root, data.train_split, "dataset.json")
-    if not remote and data.generate_if_missing and not os.path.exists(train_meta):
-        _check_buildable(root)  # the trainer builds it; only where it goes is checked
-        return
-    if root.startswith("gs://"):
-        (gcs or _Gcs(DEFAULT_GCS_TIMEOUT_S)).bucket(root, "data.path", need_metadata=False)  # fast, bounded
-    import fsspec
-
-    for split in splits:
-        split_dir = f"{root.rstrip('/')}/{split}"
-        try:
-            metadata = load_metadata(root, split)
-            fs, base = fsspec.core.url_to_fs(split_dir)
-            present = {os.path.basename(str(p).rstrip("/")) for p in fs.ls(base, detail=False, refresh=True)}
-        except DatasetError as e:
-            raise UserError(str(e)) from e
-        except PermissionError as e:
-            raise UserError(f"no read permission on {split_dir} ({_reason(e)}); make the dataset readable for this "
-                            "user or point data.path at another copy") from e
-        except Exception as e:  # permission, network, a path that is a file
-            if getattr(e, "code", None) in (401, 403) or str(e).startswith("Forbidden"):  # gcsfs: OSError on 403
-                who = _principal_in(e) or "this worker's account (see gcloud auth list)"
-                raise UserError(f"no read permission on {split_dir}: grant roles/storage.objectViewer to {who} or "
-                                "point data.path at a readable copy") from e
-            raise UserError(f"cannot read the dataset at {split_dir} ({one_line(e)[:200]}); check data.path and "
-                            "that this worker can read it (roles/storage.objectViewer for gs://)") from e
-        for set_name in metadata.sets:
-            for field in FIELDS:
-                file = f"{set_name}__{field}.npy"
-                if file not in present:
-                    raise UserError(f"missing array file {split_dir}/{file} (listed by {split_dir}/dataset.json); "
-                                    "rebuild the dataset or point data.path at a complete one")
-                if not remote:
-                    _check_npy_readable(os.path.join(split_dir, file))
-
-
-def check_sft_dataset(data: Any, splits: list[str], gcs: Optional[_Gcs]) -> None:
-    """A tokenized chat dataset: each split's sft.json parses (the arrays are checked on load)."""
-    from data_pipeline.puzzle_format import DatasetError
-    from data_pipeline.sft_format import load_sft_metadata
-
-    root = str(data.path)
-    if "://" not in root and data.generate_if_missing and not os.path.exists(os.path.join(root, data.train_split, "sft.json")):
-        _check_buildable(root)
-        return
-    if root.startswith("gs://"):
-        (gcs or _Gcs(DEFAULT_GCS_TIMEOUT_S)).bucket(root, "data.path", need_metadata=False)
-    for split in splits:
-        try:
-            load_sft_metadata(root, split)
-        except DatasetError as e:
-            raise UserError(str(e)) from e
-        except Exception as e:
-            raise UserError(f"cannot read the dataset at {root}/{split} ({one_line(e)[:200]}); check data.path and "
-                            "that this worker can read it (roles/storage.objectViewer for gs://)") from e
-
-
-def _check_npy_readable(path: str) -> None:
+def check_npy_readable(path: str) -> None:
     try:
         with open(path, "rb") as f:
             magic = f.read(6)
     except OSError as e:
-        raise UserError(f"cannot read {path} ({_reason(e)}); make the dataset readable for this user or point "
+        raise UserError(f"cannot read {path} ({os_reason(e)}); make the dataset readable for this user or point "
                         "data.path at another copy") from e
     if magic != b"\x93NUMPY":
         raise UserError(f"{path} is not a .npy file; rebuild the dataset")
 
 
-def _check_buildable(root: str) -> None:
+def check_buildable(root: str) -> None:
     """The nearest existing ancestor of `root` must be a writable directory."""
     p = Path(root).absolute()
     while not p.exists() and p != p.parent:

@@ -25,6 +25,13 @@ class DatasetKind:
     `data` is the run's `DataConfig`, `config` the whole run config."""
 
     name: str = ""
+    mixable: bool = False  # may be one task of a mixture (data.name=multitask)
+
+    def validate(self, data: Any) -> None:
+        """Config checks of this kind (before anything is read); raise `UserError`."""
+        if data.tasks:
+            raise UserError(f"data.tasks is set but data.name={data.name!r}; use data.name=multitask (e.g. "
+                            "data=sudoku_maze) or drop data.tasks")
 
     def load_split(self, data: Any, split: str) -> Any:
         """A split object: `len()`, `.metadata`, and the rows the feeders ask for."""
@@ -70,6 +77,7 @@ class ModelFamily:
     name: str
     schema: type
     build_task: Callable[..., Task]
+    validate: Callable[[Any], None] | None = None  # config checks of an arch; raise UserError
 
 
 DATASET_KINDS: dict[str, DatasetKind] = {}

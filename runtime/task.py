@@ -36,6 +36,11 @@ class DataShape:
     tasks: Mapping[str, "DataShape"] = field(default_factory=dict)
     batch_fraction: float = 1.0  # a task of a mixture: its share of every global batch
 
+    def sub_batches(self, global_batch: int) -> dict[str, int]:
+        """A mixture's rows of each task per global batch: round(fraction x batch / sum)."""
+        total = sum(t.batch_fraction for t in self.tasks.values())
+        return {name: round(t.batch_fraction * global_batch / total) for name, t in self.tasks.items()}
+
 
 class Task:
     """A model family's training semantics, all methods traceable under `jit` unless noted.
@@ -84,13 +89,24 @@ class Task:
         placed with `abstract_params`' shardings; None when the family has none configured."""
         return None
 
-    def evaluators(self, context: Any) -> list["Evaluator"]:
+    def evaluators(self, context: EvalContext) -> list["Evaluator"]:
         """Host side: extra evaluations of this family (Gemma: greedy generation)."""
         return []
 
     def flops_per_example(self) -> float | None:
         """Model FLOPs of one training example (forward and backward), where known."""
         return None
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What a family's or a kind's evaluators may need of the run."""
+
+    config: Any  # the run's validated Config
+    eval_split: Any
+    mesh: Any
+    global_batch: int
+    output_dir: str
 
 
 class Evaluator:

@@ -1,7 +1,7 @@
 """Train state, optimizer, LR schedule, and the jitted, sharded train and eval steps.
 
 Model-family specifics (loss, metrics, a carry that persists across batches) come from a
-`models.build_task` Task; this module is generic over it.
+`runtime.task.Task` of the model family; this module is generic over it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models import sequence_loss  # noqa: F401  (re-exported: the tiny_transformer loss)
 from runtime import optimizers
 from runtime.config import OptimConfig
 from runtime.sharding import BATCH_AXES, batch_sharding, logical_shardings, replicated
+from runtime.task import PUZZLE_BATCH_FIELDS, Task
 
 IGNORE_LABEL = -100
 
@@ -97,11 +97,6 @@ def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
-# A batch's fields and their ranks (int32, batch first): puzzle tasks by default; a task may
-# declare its own as `batch_fields` (e.g. Gemma SFT: inputs, labels, segment_ids, positions).
-PUZZLE_BATCH_FIELDS = {"inputs": 2, "labels": 2, "puzzle_identifiers": 1}
-
-
 def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[str, Any]:
     return {k: batch_sharding(mesh, ndim) for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
@@ -117,9 +112,10 @@ def abstract_batch(mesh: Mesh, global_batch: int, seq_len: int, fields: dict[str
             for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
 
-def task_batch_shapes(task: Any, global_batch: int) -> dict[str, tuple[int, ...]] | None:
-    """A task's own per-field global shapes (``task.batch_shapes(global_batch)``), else None."""
-    return task.batch_shapes(global_batch) if hasattr(task, "batch_shapes") else None
+def task_batch_shapes(task: Task, global_batch: int, seq_len: int) -> dict[str, tuple[int, ...]]:
+    """Every batch field's global shape: the task's own (``task.batch_shapes``), else
+    (global_batch, seq_len)[:rank]."""
+    return task.batch_shapes(global_batch) or {k: (global_batch, seq_len)[:ndim] for k, ndim in task.batch_fields.items()}
 
 
 def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
@@ -166,20 +162,16 @@ class Steps:
 
 def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
                 seq_len: int, ema_rate: float | None, global_batch: int = 1) -> Steps:
-    """`task`: a `models.build_task` Task (a bare flax module is wrapped as a stateless one).
+    """`task`: a model family's `runtime.task.Task`.
 
     A task may name frozen parameters with ``trainable_mask(params) -> tree of bools`` (LoRA:
     only the adapters train): frozen leaves get no gradient, no optimizer state and no EMA.
     """
-    if isinstance(task, nn.Module):
-        from models import SequenceTask
-
-        task = SequenceTask(task)
-    shapes = task_batch_shapes(task, global_batch)
-    example = abstract_batch(mesh, global_batch, seq_len, getattr(task, "batch_fields", None), shapes)
+    shapes = task_batch_shapes(task, global_batch, seq_len)
+    example = abstract_batch(mesh, global_batch, seq_len, task.batch_fields, shapes)
     zeros_batch = lambda: {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}  # noqa: E731
     abstract_unboxed = nn.meta.unbox(jax.eval_shape(lambda: task.init(jax.random.key(0), zeros_batch())))
-    mask = task.trainable_mask(abstract_unboxed) if hasattr(task, "trainable_mask") else None
+    mask = task.trainable_mask(abstract_unboxed)
 
     def state_from(rng_data, params):
         trainable = trainable_part(params, mask)
@@ -243,18 +235,18 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     def eval_step(params, ema_params, batch):
         return task.eval_sums(eval_params(params, ema_params), batch)
 
-    batch_specs = batch_shardings(mesh, getattr(task, "batch_fields", None))
+    batch_specs = batch_shardings(mesh, task.batch_fields)
     train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
     evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                        out_shardings=replicated(mesh))
     eval_rows = None
-    if hasattr(task, "eval_outputs"):
+    if task.has_eval_outputs:
         eval_rows = jax.jit(lambda p, e, b: task.eval_outputs(eval_params(p, e), b),
                             in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                             out_shardings=(replicated(mesh), batch_sharding(mesh, 1)))
     return Steps(init=init, init_from=init_from, train=train, eval=evaluate, eval_rows=eval_rows,
                  state_shardings=state_shardings,
                  abstract_state=abstract_state, summarize=task.summarize,
-                 batch_fields=dict(getattr(task, "batch_fields", None) or PUZZLE_BATCH_FIELDS), task=task,
+                 batch_fields=dict(task.batch_fields), task=task,
                  batch_shapes=shapes)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ACTTask
+from models.recursive_reasoning.task import ACTTask
 from models.recursive_reasoning import (HRM, TRM, HRMConfig, InnerCarry, TRMConfig, act_loss, act_step, dummy_batch,
                                         init_params, initial_carry)
 from models.recursive_reasoning.layers import local_global_mask, make_net_fn

@@ -8,7 +8,7 @@ import pytest
 from conftest import base_overrides, read_jsonl, run_pretrain
 from runtime.config import RampConfig, cycles_at, ramp_value
 from runtime.errors import UserError
-from runtime.trainer import curriculum_metrics, curriculum_stages
+from runtime.builder import curriculum_metrics, curriculum_stages
 from test_config import composed
 
 

@@ -39,6 +39,7 @@ def test_imported_checkpoint_evaluates_and_continues(sudoku_dir, tmp_path, monke
 
     from data_pipeline.puzzle_format import load_split
     from models import build_task
+    from runtime.task import DataShape
     from models.recursive_reasoning import TRMConfig, act_evaluate
     from models.recursive_reasoning import import_reference as imp
     from models.recursive_reasoning.losses import act_loss
@@ -68,8 +69,8 @@ def test_imported_checkpoint_evaluates_and_continues(sudoku_dir, tmp_path, monke
     cfg = TRMConfig(**ARCH, forward_dtype="float32", halt_max_steps=3)
 
     def metrics(init_states):
-        task = build_task(cfg, vocab_size=meta.vocab_size, seq_len=meta.seq_len,
-                          num_puzzle_identifiers=meta.num_puzzle_identifiers, init_states=init_states)
+        task = build_task(cfg, DataShape(examples=0, vocab_size=meta.vocab_size, seq_len=meta.seq_len,
+                                         num_puzzle_identifiers=meta.num_puzzle_identifiers), init_states=init_states)
         params, states, _ = imp.load_imported(str(out))
         carry, o = act_evaluate(task.model, params, batch)
         sums = act_loss(o, carry.current_data["labels"], carry.halted, carry.steps)[1]

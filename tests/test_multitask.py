@@ -59,8 +59,7 @@ class FakeSplit:
 
 
 def test_batch_composition_and_per_task_orders():
-    from runtime.data_feed import MultiTaskFeeder
-    from runtime.multitask import MultiTaskSplit, task_seed
+    from data_pipeline.kinds.multitask import MultiTaskFeeder, MultiTaskSplit, task_seed
     from runtime.sharding import batch_sharding
 
     def feeder(seed, split=None):
@@ -100,8 +99,7 @@ def test_batch_composition_and_per_task_orders():
 
 
 def test_eval_batches_pad_exhausted_tasks():
-    from runtime.data_feed import MultiTaskFeeder
-    from runtime.multitask import MultiTaskSplit
+    from data_pipeline.kinds.multitask import MultiTaskFeeder, MultiTaskSplit
     from runtime.sharding import batch_sharding
 
     split = MultiTaskSplit({"sudoku": FakeSplit(20, 5, 0), "maze": FakeSplit(10, 7, 1000)}, {"sudoku": 3, "maze": 1})
@@ -242,11 +240,15 @@ def test_sign_sgd_takes_ids_per_table():
 
 def test_sub_batch_checks():
     from runtime.config import derive
-    from runtime.multitask import check_sub_batches
+    from runtime.registry import dataset_kind
 
     def check(*overrides, devices=8):
         config = composed("data=sudoku_maze", "arch=trm_att", *overrides)
-        return check_sub_batches(config, derive(config, num_processes=1, num_devices=devices, train_examples=10_000))
+        kind = dataset_kind(config.data.name)
+        shape = kind.planned_shape(config.data, config)
+        plan = derive(config, num_processes=1, num_devices=devices, train_examples=10_000)
+        kind.check_plan(config.data, plan, shape)
+        return shape.sub_batches(plan.global_batch_size)
 
     assert check("train.global_batch_size=32") == {"sudoku": 16, "maze": 16}
     assert check("train.global_batch_size=16", "data.tasks.sudoku.batch_fraction=3", "data.tasks.maze.batch_fraction=1",
@@ -263,8 +265,12 @@ def test_sub_batch_checks():
 
 
 def test_generated_50x50_maze_dataset(tmp_path):
-    from runtime.compile_only import dataset_shape
+    from runtime.registry import dataset_kind
     from runtime.trainer import ensure_dataset
+
+    def dataset_shape(config):
+        s = dataset_kind(config.data.name).planned_shape(config.data, config)
+        return s.examples, s.vocab_size, s.seq_len, s.num_puzzle_identifiers
 
     info = types.SimpleNamespace(is_primary=True, process_count=1)
     config = composed("data=maze_50x50", f"data.path={tmp_path / 'm50'}", "data.generate_puzzles=8",

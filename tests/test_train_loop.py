@@ -87,13 +87,13 @@ def test_eval_profile_and_outputs(sudoku_dir, tmp_path):
 
 
 def test_parameters_are_created_sharded():
-    from models import TinyTransformerConfig, build_model
+    from models.tiny_transformer import SequenceTask, TinyTransformer, TinyTransformerConfig
     from runtime.config import MeshConfig, OptimConfig, resolve_mesh_shape
     from runtime.sharding import make_mesh
     from runtime.train_step import build_steps, lr_schedule, make_optimizer
 
     mesh = make_mesh(resolve_mesh_shape(MeshConfig(data=1, fsdp=4, tensor=2), 8))
-    model = build_model(TinyTransformerConfig(hidden=64, heads=4), vocab_size=16, seq_len=8)
+    model = SequenceTask(TinyTransformer(TinyTransformerConfig(hidden=64, heads=4), vocab_size=16, seq_len=8))
     schedule = lr_schedule(OptimConfig(), 10, 1)
     steps = build_steps(model, make_optimizer(OptimConfig(), schedule), schedule, mesh, 8, 0.99)
     state = steps.init(jax.random.key_data(jax.random.key(0)))

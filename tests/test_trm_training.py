@@ -70,7 +70,9 @@ def _saved_carry(ckpt_dir: Path, step: int) -> dict:
 
 
 def test_puzzle_table_and_carry_sharded_over_batch_axes():
-    from models import TRMConfig, build_task
+    from models import build_task
+    from models.recursive_reasoning import TRMConfig
+    from runtime.task import DataShape
     from runtime.config import MeshConfig, OptimConfig, resolve_mesh_shape
     from runtime.sharding import make_mesh
     from runtime.train_step import abstract_batch, build_steps, lr_schedule, make_optimizer, puzzle_lr_schedule
@@ -78,7 +80,7 @@ def test_puzzle_table_and_carry_sharded_over_batch_axes():
     mesh = make_mesh(resolve_mesh_shape(MeshConfig(data=2, fsdp=4, tensor=1), 8))
     arch = TRMConfig(hidden=32, heads=2, L_layers=1, H_cycles=2, L_cycles=1, halt_max_steps=2, puzzle_emb_ndim=32,
                      puzzle_emb_len=1, forward_dtype="float32")
-    task = build_task(arch, vocab_size=11, seq_len=9, num_puzzle_identifiers=16)
+    task = build_task(arch, DataShape(examples=0, vocab_size=11, seq_len=9, num_puzzle_identifiers=16))
     optim = OptimConfig(name="adam_atan2", ema_rate=0.9, puzzle_emb_lr=0.1, puzzle_emb_weight_decay=0.0)
     schedule = lr_schedule(optim, 10, 1)
     tx = make_optimizer(optim, schedule, puzzle_lr_schedule(optim, 10, 1))

@@ -15,7 +15,6 @@ import logging
 import sys
 from typing import Optional
 
-from omegaconf import OmegaConf
 
 from runtime.errors import UserError
 
@@ -23,35 +22,15 @@ from runtime.errors import UserError
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, dtype: str = "bfloat16",
                       vocab_size: Optional[int] = None) -> int:
     """Export step `step` (default: the latest) of `checkpoint_dir`; returns the step exported."""
-    import jax
-
     from models.gemma.config import GemmaConfig
     from models.gemma.lora import merge_lora
     from models.gemma.weights import export_hf
-    from runtime.checkpointing import Checkpoints
-    from runtime.config import validate
-    from runtime.trainer import plan_and_build
+    from runtime.builder import load_run_params
 
-    ckpt = Checkpoints(checkpoint_dir, keep=1_000_000, async_save=False)
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None or step not in ckpt.all_steps():
-            raise UserError(f"no checkpoint {'step ' + str(step) if step is not None else ''} in {checkpoint_dir}; "
-                            f"steps there: {ckpt.all_steps() or 'none'}")
-        meta = ckpt.read_meta(step)
-        saved = OmegaConf.create(meta["config"])
-        if "lora_rank" not in saved.arch:
-            raise UserError(f"{checkpoint_dir} holds a {saved.arch.get('name')} run, not a Gemma one")
-        saved.arch = OmegaConf.merge(OmegaConf.structured(GemmaConfig), saved.arch)
-        config = validate(saved)
-        cfg = config.arch
-        _, _, steps = plan_and_build(config, devices=jax.devices(), num_processes=jax.process_count(),
-                                     train_examples=int(meta["data_position"]["train_examples"]),
-                                     vocab_size=cfg.vocab_size, seq_len=8,
-                                     packed=False)
-        params = ckpt.restore_state(step, steps.abstract_state).params
-    finally:
-        ckpt.close()
+    config, step, params = load_run_params(checkpoint_dir, step)
+    cfg = config.arch
+    if not isinstance(cfg, GemmaConfig):
+        raise UserError(f"{checkpoint_dir} holds a {cfg.name} run, not a Gemma one")
     export_hf(params, cfg, out_dir, dtype=dtype, vocab_size=vocab_size,
               merge=merge_lora if cfg.lora_rank > 0 else None)
     return step

@@ -1,4 +1,4 @@
-"""Gemma supervised fine-tuning as a runner Task (see models/__init__.py for the protocol).
+"""Gemma supervised fine-tuning as a runner Task (the `gemma` model family).
 
 Loss: next-token cross-entropy on the model turns only (labels -100 elsewhere), summed over the
 tokens of the global batch and divided by their count, computed from the final hidden states
@@ -22,14 +22,15 @@ from models.gemma.config import GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
 from models.gemma.model import Gemma, dtype_from_name
+from runtime.errors import UserError
+from runtime.registry import ModelFamily, register_model_family
+from runtime.task import DataShape, EvalContext, Evaluator, Task
 
 PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [batch, seq_len] each
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
 
 
-class GemmaTask:
-    has_carry = False
-
+class GemmaTask(Task):
     def __init__(self, cfg: GemmaConfig, packed: bool = False):
         self.cfg = cfg
         self.model = Gemma(cfg)
@@ -37,9 +38,6 @@ class GemmaTask:
 
     def init(self, rng, example_batch):
         return self.model.init(rng, jnp.zeros((1, 8), jnp.int32))["params"]
-
-    def init_carry(self, example_batch):
-        return None
 
     def trainable_mask(self, params) -> Any:
         """LoRA: only lora_* leaves train. Full fine-tuning: everything (None)."""
@@ -70,10 +68,12 @@ class GemmaTask:
 
     def load_pretrained(self, abstract_params: Any, rng: jax.Array) -> Any:
         """Parameters from `arch.checkpoint` (HF safetensors or Kaggle Orbax), placed with the
-        shardings of `abstract_params`; LoRA adapters fresh (A random, B zero)."""
+        shardings of `abstract_params`; LoRA adapters fresh (A random, B zero). None without one."""
         from models.gemma.weights import load_params
 
         cfg = self.cfg
+        if not cfg.checkpoint:
+            return None
         shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
         base = load_params(cfg.checkpoint, cfg, shardings, fmt=cfg.checkpoint_format)
         if cfg.lora_rank <= 0:
@@ -81,6 +81,34 @@ class GemmaTask:
         fresh = jax.jit(lambda r: nn.meta.unbox(self.init(r, None)), out_shardings=shardings)(rng)
         return jax.tree_util.tree_map_with_path(
             lambda path, f: f if is_lora_path(path) else _at(base, path), fresh)
+
+
+    def evaluators(self, context: EvalContext) -> list[Evaluator]:
+        """Greedy generation on the first data.eval_generate_examples eval prompts (SFT sets)."""
+        data = context.config.data
+        examples = getattr(data, "eval_generate_examples", 0)
+        if examples <= 0 or not hasattr(context.eval_split, "prompts"):
+            return []
+        from data_pipeline.tokenizer import Tokenizer, TokenizerError
+
+        path = data.tokenizer or f"{data.path.rstrip('/')}/tokenizer.model"
+        try:
+            tokenizer = Tokenizer(path)
+        except TokenizerError as e:
+            raise UserError(str(e)) from e
+        return [GenerationEval(generation_eval(self, context.eval_split, tokenizer, context.mesh, examples=examples,
+                                               max_new_tokens=data.eval_max_new_tokens,
+                                               batch_size=context.global_batch))]
+
+
+class GenerationEval(Evaluator):
+    """Answer exact match and format adherence of greedy answers (`generation_eval`)."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def finish(self, params) -> dict[str, float]:
+        return dict(self.metrics(params))
 
 
 def _at(tree: Any, path) -> Any:
@@ -128,3 +156,13 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
         return score(responses, answers)
 
     return metrics
+
+
+def build_task(arch: GemmaConfig, shape: DataShape, **_: Any) -> GemmaTask:
+    if shape.vocab_size > arch.vocab_size:
+        raise UserError(f"the tokenizer has {shape.vocab_size} ids but arch.vocab_size={arch.vocab_size} embedding rows; "
+                        f"set arch.vocab_size >= {shape.vocab_size}")
+    return GemmaTask(arch, packed=shape.packed)
+
+
+register_model_family(ModelFamily("gemma", GemmaConfig, build_task))

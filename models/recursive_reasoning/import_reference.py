@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from runtime.errors import UserError
+from runtime.imported import load_imported_params, load_imported_states
 
 PREFIXES = ("_orig_mod.", "module.", "model.", "inner.")
 
@@ -322,29 +323,6 @@ def save_imported(out_dir: str, params: dict, init_states: Mapping[str, np.ndarr
     with open(os.path.join(out_dir, "import.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     return out_dir
-
-
-def _orbax_dir(out_dir: str) -> str:
-    return out_dir.rstrip("/") if "://" in out_dir else os.path.abspath(out_dir)  # Orbax wants absolute local paths
-
-
-def load_imported_params(out_dir: str, abstract_params: Any = None) -> dict:
-    """The params of a directory `save_imported` wrote (local or gs://). `abstract_params`
-    (e.g. ``jax.eval_shape`` of the unboxed init, with shardings) places the arrays."""
-    import orbax.checkpoint as ocp
-
-    return ocp.StandardCheckpointer().restore(f"{_orbax_dir(out_dir)}/params", abstract_params)
-
-
-def load_imported_states(out_dir: str) -> dict | None:
-    """{"H_init", "L_init"} of an imported directory, or None when it has none."""
-    import fsspec
-    import orbax.checkpoint as ocp
-
-    fs, base = fsspec.core.url_to_fs(out_dir)
-    if not fs.exists(f"{base.rstrip('/')}/init_states"):
-        return None
-    return ocp.StandardCheckpointer().restore(f"{_orbax_dir(out_dir)}/init_states")
 
 
 def load_imported(out_dir: str, abstract_params: Any = None) -> tuple[dict, dict, dict]:

@@ -1,0 +1,128 @@
+"""Puzzle sets in the reference on-disk format (data_pipeline/puzzle_format.py): the shared
+base of the sudoku, maze and arc kinds.
+
+The reference's epoch: one augmented copy of each original puzzle (total_groups x
+mean_puzzle_examples examples), not a pass over every augmented row.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata, load_split
+from runtime.errors import UserError, one_line
+from runtime.preflight import check_buildable, check_npy_readable, os_reason, principal_in
+from runtime.registry import DatasetKind
+from runtime.task import DataShape
+
+log = logging.getLogger("runtime")
+
+
+def epoch_examples(metadata: Any) -> int:
+    """The reference's epoch of a puzzle split: total_groups x mean_puzzle_examples."""
+    return max(1, round(metadata.total_groups * metadata.mean_puzzle_examples))
+
+
+def stored_rows(path: str, split: str) -> int:
+    """Rows of a split, from the inputs' .npy header only (no array is read)."""
+    with fsspec.open(f"{path.rstrip('/')}/{split}/all__inputs.npy", "rb") as f:
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return int(header(f)[0][0])
+
+
+class PuzzleKind(DatasetKind):
+    """Loading, checks and shapes of a reference-format puzzle set. Subclasses that can
+    generate their set implement `build` and `generated_shape`."""
+
+    can_generate = False
+    metadata_file = "dataset.json"
+
+    # ------------------------------------------------------------------ hooks
+
+    def load_split(self, data: Any, split: str) -> Any:
+        try:
+            return load_split(data.path, split)
+        except DatasetError as e:
+            raise UserError(str(e)) from e
+
+    def shape(self, data: Any, train_split: Any) -> DataShape:
+        m = train_split.metadata
+        return DataShape(examples=len(train_split), vocab_size=m.vocab_size, seq_len=m.seq_len,
+                         num_puzzle_identifiers=m.num_puzzle_identifiers, epoch_examples=epoch_examples(m),
+                         source=f"dataset {data.path}")
+
+    def planned_shape(self, data: Any, config: Any) -> DataShape:
+        try:
+            m = load_metadata(data.path, data.train_split)
+            return DataShape(examples=stored_rows(data.path, data.train_split), vocab_size=m.vocab_size,
+                             seq_len=m.seq_len, num_puzzle_identifiers=m.num_puzzle_identifiers,
+                             epoch_examples=epoch_examples(m), source=f"dataset {data.path}")
+        except (DatasetError, FileNotFoundError) as e:
+            if not self.can_generate:
+                raise UserError(str(e)) from e
+        # The shape follows from the config's sizes: plan before the set is built or copied here
+        # (a pod's data is usually only on GCS or the workers).
+        log.info("no dataset at %s: planning from the config's sizes", data.path)
+        return self.generated_shape(data)
+
+    def ensure_built(self, data: Any) -> None:
+        if not self.can_generate or not data.generate_if_missing or data.path.startswith("gs://"):
+            return
+        if not self.is_built(data):
+            self.build(data)
+
+    def preflight(self, data: Any, gcs: Any) -> None:
+        root = str(data.path)
+        remote = "://" in root
+        if not remote and self.can_generate and data.generate_if_missing and not self.is_built(data):
+            check_buildable(root)  # the run builds it; only where it goes is checked
+            return
+        if root.startswith("gs://"):
+            gcs.bucket(root, "data.path", need_metadata=False)  # fast, bounded
+        for split in dict.fromkeys([data.train_split, data.eval_split]):
+            self.check_split(root, split, remote)
+
+    # ------------------------------------------------------------ for subclasses
+
+    def is_built(self, data: Any) -> bool:
+        return os.path.exists(os.path.join(data.path, data.train_split, self.metadata_file))
+
+    def build(self, data: Any) -> None:
+        raise NotImplementedError
+
+    def generated_shape(self, data: Any) -> DataShape:
+        raise NotImplementedError
+
+    def check_split(self, root: str, split: str, remote: bool) -> None:
+        """dataset.json parses and every array file it promises exists (and is a .npy locally)."""
+        split_dir = f"{root.rstrip('/')}/{split}"
+        try:
+            metadata = load_metadata(root, split)
+            fs, base = fsspec.core.url_to_fs(split_dir)
+            present = {os.path.basename(str(p).rstrip("/")) for p in fs.ls(base, detail=False, refresh=True)}
+        except DatasetError as e:
+            raise UserError(str(e)) from e
+        except PermissionError as e:
+            raise UserError(f"no read permission on {split_dir} ({os_reason(e)}); make the dataset readable for this "
+                            "user or point data.path at another copy") from e
+        except Exception as e:  # permission, network, a path that is a file
+            if getattr(e, "code", None) in (401, 403) or str(e).startswith("Forbidden"):  # gcsfs: OSError on 403
+                who = principal_in(e) or "this worker's account (see gcloud auth list)"
+                raise UserError(f"no read permission on {split_dir}: grant roles/storage.objectViewer to {who} or "
+                                "point data.path at a readable copy") from e
+            raise UserError(f"cannot read the dataset at {split_dir} ({one_line(e)[:200]}); check data.path and "
+                            "that this worker can read it (roles/storage.objectViewer for gs://)") from e
+        for set_name in metadata.sets:
+            for field in FIELDS:
+                file = f"{set_name}__{field}.npy"
+                if file not in present:
+                    raise UserError(f"missing array file {split_dir}/{file} (listed by {split_dir}/dataset.json); "
+                                    "rebuild the dataset or point data.path at a complete one")
+                if not remote:
+                    check_npy_readable(os.path.join(split_dir, file))

@@ -1,0 +1,75 @@
+"""data.name=sft: tokenized chat sets for supervised fine-tuning (data_pipeline/sft_format.py),
+built from JSONL traces or, for demos and tests, a generated arithmetic set."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from data_pipeline.puzzle_format import DatasetError
+from data_pipeline.sft_format import load_sft_metadata, load_sft_split
+from runtime.errors import UserError, one_line
+from runtime.preflight import check_buildable
+from runtime.registry import DatasetKind, register_dataset_kind
+from runtime.task import DataShape
+
+log = logging.getLogger("runtime")
+
+UNBUILT_ROWS = 1_000_000  # a plan without the set: only the schedule's length depends on it
+
+
+class SFTKind(DatasetKind):
+    name = "sft"
+
+    def load_split(self, data: Any, split: str) -> Any:
+        try:
+            return load_sft_split(data.path, split)
+        except DatasetError as e:
+            raise UserError(str(e)) from e
+
+    def shape(self, data: Any, train_split: Any) -> DataShape:
+        m = train_split.metadata
+        return DataShape(examples=len(train_split), vocab_size=m.vocab_size, seq_len=m.seq_len, packed=m.packed,
+                         source=f"dataset {data.path}")
+
+    def planned_shape(self, data: Any, config: Any) -> DataShape:
+        try:
+            m = load_sft_metadata(data.path, data.train_split)
+            return DataShape(examples=m.num_rows, vocab_size=m.vocab_size, seq_len=m.seq_len, packed=m.packed,
+                             source=f"dataset {data.path}")
+        except (DatasetError, FileNotFoundError):
+            return DataShape(examples=UNBUILT_ROWS, vocab_size=getattr(config.arch, "vocab_size", 0),
+                             seq_len=data.seq_len, source=f"SFT set not built; data.seq_len={data.seq_len}")
+
+    def is_built(self, data: Any) -> bool:
+        return os.path.exists(os.path.join(data.path, data.train_split, "sft.json"))
+
+    def ensure_built(self, data: Any) -> None:
+        if not data.generate_if_missing or data.path.startswith("gs://") or self.is_built(data):
+            return
+        from data_pipeline.build_sft import build_generated_arithmetic
+
+        log.info("building a generated arithmetic reasoning set at %s", data.path)
+        build_generated_arithmetic(data.path, data.generate_puzzles, data.generate_test_puzzles, data.seq_len,
+                                   data.generate_seed)
+
+    def preflight(self, data: Any, gcs: Any) -> None:
+        """Each split's sft.json parses (the arrays are checked on load)."""
+        root = str(data.path)
+        if "://" not in root and data.generate_if_missing and not self.is_built(data):
+            check_buildable(root)
+            return
+        if root.startswith("gs://"):
+            gcs.bucket(root, "data.path", need_metadata=False)
+        for split in dict.fromkeys([data.train_split, data.eval_split]):
+            try:
+                load_sft_metadata(root, split)
+            except DatasetError as e:
+                raise UserError(str(e)) from e
+            except Exception as e:
+                raise UserError(f"cannot read the dataset at {root}/{split} ({one_line(e)[:200]}); check data.path and "
+                                "that this worker can read it (roles/storage.objectViewer for gs://)") from e
+
+
+register_dataset_kind(SFTKind())

@@ -1,0 +1,33 @@
+"""data.name=sudoku: Sudoku sets (Sudoku-Extreme builds, or puzzles generated here)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from data_pipeline import build_sudoku
+from data_pipeline.kinds.puzzle import PuzzleKind
+from runtime.registry import register_dataset_kind
+from runtime.task import DataShape
+
+log = logging.getLogger("runtime")
+
+
+class SudokuKind(PuzzleKind):
+    name = "sudoku"
+    can_generate = True
+    mixable = True  # may be a task of data.name=multitask
+
+    def build(self, data: Any) -> None:
+        log.info("building a generated %s dataset at %s", self.name, data.path)
+        build_sudoku.build_sudoku_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
+                                          test_size=data.generate_test_puzzles, num_aug=data.generate_num_aug,
+                                          min_givens=data.generate_min_givens, seed=data.generate_seed)
+
+    def generated_shape(self, data: Any) -> DataShape:
+        return DataShape(examples=data.generate_puzzles * (1 + data.generate_num_aug),
+                         vocab_size=build_sudoku.VOCAB_SIZE, seq_len=build_sudoku.SEQ_LEN,
+                         epoch_examples=data.generate_puzzles, source="Sudoku to be generated, not built yet")
+
+
+register_dataset_kind(SudokuKind())

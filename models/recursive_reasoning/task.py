@@ -1,0 +1,113 @@
+"""TRM and HRM as runner Tasks (the `trm` and `hrm` model families).
+
+`ACTTask`: one call of `train_loss` is one ACT step (deep supervision). The carry (inner
+z_H/z_L, steps, halted, the data rows being worked on) persists across batches; halted rows
+take the new batch's rows. Loss = `act_loss` total / global batch; metrics come from the rows
+that halted this step. Evaluation runs ``halt_max_steps`` steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
+from models.recursive_reasoning.hrm import HRM, HRMConfig
+from models.recursive_reasoning.losses import LOSS_FNS, act_loss
+from models.recursive_reasoning.trm import TRM, TRMConfig
+from runtime.errors import UserError
+from runtime.registry import ModelFamily, register_model_family
+from runtime.task import DataShape, Task
+
+
+class ACTTask(Task):
+    """TRM / HRM with the ACT wrapper (see the module docstring)."""
+
+    has_eval_outputs = True
+
+    def __init__(self, model, exploration=None):
+        self.model = model
+        self.loss_type = model.cfg.loss_type  # stablemax (the reference's Sudoku/ARC/Maze setting) or softmax
+        # > 0: the cycle-consistency term (TRMConfig.cycle_consistency_weight) is in the loss
+        self.cycle_weight = float(getattr(model.cfg, "cycle_consistency_weight", 0.0))
+        # optional traceable step (int32 array) -> halt exploration probability (an annealed
+        # schedule); overrides the arch's halt_exploration_prob when train_loss gets a step
+        self.exploration = exploration
+
+    def init(self, rng, example_batch):
+        one = {k: v[:1] for k, v in example_batch.items()}
+        return init_params(self.model, rng, one)
+
+    def init_carry(self, example_batch):
+        return initial_carry(self.model, example_batch)
+
+    def train_loss(self, params, carry, batch, rng, step=None):
+        prob = self.exploration(step) if (self.exploration is not None and step is not None) else None
+        new_carry, out = act_step(self.model, params, carry, batch, rng, True, exploration_prob=prob)
+        total, sums = act_loss(out, new_carry.current_data["labels"], new_carry.halted, new_carry.steps,
+                               loss_type=self.loss_type, cycle_weight=self.cycle_weight)
+        global_batch = batch["inputs"].shape[0]
+        return total / global_batch, (new_carry, sums, {"puzzle_identifiers": new_carry.current_data["puzzle_identifiers"]})
+
+    def eval_sums(self, params, batch):
+        return self.eval_outputs(params, batch)[0]
+
+    def eval_outputs(self, params, batch):
+        """(metric sums, per-row outputs): the predictions and q_halt logits, for the ARC evaluator."""
+        carry, out = act_evaluate(self.model, params, batch)
+        sums = act_loss(out, carry.current_data["labels"], carry.halted, carry.steps, loss_type=self.loss_type,
+                        cycle_weight=self.cycle_weight)[1]
+        return sums, {"preds": out["logits"].argmax(-1).astype(jnp.int32), "q_halt_logits": out["q_halt_logits"]}
+
+    def summarize(self, sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
+        """The reference's normalisation: in training, losses / global batch and the rest / count
+        (halted rows with labels); in evaluation everything / count. ``cycle_loss`` (present only
+        with the cycle-consistency term) is a loss too; ``loss`` includes it times its weight."""
+        s = {k: float(v) for k, v in sums.items()}
+        count = max(s["count"], 1.0)
+        loss_div = float(global_batch) if training else count
+        out = {k: s[k] / loss_div for k in ("lm_loss", "q_halt_loss", "q_continue_loss")}
+        out["loss"] = out["lm_loss"] + 0.5 * (out["q_halt_loss"] + out["q_continue_loss"])
+        if "cycle_loss" in s:
+            out["cycle_loss"] = s["cycle_loss"] / loss_div
+            out["loss"] += self.cycle_weight * out["cycle_loss"]
+        out |= {"token_accuracy": s["accuracy"] / count, "exact_accuracy": s["exact_accuracy"] / count,
+                "q_halt_accuracy": s["q_halt_accuracy"] / count, "steps": s["steps"] / count, "count": s["count"]}
+        return out
+
+
+def init_state_vectors(init_states: Any) -> tuple | None:
+    """(H_init, L_init) as hashable tuples (a module field) from the imported or checkpointed
+    form: {"H_init": [...], "L_init": [...]} or [[...], [...]]."""
+    if init_states is None:
+        return None
+    if isinstance(init_states, Mapping):
+        init_states = (init_states["H_init"], init_states["L_init"])
+    return tuple(tuple(float(x) for x in v) for v in init_states)
+
+
+def build_model(arch: Any, shape: DataShape, init_states: Any = None):
+    """The TRM or HRM module of `arch` for a dataset of `shape`."""
+    module = TRM if isinstance(arch, TRMConfig) else HRM
+    return module(arch, vocab_size=shape.vocab_size, seq_len=shape.seq_len,
+                  num_puzzle_identifiers=shape.num_puzzle_identifiers, init_states=init_state_vectors(init_states))
+
+
+def build_task(arch: Any, shape: DataShape, *, init_states: Any = None, exploration=None, global_batch: int = 0,
+               **_: Any) -> Task:
+    """An `ACTTask`, or for a mixture of datasets (shape.tasks) the shared-core `MultiTaskACT`."""
+    if shape.tasks:
+        from models.multitask import build_multitask
+
+        return build_multitask(arch, shape, global_batch, init_states=init_states, exploration=exploration)
+    return ACTTask(build_model(arch, shape, init_states), exploration=exploration)
+
+
+def validate(arch: Any) -> None:
+    if arch.loss_type not in LOSS_FNS:
+        raise UserError(f"arch.loss_type={arch.loss_type!r} is not one of {sorted(LOSS_FNS)}")
+
+
+register_model_family(ModelFamily("trm", TRMConfig, build_task, validate))
+register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate))

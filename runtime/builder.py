@@ -1,0 +1,118 @@
+"""Everything a run builds before its first step, shared by the run, compile_only, export,
+bench and the examples: the plan (every derived number, checked against the machine), the
+mesh, the task of the config's model family, and the jitted steps (one per curriculum stage).
+
+Nothing here reads a dataset's arrays: the dataset is described by a `DataShape`, from the
+loaded split (`DatasetKind.shape`) or from its metadata / the config (`planned_shape`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from runtime.config import Config, Plan, cycles_at, derive, ramp_value
+from runtime.registry import dataset_kind, family_of
+from runtime.sharding import make_mesh
+from runtime.task import DataShape, Task
+from runtime.train_step import (Steps, build_steps, has_puzzle_table, lr_schedule, make_optimizer, puzzle_lr_schedule,
+                                task_batch_shapes)
+
+log = logging.getLogger("runtime")
+
+
+def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataShape,
+                   init_states: Any = None) -> tuple[Plan, Any, Steps]:
+    """(plan, mesh, steps) for real devices or a TPU topology's compile-only devices. Every
+    check that needs the machine raises a one-line UserError before anything compiles."""
+    plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=shape.examples,
+                  epoch_examples=shape.epoch_examples)
+    log.info("plan:\n%s", plan.table())
+    dataset_kind(config.data.name).check_plan(config.data, plan, shape)
+    mesh = make_mesh(plan.mesh_shape, devices)
+    ramp = config.curriculum.halt_exploration_prob
+    exploration = (lambda step: ramp_value(ramp, step, plan.total_steps)) if ramp.on else None
+    family = family_of(config.arch)
+
+    def new_task(arch) -> Task:
+        return family.build_task(arch, shape, init_states=init_states, exploration=exploration,
+                                 global_batch=plan.global_batch_size)
+
+    task = new_task(config.arch)
+    schedule = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    puzzle_schedule = puzzle_lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    shapes = task_batch_shapes(task, plan.global_batch_size, shape.seq_len)
+    abstract_params = jax.eval_shape(lambda: task.init(jax.random.key(0), {
+        k: jnp.zeros(s, jnp.int32) for k, s in shapes.items()}))
+    tx = make_optimizer(config.optim, schedule, puzzle_schedule if has_puzzle_table(abstract_params) else None)
+
+    def new_steps(task: Task) -> Steps:
+        return build_steps(task, tx, schedule, mesh, shape.seq_len, config.optim.ema_rate,
+                           global_batch=plan.global_batch_size)
+
+    steps = new_steps(task)
+    steps.at_step = curriculum_stages(config, plan.total_steps, steps, lambda arch: new_steps(new_task(arch)))
+    return plan, mesh, steps
+
+
+def curriculum_stages(config: Config, total_steps: int, steps: Steps, build: Callable[[Any], Steps]):
+    """`step -> Steps` under config.curriculum's H_cycles/L_cycles: one Steps per distinct
+    (H_cycles, L_cycles), built when first reached (same parameters and state shardings, so the
+    train state passes from one stage's compiled step to the next)."""
+    c = config.curriculum
+    if not (c.H_cycles.on or c.L_cycles.on):
+        return lambda step: steps
+    stages = {(config.arch.H_cycles, config.arch.L_cycles): steps}
+
+    def at_step(step: int) -> Steps:
+        cycles = cycles_at(config, step, total_steps)
+        if cycles not in stages:
+            log.info("curriculum: H_cycles=%d L_cycles=%d from step %d", *cycles, step)
+            stages[cycles] = build(dataclasses.replace(config.arch, H_cycles=cycles[0], L_cycles=cycles[1]))
+        return stages[cycles]
+
+    return at_step
+
+
+def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str, float]:
+    """The scheduled values in use at `step` (logged beside the train metrics)."""
+    c = config.curriculum
+    out = {}
+    if c.H_cycles.on or c.L_cycles.on:
+        out["train/H_cycles"], out["train/L_cycles"] = cycles_at(config, step, total_steps)
+    if c.halt_exploration_prob.on:
+        out["train/halt_exploration_prob"] = float(ramp_value(c.halt_exploration_prob, step, total_steps))
+    return out
+
+
+def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Config, int, Any]:
+    """(config, step, params) of a run's checkpoint (default: its latest step), restored on
+    this machine's devices with the run's own config (its model family from the registry)."""
+    from omegaconf import OmegaConf
+
+    from runtime.checkpointing import Checkpoints
+    from runtime.config import validate
+    from runtime.errors import UserError
+    from runtime.registry import model_family
+
+    ckpt = Checkpoints(checkpoint_dir, keep=1_000_000, async_save=False)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None or step not in ckpt.all_steps():
+            raise UserError(f"no checkpoint {'step ' + str(step) if step is not None else ''} in {checkpoint_dir}; "
+                            f"steps there: {ckpt.all_steps() or 'none'}")
+        meta = ckpt.read_meta(step)
+        saved = OmegaConf.create(meta["config"])
+        saved.arch = OmegaConf.merge(OmegaConf.structured(model_family(saved.arch.get("name")).schema), saved.arch)
+        config = validate(saved)
+        shape = DataShape(examples=int(meta["data_position"]["train_examples"]),
+                          vocab_size=getattr(config.arch, "vocab_size", 1), seq_len=8)
+        _, _, steps = plan_and_build(config, devices=jax.devices(), num_processes=jax.process_count(), shape=shape,
+                                     init_states=meta.get("init_states"))
+        return config, step, ckpt.restore_state(step, steps.abstract_state).params
+    finally:
+        ckpt.close()

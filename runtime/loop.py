@@ -1,0 +1,184 @@
+"""The train loop: step, log, evaluate, checkpoint, NaN guard, preemption, watchdog, profiler.
+
+`train_loop(ctx, state, position)` runs optimizer steps `position .. plan.total_steps` and
+returns (exit code, status for the manifest, final metrics). Everything it needs is in one
+`LoopContext`; the evaluators (a dataset kind's, a model family's) come in it as a list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from runtime.builder import curriculum_metrics
+from runtime.checkpointing import Checkpoints
+from runtime.config import Config, Plan
+from runtime.errors import EXIT_NONFINITE
+from runtime.evaluation import evaluate
+from runtime.metrics_sinks import MetricsSinks
+from runtime.perf import StepTimer, peak_flops_per_device
+from runtime.preemption import PreemptionWatcher
+from runtime.task import Evaluator
+from runtime.watchdog import Watchdog
+
+log = logging.getLogger("runtime")
+
+
+@dataclass
+class LoopContext:
+    config: Config
+    plan: Plan
+    steps: Any  # runtime.train_step.Steps (steps.at_step(step): a curriculum stage's)
+    feeder: Any
+    eval_feeder: Any
+    ckpt: Checkpoints
+    sinks: MetricsSinks
+    run_id: str
+    config_dict: dict
+    seq_len: int  # tokens per row, for throughput figures
+    init_states: Any = None  # kept in every checkpoint's metadata (resume rebuilds the same model)
+    evaluators: Sequence[Evaluator] = field(default_factory=list)
+
+
+def compiled_memory(compiled) -> dict[str, float]:
+    """Per-device bytes of the compiled train step (arguments = state + batch; temporaries =
+    activations and workspace), in GiB; empty where the backend does not report them."""
+    try:
+        mem = compiled.memory_analysis()
+        return {"perf/compiled_argument_gib": mem.argument_size_in_bytes / 2**30,
+                "perf/compiled_temp_gib": mem.temp_size_in_bytes / 2**30}
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return {}
+
+
+class _Progress:
+    """The loop's bookkeeping: compiled steps per curriculum stage, metrics not yet fetched
+    from the device, the latest train/eval metrics, the last good checkpoint."""
+
+    def __init__(self, ctx: LoopContext, state, position: int):
+        self.ctx, self.state = ctx, state
+        self.first_batch = ctx.feeder.train_batch(position)
+        self.compiled: dict[int, Any] = {}
+        self.timer: StepTimer | None = None
+        self.pending: list[tuple[int, dict]] = []
+        self.last_good_ckpt = ctx.ckpt.latest_step()
+        self.train_metrics: dict[str, float] = {}
+        self.eval_metrics: dict[str, float] = {}
+
+    def step_fn(self, step: int):
+        """The compiled train step of the curriculum stage in use at `step` (compiled once)."""
+        stage = self.ctx.steps.at_step(step)
+        if id(stage) not in self.compiled:
+            with self.timer.paused() if self.timer is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                self.compiled[id(stage)] = stage.train.lower(self.state, self.first_batch).compile()
+                log.info("compiled train step in %.1fs", time.perf_counter() - t0)
+        return self.compiled[id(stage)]
+
+    def start_timer(self, position: int) -> None:
+        ctx = self.ctx
+        compiled = self.step_fn(position)
+        flops = (compiled.cost_analysis() or {}).get("flops")
+        log.info("%s FLOPs/step/device", flops)
+        ctx.sinks.log(position, {"model/params": sum(x.size for x in jax.tree.leaves(self.state.params))}
+                      | compiled_memory(compiled))
+        self.timer = StepTimer(ctx.plan.global_batch_size, ctx.seq_len, flops, peak_flops_per_device(jax.devices()[0]))
+        self.timer.lap(position)
+
+    def drain(self) -> bool:
+        """Fetch pending metrics into `train_metrics`; False if any step was non-finite."""
+        fetched = jax.device_get([m for _, m in self.pending])
+        bad = [s for (s, _), m in zip(self.pending, fetched) if not m["finite"]]
+        if bad:
+            where = self.last_good_ckpt
+            log.error("non-finite loss or gradient at step %d; stopping. Last good checkpoint: %s", bad[0],
+                      f"step {where} in {self.ctx.plan.checkpoint_dir}" if where is not None else "none")
+            return False
+        if fetched:  # task metrics from the sums over the interval (ratios of sums, not means of ratios)
+            totals = {k: sum(float(m["sums"][k]) for m in fetched) for k in fetched[-1]["sums"]}
+            rows = self.ctx.plan.global_batch_size * len(fetched)
+            self.train_metrics.update({f"train/{k}": v for k, v in self.ctx.steps.summarize(totals, rows, True).items()})
+            self.train_metrics.update({f"train/{k}": float(np.mean([m[k] for m in fetched])) for k in fetched[-1]
+                                       if k not in ("finite", "sums")})
+        self.pending.clear()
+        return True
+
+    def evaluate(self, step: int, done: int, watchdog: Watchdog) -> None:
+        ctx = self.ctx
+        with self.timer.paused():
+            self.eval_metrics = evaluate(ctx.steps.at_step(step), self.state, ctx.eval_feeder,
+                                         ctx.config.data.eval_max_examples, ctx.evaluators,
+                                         lambda: watchdog.beat(done, "eval"))
+            ctx.sinks.log(done, self.eval_metrics)
+
+    def save(self, done: int) -> None:
+        ctx, plan = self.ctx, self.ctx.plan
+        with self.timer.paused():
+            position = {"next_batch": done, "examples_seen": done * plan.global_batch_size,
+                        "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
+                        "seed": ctx.config.train.seed, "train_examples": plan.train_examples}
+            ctx.ckpt.save(done, self.state, {"step": done, "run_id": ctx.run_id, "config": ctx.config_dict,
+                                             "metrics": self.train_metrics | self.eval_metrics,
+                                             "data_position": position, "init_states": ctx.init_states})
+            self.last_good_ckpt = done
+
+    def profile(self, step: int, done: int | None = None) -> None:
+        start, count = self.ctx.config.train.profile_start_step, self.ctx.config.train.profile_steps
+        if start is None:
+            return
+        if done is None and step == start:
+            jax.profiler.start_trace(f"{self.ctx.plan.output_dir}/profile")
+        elif done is not None and done == start + count:
+            jax.block_until_ready(self.state)
+            jax.profiler.stop_trace()
+
+
+def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict | None]:
+    plan, total = ctx.plan, ctx.plan.total_steps
+    if position >= total:
+        log.info("nothing to do: the checkpoint is at step %d of %d", position, total)
+        return 0, "completed", None
+    run = _Progress(ctx, state, position)
+    run.start_timer(position)
+    preemption, watchdog = PreemptionWatcher(), Watchdog(ctx.config.train.watchdog_timeout_s).start()
+    batch, step = run.first_batch, position
+    try:
+        for step in range(position, total):
+            run.profile(step)
+            run.state, metrics = run.step_fn(step)(run.state, batch)
+            done = step + 1  # optimizer steps taken == index of the next global batch
+            last = done == total
+            if not last:
+                batch = ctx.feeder.train_batch(done)  # host work overlaps the step running on device
+            run.pending.append((done, metrics))
+            watchdog.beat(done)
+            run.profile(step, done)
+            preempted = preemption.should_stop(done)
+            if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last or preempted:
+                if not run.drain():
+                    return EXIT_NONFINITE, "nonfinite", None
+                if done % plan.log_every == 0 or last:
+                    ctx.sinks.log(done, run.train_metrics | run.timer.lap(done) | curriculum_metrics(ctx.config, step, total))
+            if done % plan.eval_every == 0 or last:
+                run.evaluate(step, done, watchdog)
+            if done % plan.checkpoint_every == 0 or last or preempted:
+                run.save(done)
+            if preempted:
+                watchdog.beat(done, "preemption checkpoint")
+                ctx.ckpt.wait()
+                log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
+                            "resume", done, plan.checkpoint_dir)
+                return 0, "preempted", run.train_metrics | run.eval_metrics
+    except Exception as e:
+        log.error("training failed in step %d: %s", step + 1, " ".join(str(e).split())[:500])
+        raise
+    finally:
+        watchdog.stop()
+        preemption.close()
+    return 0, "completed", run.train_metrics | run.eval_metrics
