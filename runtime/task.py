@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from runtime.errors import UserError
+
 IGNORE_LABEL = -100  # a label the losses skip: prompt tokens, padding, padded eval rows
 
 # A batch's fields and their ranks (int32, batch first). Puzzle tasks use these; a Task may
@@ -92,6 +94,10 @@ class Task:
     def evaluators(self, context: EvalContext) -> list["Evaluator"]:
         """Host side: extra evaluations of this family (Gemma: greedy generation)."""
         return []
+
+    def export(self, params: Any, out_dir: str, **options: Any) -> None:
+        """Host side: write `params` in the family's interchange format (`python -m runtime.export`)."""
+        raise UserError(f"{type(self).__name__} has no export format")
 
     def flops_per_example(self) -> float | None:
         """Model FLOPs of one training example (forward and backward), where known."""

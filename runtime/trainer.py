@@ -126,6 +126,36 @@ def initial_state(config: Config, steps, ckpt: Checkpoints, start_step: int | No
     return steps.init(rng)
 
 
+def resume_point(config: Config, ckpt: Checkpoints, train_examples: int) -> tuple[int | None, dict | None]:
+    """(latest complete step, its metadata), after checking the checkpoint fits this run."""
+    start_step = ckpt.latest_step()
+    if start_step is None:
+        return None, None
+    if not config.run.checkpoint.resume:
+        raise UserError(f"{ckpt.directory} already holds checkpoints (latest step {start_step}) and "
+                        "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
+    meta = ckpt.read_meta(start_step)
+    check_resumable(meta, config, train_examples, ckpt.directory, start_step)
+    return start_step, meta
+
+
+def run_evaluators(config: Config, kind, steps, context: EvalContext) -> list:
+    """The dataset kind's evaluators, then the model family's."""
+    evaluators = kind.evaluators(config.data, context) + steps.task.evaluators(context)
+    if any(e.wants_rows for e in evaluators) and steps.eval_rows is None:
+        raise UserError(f"data.name={config.data.name} evaluates per-row outputs that arch {config.arch.name!r} does not "
+                        "produce; use a TRM/HRM arch")
+    return evaluators
+
+
+def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: int, config_dict: dict) -> MetricsSinks:
+    return MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=config.run.wandb.mode,
+                        wandb_project=config.run.wandb.project, wandb_entity=config.run.wandb.entity,
+                        group=config.run.group, name=config.run.name, run_id=run_id, config=config_dict,
+                        total_steps=plan.total_steps, start_step=position, tags=list(config.run.wandb.tags),
+                        progress_bar=config.run.progress_bar)
+
+
 def run(config: Config) -> int:
     setup_logging(is_primary=True)
     info = initialize(config.distributed)
@@ -137,36 +167,22 @@ def run(config: Config) -> int:
     train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
     shape = kind.shape(config.data, train_split)
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
-    start_step, meta = ckpt.latest_step(), None
-    if start_step is not None:
-        if not config.run.checkpoint.resume:
-            raise UserError(f"{checkpoint_dir} already holds checkpoints (latest step {start_step}) and "
-                            "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
-        meta = ckpt.read_meta(start_step)
-        check_resumable(meta, config, shape.examples, checkpoint_dir, start_step)
+    start_step, meta = resume_point(config, ckpt, shape.examples)
     init_states = read_init_states(config, meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
-    eval_context = EvalContext(config=config, eval_split=eval_split, mesh=mesh, global_batch=plan.global_batch_size,
-                               output_dir=plan.output_dir)
-    evaluators = kind.evaluators(config.data, eval_context) + steps.task.evaluators(eval_context)
-    if any(e.wants_rows for e in evaluators) and steps.eval_rows is None:
-        raise UserError(f"data.name={config.data.name} evaluates per-row outputs that arch {config.arch.name!r} does not "
-                        "produce; use a TRM/HRM arch")
+    evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
+                                                                 global_batch=plan.global_batch_size,
+                                                                 output_dir=plan.output_dir))
     state = initial_state(config, steps, ckpt, start_step)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
     run_id = meta["run_id"] if meta else new_run_id(config)
     position = int(meta["data_position"]["next_batch"]) if meta else 0
 
-    new_feeder = lambda split, prefetch: kind.make_feeder(split, batch_sharding(mesh, 1), plan.global_batch_size,  # noqa: E731
-                                                          config.train.seed, prefetch=prefetch)
-    feeder, eval_feeder = new_feeder(train_split, True), new_feeder(eval_split, False)
+    feeder, eval_feeder = (kind.make_feeder(split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed,
+                                            prefetch=prefetch) for split, prefetch in ((train_split, True), (eval_split, False)))
     config_dict = to_dict(config)
-    sinks = MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=config.run.wandb.mode,
-                         wandb_project=config.run.wandb.project, wandb_entity=config.run.wandb.entity,
-                         group=config.run.group, name=config.run.name, run_id=run_id, config=config_dict,
-                         total_steps=plan.total_steps, start_step=position, tags=list(config.run.wandb.tags),
-                         progress_bar=config.run.progress_bar)
+    sinks = open_sinks(config, plan, info, run_id, position, config_dict)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step)
     if info.is_primary:

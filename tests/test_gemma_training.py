@@ -73,7 +73,7 @@ def _eval_loss(cfg, params, data: Path, rows: int) -> float:
 
 def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     from models.gemma import Gemma
-    from models.gemma.export import main as export_main
+    from runtime.export import main as export_main
     from models.gemma.lora import merge_lora
     from models.gemma.model import init_params
     from models.gemma.weights import export_hf, load_params

@@ -91,7 +91,7 @@ def test_imported_checkpoint_evaluates_and_continues(sudoku_dir, tmp_path, monke
     from runtime.checkpointing import Checkpoints
 
     saved = Checkpoints(str(tmp_path / "test" / "cont" / "checkpoints"), keep=3, async_save=False)
-    assert np.array_equal(np.asarray(saved.read_meta(2)["init_states"][0], np.float32), h_init)
+    assert np.array_equal(np.asarray(saved.read_meta(2)["init_states"]["H_init"], np.float32), h_init)
     saved.close()
     resumed = run_pretrain(cont + ["train.steps=4"])
     assert "resumed from step 2" in resumed.stderr
@@ -155,3 +155,12 @@ def test_arc_eval_in_trainer_single_and_pod(arc_dir, tmp_path):
     assert evals[1][1] == evals[2][1] == submission
     for k in (1, 2, 5):
         assert evals[1][0][f"eval/ARC/pass@{k}"] == evals[2][0][f"eval/ARC/pass@{k}"] == trained[f"eval/ARC/pass@{k}"]
+
+
+def test_init_states_read_in_both_saved_forms():
+    """Checkpoints keep init states by name; ones written before (a [H_init, L_init] list) still resume."""
+    from models.recursive_reasoning.task import init_state_vectors
+
+    named = init_state_vectors({"H_init": [1, 2], "L_init": [3, 4]})
+    assert named == init_state_vectors([[1, 2], [3, 4]]) == ((1.0, 2.0), (3.0, 4.0))
+    assert init_state_vectors(None) is None

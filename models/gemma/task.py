@@ -83,6 +83,15 @@ class GemmaTask(Task):
             lambda path, f: f if is_lora_path(path) else _at(base, path), fresh)
 
 
+    def export(self, params: Any, out_dir: str, *, dtype: str = "bfloat16", vocab_size: int | None = None,
+               **_: Any) -> None:
+        """Hugging Face safetensors + config.json, LoRA adapters merged into the base weights."""
+        from models.gemma.lora import merge_lora
+        from models.gemma.weights import export_hf
+
+        export_hf(params, self.cfg, out_dir, dtype=dtype, vocab_size=vocab_size,
+                  merge=merge_lora if self.cfg.lora_rank > 0 else None)
+
     def evaluators(self, context: EvalContext) -> list[Evaluator]:
         """Greedy generation on the first data.eval_generate_examples eval prompts (SFT sets)."""
         data = context.config.data
