@@ -7,7 +7,9 @@ number that depends on the config and the machine (batch per process, total step
 paths) in one place; the trainer only reads these two objects.
 
 Sections: `arch`, `data`, `optim`, `mesh`, `run` are Hydra groups; `train` (when things
-happen) and `distributed` (how processes join) live in conf/config.yaml.
+happen) and `distributed` (how processes join) are set by overrides or experiments. Every
+default lives here (arch defaults in the models' schemas); conf/<group>/*.yaml hold only what
+each option changes.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class OptimConfig(Freezable):
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    warmup_steps: int = 100  # linear warmup from step 1, then cosine to lr * lr_min_ratio
-    lr_min_ratio: float = 1.0  # 1.0 = constant after warmup
+    warmup_steps: int = 20  # linear warmup from step 1, then cosine to lr * lr_min_ratio
+    lr_min_ratio: float = 0.1  # 1.0 = constant after warmup
     grad_clip_norm: Optional[float] = None
     ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
     state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored (bf16 halves them)
@@ -135,11 +137,11 @@ class TrainConfig(Freezable):
     # When things happen.
     seed: int = 0
     global_batch_size: int = 64
-    steps: Optional[int] = None  # total optimizer steps; or give epochs
+    steps: Optional[int] = 200  # total optimizer steps; or give epochs (and steps=null)
     epochs: Optional[float] = None
-    log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end
-    checkpoint_every: int = 0  # 0 = only at the end
+    log_every: int = 20
+    eval_every: int = 100  # 0 = only at the end
+    checkpoint_every: int = 100  # 0 = only at the end
     # The same cadences in epochs (the reference's eval_interval); when set they replace the above.
     eval_every_epochs: Optional[float] = None
     checkpoint_every_epochs: Optional[float] = None
