@@ -18,6 +18,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +27,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from models import ARCH_SCHEMAS
 from runtime.errors import UserError, one_line
 from runtime.frozen import Freezable, freeze
+from runtime.metrics_sinks import WandbMode
+from runtime.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -78,9 +81,25 @@ class DataConfig(Freezable):
     tasks: dict[str, TaskDataConfig] = field(default_factory=dict)
 
 
+class StateDtype(StrEnum):
+    """optim.state_dtype: how the optimizer's moments are stored (bf16 halves them)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class DistributedMode(StrEnum):
+    """distributed.mode: how the processes of a job find each other (runtime/distributed.py)."""
+
+    auto = "auto"  # JAX cluster detection on a TPU VM, explicit values as the fallback, else single
+    single = "single"  # one process, no coordinator
+    cluster = "cluster"  # JAX's cluster detection only
+    explicit = "explicit"  # coordinator_address, num_processes, process_id (config or JAX_* environment)
+
+
 @dataclass
 class OptimConfig(Freezable):
-    name: str = "adamw"  # adamw | adam_atan2 | lion | adafactor (the network; a puzzle table always gets sign-SGD)
+    name: str = "adamw"  # a key of runtime.optimizers.OPTIMIZERS (the network; a puzzle table always gets sign-SGD)
     lr: float = 1e-3
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -90,7 +109,7 @@ class OptimConfig(Freezable):
     lr_min_ratio: float = 0.1  # 1.0 = constant after warmup
     grad_clip_norm: Optional[float] = None
     ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
-    state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored (bf16 halves them)
+    state_dtype: StateDtype = StateDtype.float32
     # Sparse sign-SGD on the puzzle-embedding table (models with one: TRM, HRM); same schedule shape.
     puzzle_emb_lr: float = 1e-2
     puzzle_emb_weight_decay: float = 0.1
@@ -106,7 +125,7 @@ class MeshConfig(Freezable):
 
 @dataclass
 class WandbConfig(Freezable):
-    mode: str = "offline"  # online | offline | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "podrunner"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
@@ -183,8 +202,7 @@ class CurriculumConfig(Freezable):
 
 @dataclass
 class DistributedConfig(Freezable):
-    # auto: JAX cluster detection on a TPU VM, explicit values as the fallback, else single.
-    mode: str = "auto"  # auto | single | cluster | explicit
+    mode: DistributedMode = DistributedMode.auto
     coordinator_address: Optional[str] = None  # host or host:port of process 0
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
@@ -253,11 +271,10 @@ def register_schemas() -> None:
         cs.store(group="arch", name=f"base_{arch_name}", node=schema)
 
 
+# Option fields that are plain strings, checked against the registry the construction reads.
+# (Closed sets of options are Enums in the schema: OmegaConf checks those when composing.)
 _CHOICES = {
-    ("optim", "name"): ("adamw", "adam_atan2", "lion", "adafactor"),
-    ("optim", "state_dtype"): ("float32", "bfloat16"),
-    ("run", "wandb", "mode"): ("online", "offline", "disabled"),
-    ("distributed", "mode"): ("auto", "single", "cluster", "explicit"),
+    ("optim", "name"): OPTIMIZERS,
 }
 
 
@@ -277,15 +294,16 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     try:
         merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
         config: Config = OmegaConf.to_object(merged)
-    except Exception as e:  # omegaconf's errors are multi-line; say it in one
-        raise UserError(f"invalid config: {one_line(e)}") from e
+    except Exception as e:  # omegaconf's errors are multi-line; say it in one, naming the key
+        key = getattr(e, "full_key", None)
+        raise UserError(f"invalid config: {key + ': ' if key else ''}{one_line(e)}") from e
 
     for path, allowed in _CHOICES.items():
         value = config
         for key in path:
             value = getattr(value, key)
         if value not in allowed:
-            raise UserError(f"{'.'.join(path)}={value!r} is not one of {list(allowed)}")
+            raise UserError(f"{'.'.join(path)}={value!r} is not one of {sorted(allowed)}")
     loss_type = getattr(config.arch, "loss_type", None)
     if loss_type is not None:
         from models.recursive_reasoning.losses import LOSS_FNS
@@ -359,8 +377,9 @@ def task_data_configs(data: DataConfig) -> dict[str, DataConfig]:
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots)."""
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+    """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots); enum
+    options as their names (plain strings)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)
 
 
 @dataclass(frozen=True)
