@@ -12,9 +12,9 @@
 from models.recursive_reasoning.act import (ACTCarry, act_evaluate, act_step, compile_seconds, init_params, initial_carry,
                                            make_act_step)
 from models.recursive_reasoning.hrm import HRM, HRMConfig
-from models.recursive_reasoning.losses import (IGNORE_LABEL_ID, act_loss, softmax_cross_entropy,
-                                               stablemax_cross_entropy, summarize)
+from models.recursive_reasoning.losses import act_loss, softmax_cross_entropy, stablemax_cross_entropy, summarize
 from models.recursive_reasoning.trm import TRM, InnerCarry, TRMConfig, dummy_batch, initial_states
+from runtime.task import IGNORE_LABEL as IGNORE_LABEL_ID  # the old name, until models/multitask.py imports runtime.task
 
 __all__ = [
     "ACTCarry", "HRM", "HRMConfig", "IGNORE_LABEL_ID", "InnerCarry", "TRM", "TRMConfig", "act_evaluate", "act_loss", "act_step",
