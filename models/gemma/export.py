@@ -17,7 +17,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from runtime.errors import UserError
+from runtime.errors import EXIT_USER_ERROR, UserError, one_line
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, dtype: str = "bfloat16",
@@ -70,8 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         step = export_checkpoint(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                                  vocab_size=args.vocab_size)
     except (UserError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     print(f"exported step {step} of {args.checkpoint_dir} to {args.out}")
     return 0
 
