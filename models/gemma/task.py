@@ -21,7 +21,8 @@ from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
 from models.gemma.config import GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
-from models.gemma.model import Gemma, dtype_from_name
+from models.gemma.model import Gemma
+from models.layers import dtype_from_name
 
 PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [batch, seq_len] each
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
