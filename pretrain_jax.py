@@ -25,7 +25,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from runtime.config import register_schemas, validate  # noqa: E402
-from runtime.errors import EXIT_USER_ERROR, UserError, one_line  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR, UserError, one_line  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 register_schemas()
@@ -76,7 +76,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         _user_error(e)
     except Exception:
         traceback.print_exc()
-        _exit(1)
+        _exit(EXIT_FAILURE)
     if code:
         _exit(code)
 

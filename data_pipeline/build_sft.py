@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
-from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError
+from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft import (
     format_response,
     prompt_length,
@@ -37,6 +37,8 @@ from data_pipeline.sft import (
 )
 from data_pipeline.sft_format import SFTMetadata, write_sft_split
 from data_pipeline.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from runtime.errors import EXIT_USER_ERROR, one_line
+from runtime.task import IGNORE_LABEL
 
 
 @dataclass
@@ -70,13 +72,13 @@ def encode_examples(tokenizer: Tokenizer, examples, seq_len: int, desc: str) -> 
 
 def _shifted(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, labels) of one example: labels[t] is the next token where it is a target."""
-    return tokens[:-1], np.where(mask[1:], tokens[1:], IGNORE_LABEL_ID).astype(np.int32)
+    return tokens[:-1], np.where(mask[1:], tokens[1:], IGNORE_LABEL).astype(np.int32)
 
 
 def unpacked_arrays(enc: Encoded, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     n = len(enc.tokens)
     inputs = np.full((n, seq_len), pad_id, np.int32)
-    labels = np.full((n, seq_len), IGNORE_LABEL_ID, np.int32)
+    labels = np.full((n, seq_len), IGNORE_LABEL, np.int32)
     for i, (tokens, mask) in enumerate(zip(enc.tokens, enc.masks)):
         x, y = _shifted(tokens, mask)
         inputs[i, :len(x)], labels[i, :len(y)] = x, y
@@ -104,7 +106,7 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
 def packed_arrays(enc: Encoded, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     rows = pack_rows([len(t) - 1 for t in enc.tokens], seq_len)
     shape = (len(rows), seq_len)
-    out = {"inputs": np.full(shape, pad_id, np.int32), "labels": np.full(shape, IGNORE_LABEL_ID, np.int32),
+    out = {"inputs": np.full(shape, pad_id, np.int32), "labels": np.full(shape, IGNORE_LABEL, np.int32),
            "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32)}
     for r, members in enumerate(tqdm(rows, desc="packing", unit="row")):
         at = 0
@@ -222,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             build_sft_dataset(args.output_dir, args.jsonl, args.tokenizer, args.seq_len, eval_jsonl=args.eval_jsonl,
                               eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed)
     except (DatasetError, TokenizerError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     from data_pipeline.sft_format import load_sft_metadata
 
     for split in ("train", "test"):

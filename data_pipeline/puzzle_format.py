@@ -25,7 +25,8 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-IGNORE_LABEL_ID = -100  # what the loss functions treat as "no target"
+from runtime.task import IGNORE_LABEL
+
 FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
 _INDEX_FIELDS = ("puzzle_identifiers", "puzzle_indices", "group_indices")
 BUILD_HINT = "python -m data_pipeline.build_sudoku --output-dir {root} --generate 1000"
@@ -72,7 +73,7 @@ class PuzzleSplit:
 
     The token arrays stay as stored (memory-mapped, usually uint8): a 1000-augmentation ARC
     split is ~2.8M x 900 tokens, 20 GB if widened to int32 up front. `rows(idx)` reads just
-    the requested examples as int32 with ignored labels as IGNORE_LABEL_ID (-100); the
+    the requested examples as int32 with ignored labels as IGNORE_LABEL (-100); the
     `inputs`/`labels` properties give whole arrays that way (small data, tests, tools).
     ``puzzle_identifiers`` is per EXAMPLE (expanded through puzzle_indices).
     """
@@ -90,8 +91,8 @@ class PuzzleSplit:
     def _labels(self, raw: np.ndarray) -> np.ndarray:
         labels = np.asarray(raw, dtype=np.int32)
         ignore = self.metadata.ignore_label_id
-        if ignore is not None and ignore != IGNORE_LABEL_ID:
-            labels = np.where(labels == ignore, IGNORE_LABEL_ID, labels).astype(np.int32)
+        if ignore is not None and ignore != IGNORE_LABEL:
+            labels = np.where(labels == ignore, IGNORE_LABEL, labels).astype(np.int32)
         return labels
 
     def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:

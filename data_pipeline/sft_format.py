@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, fields
 import fsspec
 import numpy as np
 
-from data_pipeline.puzzle_format import IGNORE_LABEL_ID, DatasetError, _fs, _join, read_split_metadata
+from data_pipeline.puzzle_format import DatasetError, _fs, _join, read_split_metadata
+from runtime.task import IGNORE_LABEL
 
 BUILD_HINT = ("python -m data_pipeline.build_sft --jsonl TRAIN.jsonl --tokenizer MODEL --seq-len 256 --output-dir {root}"
               " (or --generate-arithmetic 1000 instead of --jsonl/--tokenizer for a synthetic set)")
@@ -47,7 +48,7 @@ class SFTMetadata:
     num_dropped: int  # examples whose prompt alone did not fit
     tokenizer: str  # path of the tokenizer model used
     source: str  # the JSONL the examples came from
-    ignore_label_id: int = IGNORE_LABEL_ID
+    ignore_label_id: int = IGNORE_LABEL
     num_puzzle_identifiers: int = 1  # the trainer's puzzle-table size; SFT has none
 
     def to_json(self) -> str:
@@ -138,9 +139,9 @@ def write_sft_split(root: str, split: str, arrays: Mapping[str, np.ndarray], met
     inputs, labels = np.asarray(arrays["inputs"]), np.asarray(arrays["labels"])
     if inputs.size and (inputs.min() < 0 or inputs.max() >= metadata.vocab_size):
         raise DatasetError(f"{where}: inputs hold ids outside [0, vocab_size={metadata.vocab_size})")
-    targets = labels[labels != IGNORE_LABEL_ID]
+    targets = labels[labels != IGNORE_LABEL]
     if targets.size and (targets.min() < 0 or targets.max() >= metadata.vocab_size):
-        raise DatasetError(f"{where}: labels hold ids outside [0, vocab_size={metadata.vocab_size}) other than -100")
+        raise DatasetError(f"{where}: labels hold ids outside [0, vocab_size={metadata.vocab_size}) other than {IGNORE_LABEL}")
     fs, base, _ = _fs(root)
     fs.makedirs(_join(base, split), exist_ok=True)
     for name in metadata.array_names:

@@ -29,6 +29,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments import pod  # noqa: E402
 from experiments.local_pod import run_local_pod  # noqa: E402
+from runtime.errors import EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -75,7 +76,7 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for every process (repeatable)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="kill everything after this many seconds (exit 124)")
+                   help=f"kill everything after this many seconds (exit {EXIT_TIMEOUT})")
     p.add_argument("--grace-period", type=float, default=60.0,
                    help="seconds between forwarding SIGTERM and SIGKILL on Ctrl-C/SIGTERM "
                         "(default: 60)")
@@ -111,7 +112,7 @@ def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argpars
             return func(args)
         except pod.PodError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_USER_ERROR
     return wrapped
 
 
@@ -218,7 +219,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     unknown = [g for g in names if g not in GROUPS]
     if unknown:
         print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     for name in names:
         g = GROUPS[name]
         print(f"{name}: {g.title} -- varies {g.varies} (from {g.base})")

@@ -33,7 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Sequence, TextIO
 
-EXIT_TIMEOUT = 124
+from runtime.errors import EXIT_SIGNAL_BASE, EXIT_TIMEOUT
+
 POLL_S = 0.05  # how often the supervisor loop looks at the children
 READER_JOIN_S = 5.0  # bound on waiting for output pumps after the children are gone
 
@@ -81,7 +82,7 @@ def process_env(
 
 def exit_code_of(returncode: int) -> int:
     """Popen returncode -> shell-style exit code (-s, killed by signal s -> 128 + s)."""
-    return 128 - returncode if returncode < 0 else returncode
+    return EXIT_SIGNAL_BASE - returncode if returncode < 0 else returncode
 
 
 def describe(returncode: int) -> str:
@@ -257,7 +258,7 @@ def _supervise(pod: _Pod, interrupts: _Interrupts, timeout: float | None,
             pod.join_pumps()
             codes = ", ".join(f"p{i}: {describe(p.returncode)}" for i, p in enumerate(pod.procs))
             pod.say(f"interrupted ({codes})")
-            return 128 + interrupts.signals[0]
+            return EXIT_SIGNAL_BASE + interrupts.signals[0]
         codes = [p.poll() for p in pod.procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:

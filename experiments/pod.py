@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
+from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED
+
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
 SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
 MASK = "***"
-EXIT_INTERRUPTED = 130
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a directory name on the workers
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -571,10 +572,10 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
 
 
 def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
-    """0 when every worker reports the same commit and versions, else 1 with the differences."""
+    """0 when every worker reports the same commit and versions, else EXIT_FAILURE (1) with the differences."""
     if not rows:
         _say(stream, "no worker reported its versions")
-        return 1
+        return EXIT_FAILURE
     keys = [k for k in rows[0] if k != "host"]
     distinct = {tuple(r.get(k) for k in keys) for r in rows}
     if len(distinct) == 1:
@@ -585,7 +586,7 @@ def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
     _say(stream, f"MISMATCH across workers in {', '.join(differing)}:")
     for r in sorted(rows, key=lambda r: r["host"]):
         _say(stream, f"  {r['host']}: " + ", ".join(f"{k}={r.get(k)}" for k in differing))
-    return 1
+    return EXIT_FAILURE
 
 
 def stop_pod(target: Target, *, grace: float = 0.0, dry_run: bool = False,

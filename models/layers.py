@@ -6,10 +6,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+# The one table of dtype names the configs use (arch.dtype, arch.param_dtype, arch.forward_dtype,
+# optim.state_dtype): every model and the optimizer resolve names through `dtype_from_name`.
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def dtype_from_name(name: str):
+    """A config's dtype name ("bfloat16") -> the jnp dtype; ValueError naming the choices otherwise."""
     try:
         return _DTYPES[name]
     except KeyError:

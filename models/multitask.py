@@ -30,11 +30,11 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from models.recursive_reasoning import IGNORE_LABEL_ID, TRMConfig
+from models.recursive_reasoning import TRMConfig
 from models.recursive_reasoning.losses import bce_with_logits
 from models.recursive_reasoning.task import ACTTask, build_model
 from runtime.errors import UserError
-from runtime.task import DataShape, Task
+from runtime.task import IGNORE_LABEL, DataShape, Task
 
 CORE = "L_level"  # the shared parameters
 TABLE = "puzzle_emb"
@@ -152,7 +152,7 @@ class MultiTaskACT(Task):
         for t in self.names:
             task_sums, rows = self.acts[t].eval_outputs(self.task_params(params, t), parts[t])
             task_sums = dict(task_sums)
-            padding = ~(parts[t]["labels"] != IGNORE_LABEL_ID).any(-1)
+            padding = ~(parts[t]["labels"] != IGNORE_LABEL).any(-1)
             task_sums["q_halt_loss"] = task_sums["q_halt_loss"] - jnp.where(
                 padding, bce_with_logits(rows["q_halt_logits"], jnp.ones_like(rows["q_halt_logits"])), 0.0).sum()
             sums |= {f"{t}/{k}": v for k, v in task_sums.items()}

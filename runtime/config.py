@@ -7,7 +7,9 @@ number that depends on the config and the machine (batch per process, total step
 paths) in one place; the trainer only reads these two objects.
 
 Sections: `arch`, `data`, `optim`, `mesh`, `run` are Hydra groups; `train` (when things
-happen) and `distributed` (how processes join) live in conf/config.yaml.
+happen) and `distributed` (how processes join) are set by overrides or experiments. Every
+default lives here (arch defaults in the models' schemas); conf/<group>/*.yaml hold only what
+each option changes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -24,6 +27,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runtime.errors import UserError, one_line
 from runtime.registry import arch_schemas, dataset_kind, family_of
 from runtime.frozen import Freezable, freeze
+from runtime.metrics_sinks import WandbMode
+from runtime.optimizers import OPTIMIZERS
 
 
 @dataclass
@@ -73,19 +78,35 @@ class DataConfig(Freezable):
     tasks: dict[str, TaskDataConfig] = field(default_factory=dict)
 
 
+class StateDtype(StrEnum):
+    """optim.state_dtype: how the optimizer's moments are stored (bf16 halves them)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class DistributedMode(StrEnum):
+    """distributed.mode: how the processes of a job find each other (runtime/distributed.py)."""
+
+    auto = "auto"  # JAX cluster detection on a TPU VM, explicit values as the fallback, else single
+    single = "single"  # one process, no coordinator
+    cluster = "cluster"  # JAX's cluster detection only
+    explicit = "explicit"  # coordinator_address, num_processes, process_id (config or JAX_* environment)
+
+
 @dataclass
 class OptimConfig(Freezable):
-    name: str = "adamw"  # adamw | adam_atan2 | lion | adafactor (the network; a puzzle table always gets sign-SGD)
+    name: str = "adamw"  # a key of runtime.optimizers.OPTIMIZERS (the network; a puzzle table always gets sign-SGD)
     lr: float = 1e-3
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    warmup_steps: int = 100  # linear warmup from step 1, then cosine to lr * lr_min_ratio
-    lr_min_ratio: float = 1.0  # 1.0 = constant after warmup
+    warmup_steps: int = 20  # linear warmup from step 1, then cosine to lr * lr_min_ratio
+    lr_min_ratio: float = 0.1  # 1.0 = constant after warmup
     grad_clip_norm: Optional[float] = None
     ema_rate: Optional[float] = None  # EMA of params, e.g. 0.999; None = off
-    state_dtype: str = "float32"  # float32 | bfloat16: how the optimizer's moments are stored (bf16 halves them)
+    state_dtype: StateDtype = StateDtype.float32
     # Sparse sign-SGD on the puzzle-embedding table (models with one: TRM, HRM); same schedule shape.
     puzzle_emb_lr: float = 1e-2
     puzzle_emb_weight_decay: float = 0.1
@@ -101,7 +122,7 @@ class MeshConfig(Freezable):
 
 @dataclass
 class WandbConfig(Freezable):
-    mode: str = "offline"  # online | offline | disabled
+    mode: WandbMode = WandbMode.offline
     project: str = "podrunner"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
@@ -132,11 +153,11 @@ class TrainConfig(Freezable):
     # When things happen.
     seed: int = 0
     global_batch_size: int = 64
-    steps: Optional[int] = None  # total optimizer steps; or give epochs
+    steps: Optional[int] = 200  # total optimizer steps; or give epochs (and steps=null)
     epochs: Optional[float] = None
-    log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end
-    checkpoint_every: int = 0  # 0 = only at the end
+    log_every: int = 20
+    eval_every: int = 100  # 0 = only at the end
+    checkpoint_every: int = 100  # 0 = only at the end
     # The same cadences in epochs (the reference's eval_interval); when set they replace the above.
     eval_every_epochs: Optional[float] = None
     checkpoint_every_epochs: Optional[float] = None
@@ -178,8 +199,7 @@ class CurriculumConfig(Freezable):
 
 @dataclass
 class DistributedConfig(Freezable):
-    # auto: JAX cluster detection on a TPU VM, explicit values as the fallback, else single.
-    mode: str = "auto"  # auto | single | cluster | explicit
+    mode: DistributedMode = DistributedMode.auto
     coordinator_address: Optional[str] = None  # host or host:port of process 0
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
@@ -248,11 +268,10 @@ def register_schemas() -> None:
         cs.store(group="arch", name=f"base_{arch_name}", node=schema)
 
 
+# Option fields that are plain strings, checked against the registry the construction reads.
+# (Closed sets of options are Enums in the schema: OmegaConf checks those when composing.)
 _CHOICES = {
-    ("optim", "name"): ("adamw", "adam_atan2", "lion", "adafactor"),
-    ("optim", "state_dtype"): ("float32", "bfloat16"),
-    ("run", "wandb", "mode"): ("online", "offline", "disabled"),
-    ("distributed", "mode"): ("auto", "single", "cluster", "explicit"),
+    ("optim", "name"): OPTIMIZERS,
 }
 
 
@@ -273,15 +292,16 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     try:
         merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
         config: Config = OmegaConf.to_object(merged)
-    except Exception as e:  # omegaconf's errors are multi-line; say it in one
-        raise UserError(f"invalid config: {one_line(e)}") from e
+    except Exception as e:  # omegaconf's errors are multi-line; say it in one, naming the key
+        key = getattr(e, "full_key", None)
+        raise UserError(f"invalid config: {key + ': ' if key else ''}{one_line(e)}") from e
 
     for path, allowed in _CHOICES.items():
         value = config
         for key in path:
             value = getattr(value, key)
         if value not in allowed:
-            raise UserError(f"{'.'.join(path)}={value!r} is not one of {list(allowed)}")
+            raise UserError(f"{'.'.join(path)}={value!r} is not one of {sorted(allowed)}")
     family = family_of(config.arch)
     if family.validate is not None:
         family.validate(config.arch)
@@ -321,8 +341,9 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots)."""
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+    """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots); enum
+    options as their names (plain strings)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from data_pipeline.batching import epoch_permutation, eval_batch_indices
+from runtime.task import IGNORE_LABEL
 
 def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     """The global-batch rows held by this process's devices, in increasing order.
@@ -85,12 +86,12 @@ class BatchFeeder:
         idx, valid = eval_batch_indices(n, self.global_batch, b)
         idx, valid = idx[self.rows], valid[self.rows]
         local = self.split.rows(idx)
-        local["labels"] = np.where(valid[:, None], local["labels"], -100).astype(np.int32)
+        local["labels"] = np.where(valid[:, None], local["labels"], IGNORE_LABEL).astype(np.int32)
         return self._assemble(local)
 
     def eval_batches(self, max_examples: int | None = None):
         """The eval set in order, as padded global batches with a `valid` mask; rows of padding
-        get label -100 so they count nowhere."""
+        get IGNORE_LABEL so they count nowhere."""
         n, batches = self.eval_count(max_examples)
         for b in range(batches):
             yield self.eval_batch(n, b)

@@ -27,7 +27,7 @@ from typing import Mapping, Optional
 import jax
 
 from runtime.config import DistributedConfig
-from runtime.errors import UserError
+from runtime.errors import UserError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _timeouts(cfg: DistributedConfig) -> dict[str, int]:
 
 
 def _short(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300]
+    return one_line(e)[:300]
 
 
 def _process_info(mode: str) -> ProcessInfo:

@@ -1,4 +1,5 @@
-"""Errors a user acts on, and the exit codes of pretrain_jax.py.
+"""Errors a user acts on, and every exit code of the project's commands (pretrain_jax.py, the
+launchers in experiments/, the data and weight tools): the one place their numbers live.
 
 Anything a user can fix (an override, a dataset path, a mesh, a coordinator, a bucket,
 a checkpoint) raises `UserError` with one line that names the problem and the fix.
@@ -6,11 +7,16 @@ a checkpoint) raises `UserError` with one line that names the problem and the fi
 found before any long compile; 6 for a storage failure during the run).
 """
 
-EXIT_USER_ERROR = 2
-EXIT_NONFINITE = 3
-EXIT_HANG = 4
+EXIT_FAILURE = 1  # anything else: a crash, or a check that found a problem (e.g. workers that differ)
+EXIT_USER_ERROR = 2  # bad input, said in one `error:` line
+EXIT_NONFINITE = 3  # the loss or the gradients became NaN/inf
+EXIT_HANG = 4  # the watchdog saw no step for train.watchdog_timeout_s
 EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in the chips' HBM
 EXIT_STORAGE = 6  # a checkpoint could not be written (outage, permissions) during the run
+# Shell conventions, used by the launchers (experiments/local_pod.py, experiments/pod.py):
+EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
+EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + 2  # SIGINT (Ctrl-C): 130
 
 
 class UserError(Exception):
@@ -28,6 +34,9 @@ class StorageError(UserError):
     exit_code = EXIT_STORAGE
 
 
+_OMEGACONF_TEMPLATES = ("$VALUE", "$KEY", "$FULL_KEY", "$OBJECT_TYPE", "$REF_TYPE")
+
+
 def one_line(exc: BaseException) -> str:
     """Collapse an exception (and its cause chain) to one readable line."""
     parts: list[str] = []
@@ -37,7 +46,8 @@ def one_line(exc: BaseException) -> str:
         text = str(exc).split("Config search path:")[0]  # Hydra appends its search path
         text = text.split("full_key:")[0]  # OmegaConf appends key/object details
         text = " ".join(text.split())
-        if text and all(text not in p for p in parts):
+        unformatted = any(t in text for t in _OMEGACONF_TEMPLATES)  # the raw copy of a message already said
+        if text and not unformatted and all(text not in p for p in parts):
             parts.append(text)
         exc = exc.__cause__ or exc.__context__
     return ": ".join(parts) if parts else "unknown error"

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Optional
 
-from runtime.errors import EXIT_USER_ERROR, UserError
+from runtime.errors import EXIT_USER_ERROR, UserError, one_line
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, **options) -> int:
@@ -43,7 +43,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         step = export_checkpoint(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                                  vocab_size=args.vocab_size)
     except (UserError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(f"exported step {step} of {args.checkpoint_dir} to {args.out}")
     return 0

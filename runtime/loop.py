@@ -19,7 +19,7 @@ import numpy as np
 from runtime.builder import curriculum_metrics
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, Plan
-from runtime.errors import EXIT_NONFINITE
+from runtime.errors import EXIT_NONFINITE, one_line
 from runtime.evaluation import evaluate
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, peak_flops_per_device
@@ -176,7 +176,7 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                             "resume", done, plan.checkpoint_dir)
                 return 0, "preempted", run.train_metrics | run.eval_metrics
     except Exception as e:
-        log.error("training failed in step %d: %s", step + 1, " ".join(str(e).split())[:500])
+        log.error("training failed in step %d: %s", step + 1, one_line(e)[:500])
         raise
     finally:
         watchdog.stop()

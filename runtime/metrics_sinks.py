@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,6 +25,14 @@ import numpy as np
 from tqdm import tqdm
 
 JSONL_NAME = "metrics.jsonl"
+
+
+class WandbMode(StrEnum):
+    """run.wandb.mode (the config schema's type for it, and what MetricsSinks accepts)."""
+
+    online = "online"  # stream to the W&B server (needs credentials on the primary worker)
+    offline = "offline"  # W&B files under the run directory; `wandb sync` them later
+    disabled = "disabled"  # no W&B at all (wandb.init is not called); metrics.jsonl only
 
 # Metrics shown in the progress bar postfix, matched on the last "/" segment of the key;
 # "train/" keys are shown without their prefix, others keep it ("eval/loss").
@@ -92,8 +101,9 @@ class MetricsSinks:
         tags: Iterable[str] = (),
         progress_bar: bool = True,
     ) -> None:
-        if wandb_mode not in ("online", "offline", "disabled"):
-            raise ValueError(f"wandb_mode must be online|offline|disabled, got {wandb_mode!r}")
+        if wandb_mode not in set(WandbMode):
+            raise ValueError(f"wandb_mode must be one of {[m.value for m in WandbMode]}, got {wandb_mode!r}")
+        wandb_mode = WandbMode(wandb_mode)
         self.is_primary = is_primary
         self.output_dir = Path(output_dir)
         self._closed = False
@@ -108,11 +118,11 @@ class MetricsSinks:
         # Append: a resumed run continues the same file instead of losing earlier rows.
         self._jsonl = open(self.output_dir / JSONL_NAME, "a", encoding="utf-8")
 
-        if wandb_mode != "disabled":  # "disabled": do not even call wandb.init (writes nothing)
+        if wandb_mode != WandbMode.disabled:  # do not even call wandb.init (writes nothing)
             import wandb
 
             self._run = wandb.init(
-                mode=wandb_mode,
+                mode=wandb_mode.value,
                 project=wandb_project,
                 entity=wandb_entity,
                 group=group,

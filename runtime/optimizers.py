@@ -260,4 +260,14 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientT
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformation]] = {"adam_atan2": adam_atan2, "lion": lion}
+# ------------------------------------------------------------------------------- the optim.name registry
+
+# optim.name -> factory(optim config, learning-rate schedule) -> the network's optimizer. The one
+# list of optimizer names: config validation reads its keys, `train_step.make_optimizer` calls it.
+OPTIMIZERS: dict[str, Callable[[Any, optax.ScalarOrSchedule], optax.GradientTransformation]] = {
+    "adamw": lambda cfg, lr: optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    "adam_atan2": lambda cfg, lr: adam_atan2(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    "lion": lambda cfg, lr: lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    # factored second moments: O(rows + cols) state per matrix; an absolute learning rate
+    "adafactor": lambda cfg, lr: adafactor(lr, weight_decay=cfg.weight_decay, multiply_by_parameter_scale=False),
+}

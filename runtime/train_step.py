@@ -17,11 +17,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from runtime import optimizers
-from runtime.config import OptimConfig
+from runtime.config import OptimConfig, StateDtype
 from runtime.sharding import BATCH_AXES, batch_sharding, logical_shardings, replicated
 from runtime.task import PUZZLE_BATCH_FIELDS, Task
-
-IGNORE_LABEL = -100
 
 
 @flax.struct.dataclass
@@ -59,25 +57,16 @@ def puzzle_lr_schedule(cfg: OptimConfig, total_steps: int, warmup_steps: int) ->
 
 def make_optimizer(cfg: OptimConfig, schedule: optax.Schedule, puzzle_schedule: optax.Schedule | None = None
                    ) -> optax.GradientTransformation:
-    """The network's optimizer (adamw | adam_atan2 | lion | adafactor, optional global-norm clipping,
-    moments stored in optim.state_dtype); with
-    `puzzle_schedule` (a model with a puzzle table), sign-SGD on the table beside it."""
-    parts = []
-    if cfg.grad_clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
-    if cfg.name == "adamw":
-        parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
-    elif cfg.name == "adam_atan2":
-        parts.append(optimizers.adam_atan2(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-    elif cfg.name == "lion":
-        parts.append(optimizers.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-    elif cfg.name == "adafactor":  # factored second moments: O(rows + cols) state per matrix
-        parts.append(optimizers.adafactor(schedule, weight_decay=cfg.weight_decay, multiply_by_parameter_scale=False))
-    else:
-        raise ValueError(f"unknown optimizer {cfg.name}")
-    main = optax.chain(*parts)
-    if cfg.state_dtype != "float32":
-        main = optimizers.with_state_dtype(main, jnp.dtype(cfg.state_dtype))
+    """The network's optimizer (optim.name from `optimizers.OPTIMIZERS`, optional global-norm
+    clipping, moments stored in optim.state_dtype); with `puzzle_schedule` (a model with a puzzle
+    table), sign-SGD on the table beside it."""
+    if cfg.name not in optimizers.OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.name!r}; use one of {sorted(optimizers.OPTIMIZERS)}")
+    parts = [] if cfg.grad_clip_norm is None else [optax.clip_by_global_norm(cfg.grad_clip_norm)]
+    main = optax.chain(*parts, optimizers.OPTIMIZERS[cfg.name](cfg, schedule))
+    state_dtype = jnp.dtype(StateDtype(cfg.state_dtype).value)
+    if state_dtype != jnp.float32:
+        main = optimizers.with_state_dtype(main, state_dtype)
     if puzzle_schedule is None:
         return main
     return optimizers.recursive_optimizer(main, puzzle_schedule, cfg.puzzle_emb_weight_decay)
@@ -87,14 +76,6 @@ def has_puzzle_table(abstract_params: Any) -> bool:
     return isinstance(abstract_params, dict) and optimizers.PUZZLE_EMB in abstract_params
 
 
-def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """tiny_transformer metrics from sums (kept for callers of the old API)."""
-    seqs = jnp.maximum(sums["sequences"], 1)
-    return {
-        "loss": sums["loss_sum"] / seqs,
-        "token_accuracy": sums["correct_tokens"] / jnp.maximum(sums["tokens"], 1),
-        "exact_accuracy": sums["exact"] / seqs,
-    }
 
 
 def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[str, Any]:

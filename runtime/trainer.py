@@ -24,7 +24,7 @@ from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
-from runtime.errors import UserError
+from runtime.errors import EXIT_FAILURE, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.loop import LoopContext, train_loop
@@ -105,7 +105,7 @@ def load_init_params(path: str, abstract_params: Any) -> Any:
     try:
         return load_imported_params(path, abstract_params)
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"train.init_params_from={path} does not fit this model ({' '.join(str(e).split())[:300]}); "
+        raise UserError(f"train.init_params_from={path} does not fit this model ({one_line(e)[:300]}); "
                         "import with the same arch values and dataset sizes as this run") from e
 
 
@@ -188,7 +188,7 @@ def run(config: Config) -> int:
     if info.is_primary:
         manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
 
-    status, exit_code, final = "failed", 1, None
+    status, exit_code, final = "failed", EXIT_FAILURE, None
     try:
         if config.train.eval_only:
             final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
@@ -221,4 +221,4 @@ def _best_effort(action, what: str) -> None:
     try:
         action()
     except Exception as e:
-        log.warning("%s failed: %s", what, " ".join(str(e).split())[:300])
+        log.warning("%s failed: %s", what, one_line(e)[:300])

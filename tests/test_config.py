@@ -102,3 +102,57 @@ def test_cfg_job_prints_the_composed_config():
 
     proc = run_pretrain(["--cfg", "job", "train.steps=3", "+experiment=example/small"])
     assert "global_batch_size: 64" in proc.stdout and "  steps: 3\n" in proc.stdout and "hidden: 64" in proc.stdout
+
+
+def test_option_fields_read_one_list():
+    """optim.name takes the keys of runtime.optimizers.OPTIMIZERS (what make_optimizer builds
+    from); the closed option sets are Enums in the schema, refused while composing with a line
+    that names the choices; the resolved dict holds them as plain strings."""
+    from runtime.config import to_dict
+    from runtime.errors import one_line
+    from runtime.optimizers import OPTIMIZERS
+
+    for name in OPTIMIZERS:
+        assert composed(f"optim.name={name}").optim.name == name
+    with pytest.raises(UserError, match=r"optim.name='sgd' is not one of \['adafactor', 'adam_atan2', 'adamw', 'lion'\]"):
+        composed("optim.name=sgd")
+    for override, choices in (("optim.state_dtype=bf16", "[float32, bfloat16]"),
+                              ("run.wandb.mode=onine", "[online, offline, disabled]"),
+                              ("distributed.mode=mpi", "[auto, single, cluster, explicit]")):
+        with pytest.raises(Exception) as err:
+            composed(override)
+        line = one_line(err.value)
+        assert override in line and f"expected one of {choices}" in line and "$VALUE" not in line, line
+    config = composed("optim.state_dtype=bfloat16", "run.wandb.mode=disabled", "distributed.mode=single")
+    assert (config.optim.state_dtype, config.run.wandb.mode, config.distributed.mode) == ("bfloat16", "disabled", "single")
+    plain = to_dict(config)
+    assert [type(v) for v in (plain["optim"]["state_dtype"], plain["run"]["wandb"]["mode"])] == [str, str]
+
+
+# Sizes of released models are spelled out in their presets even where they equal the schema's
+# (tiny) defaults: the preset is where the model's facts are read.
+SPELLED_OUT = {("arch/gemma2_2b", "version"), ("arch/gemma3_1b", "num_heads")}
+
+
+def test_group_options_hold_only_what_differs_from_the_schema():
+    """Each conf/<group>/<option>.yaml sets only keys whose value differs from the schema
+    default it extends (one place for each default); interpolations are links, not copies."""
+    from omegaconf import OmegaConf
+
+    from runtime.config import DataConfig, MeshConfig, OptimConfig, RunConfig
+    from runtime.registry import arch_schemas
+
+    bases = {"base_data": DataConfig, "base_optim": OptimConfig, "base_mesh": MeshConfig, "base_run": RunConfig}
+    bases |= {f"base_{name}": schema for name, schema in arch_schemas().items()}
+    copies = []
+    for path in sorted((REPO / "conf").glob("*/*.yaml")):
+        raw = OmegaConf.load(path)
+        schema = OmegaConf.structured(bases[raw.defaults[0]])
+        option = f"{path.parent.name}/{path.stem}"
+        for key in raw:
+            if key == "defaults" or OmegaConf.is_interpolation(raw, key) or (option, key) in SPELLED_OUT:
+                continue
+            if OmegaConf.to_container(raw)[key] == OmegaConf.to_container(schema)[key]:
+                copies.append(f"{option}: {key}")
+    assert not copies, f"keys equal to the schema default (delete them from the yaml): {copies}"
+    assert "train" not in OmegaConf.load(REPO / "conf" / "config.yaml")  # train defaults live in TrainConfig

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.gemma.loss import IGNORE, chunked_cross_entropy, cross_entropy
+from models.gemma.loss import chunked_cross_entropy, cross_entropy
+from runtime.task import IGNORE_LABEL
 
 
 def _inputs(b, t, d, v, *, hidden_dtype=jnp.float32, ignore_frac=0.25, seed=0):
@@ -18,7 +19,7 @@ def _inputs(b, t, d, v, *, hidden_dtype=jnp.float32, ignore_frac=0.25, seed=0):
     hidden = jax.random.normal(kh, (b, t, d), jnp.float32).astype(hidden_dtype)
     embedding = jax.random.normal(ke, (v, d), jnp.float32) * 0.5
     labels = jax.random.randint(ky, (b, t), 0, v, jnp.int32)
-    labels = jnp.where(jax.random.uniform(km, (b, t)) < ignore_frac, IGNORE, labels)
+    labels = jnp.where(jax.random.uniform(km, (b, t)) < ignore_frac, IGNORE_LABEL, labels)
     return hidden, embedding, labels
 
 
@@ -37,13 +38,13 @@ def test_chunked_matches_plain_fp32(shape, chunk, softcap):
     h, e, y = _inputs(b, t, d, v)
     (lp, sp), (ghp, gep) = _value_and_grads("plain", chunk, softcap)(h, e, y)
     (lc, sc), (ghc, gec) = _value_and_grads("chunked", chunk, softcap)(h, e, y)
-    assert int(sp["tokens"]) == int(jnp.sum(y != IGNORE)) > 0
+    assert int(sp["tokens"]) == int(jnp.sum(y != IGNORE_LABEL)) > 0
     assert int(sc["tokens"]) == int(sp["tokens"]) and int(sc["correct"]) == int(sp["correct"])
     np.testing.assert_allclose(lc, lp, rtol=1e-6)
     np.testing.assert_allclose(ghc, ghp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gec, gep, rtol=1e-5, atol=1e-6)
     # Ignored tokens get exactly no gradient.
-    assert np.all(np.asarray(ghc)[np.asarray(y) == IGNORE] == 0)
+    assert np.all(np.asarray(ghc)[np.asarray(y) == IGNORE_LABEL] == 0)
 
 
 def test_loss_value_by_hand():
@@ -52,7 +53,7 @@ def test_loss_value_by_hand():
     logits = np.tanh(logits / 5.0) * 5.0
     lse = np.log(np.exp(logits).sum(-1))
     yn = np.asarray(y)
-    valid = yn != IGNORE
+    valid = yn != IGNORE_LABEL
     want = (lse - np.take_along_axis(logits, np.where(valid, yn, 0)[..., None], -1)[..., 0])[valid].sum()
     loss, stats = jax.jit(lambda h, e, y: chunked_cross_entropy(h, e, y, chunk_size=5, softcap=5.0))(h, e, y)
     np.testing.assert_allclose(loss, want, rtol=1e-5)

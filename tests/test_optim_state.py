@@ -138,3 +138,23 @@ def test_config_selects_adafactor_and_bf16_state():
         assert all(bool(jnp.all(jnp.isfinite(u))) and float(jnp.abs(u).max()) > 0 for u in jax.tree.leaves(updates))
         if name == "adafactor":  # factored: no state of the weight matrix's full size
             assert max(x.size for x in floats) < params["w"].size
+
+
+def test_every_registered_optimizer_is_what_the_train_step_builds():
+    """make_optimizer builds each optim.name of the OPTIMIZERS registry (the list validation
+    reads), with clipping in front; a name outside it is refused with the choices."""
+    from runtime.config import OptimConfig
+    from runtime.optimizers import OPTIMIZERS
+    from runtime.train_step import lr_schedule, make_optimizer
+
+    params = {"w": jnp.ones((4, 3), jnp.float32)}
+    grads = {"w": jnp.full((4, 3), 100.0)}
+    for name in OPTIMIZERS:
+        cfg = OptimConfig(name=name, lr=1e-2, warmup_steps=1, grad_clip_norm=1.0)
+        tx = make_optimizer(cfg, lr_schedule(cfg, 10, 1))
+        state = tx.init(params)
+        assert isinstance(state[0], optax.ClipByGlobalNormState), name
+        updates, _ = tx.update(grads, state, params)
+        assert 0 < float(jnp.abs(updates["w"]).max()) < 1, name
+    with pytest.raises(ValueError, match=r"unknown optimizer 'sgd'; use one of \['adafactor', 'adam_atan2', 'adamw', 'lion'\]"):
+        make_optimizer(OptimConfig(name="sgd"), lr_schedule(OptimConfig(), 10, 1))

@@ -1,8 +1,8 @@
 """Gemma arch config (the `arch` group's schema for Gemma 1, 2 and 3 text models) and the
 parameter layout every Gemma module of this package agrees on.
 
-The sizes of the released models live in conf/arch/gemma*.yaml (one file per model, numbers
-from ../shared/reference/GEMMA.md); tests build tiny configs directly.
+The sizes of the released models live in conf/arch/gemma*.yaml (one file per model; their
+parameter counts are checked in tests/test_gemma_model.py); tests build tiny configs directly.
 
 Parameter tree (the model's `params`; layers stacked on a leading axis so they run under
 `lax.scan`). Logical axis names in brackets; runtime/sharding.py maps them to mesh axes::

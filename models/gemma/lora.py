@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from models.gemma.config import LORA_TARGETS, GemmaConfig
+from models.layers import dtype_from_name
 
 # Which axes of each per-layer weight are its inputs (contracted with the activations); the
 # remaining axes are its outputs. Layouts as in config.py.
@@ -54,10 +55,10 @@ def lora_path(module: nn.Module, target: str, eqn: str, x: jax.Array, w_shape, w
     fan_in = math.prod(w_shape[i] for i in ins)
     a = module.param("lora_a", nn.with_logical_partitioning(nn.initializers.normal(fan_in**-0.5),
                                                             tuple(w_names[i] for i in ins) + (RANK_AXIS,)),
-                     tuple(w_shape[i] for i in ins) + (r,), jnp.dtype(cfg.param_dtype))
+                     tuple(w_shape[i] for i in ins) + (r,), dtype_from_name(cfg.param_dtype))
     b = module.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros,
                                                             (RANK_AXIS,) + tuple(w_names[i] for i in outs)),
-                     (r,) + tuple(w_shape[i] for i in outs), jnp.dtype(cfg.param_dtype))
+                     (r,) + tuple(w_shape[i] for i in outs), dtype_from_name(cfg.param_dtype))
     lhs, out = eqn.split("->")
     xs, ws = lhs.split(",")
     assert "r" not in eqn, eqn

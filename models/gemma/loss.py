@@ -7,7 +7,7 @@ chunks and rematerialises each chunk's logits in the backward pass, so at most a
 against (and as the reference in tests).
 
 Both return ``(loss_sum, stats)``: the fp32 sum of per-token losses over non-ignored tokens
-(labels == IGNORE are skipped) and ``{"tokens", "correct"}`` int32 counts; divide outside.
+(labels == runtime.task.IGNORE_LABEL are skipped) and ``{"tokens", "correct"}`` int32 counts; divide outside.
 Plain jnp throughout, so sharded inputs (batch over data axes, embedding over vocab/embed)
 are partitioned by the compiler.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IGNORE = -100
+from runtime.task import IGNORE_LABEL
 
 
 def _token_terms(h: jax.Array, embedding: jax.Array, labels: jax.Array, softcap: float | None):
@@ -26,7 +26,7 @@ def _token_terms(h: jax.Array, embedding: jax.Array, labels: jax.Array, softcap:
     logits = jnp.einsum("nd,vd->nv", h, embedding, preferred_element_type=jnp.float32)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
-    valid = labels != IGNORE
+    valid = labels != IGNORE_LABEL
     safe = jnp.where(valid, labels, 0)
     label_logit = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - label_logit
@@ -56,7 +56,7 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.A
     pad = -n % c
     if pad:  # padded tokens are ignored, so they add nothing to loss, stats or gradients
         h = jnp.pad(h, ((0, pad), (0, 0)))
-        y = jnp.pad(y, (0, pad), constant_values=IGNORE)
+        y = jnp.pad(y, (0, pad), constant_values=IGNORE_LABEL)
     steps = (n + pad) // c
     # Chunk j holds tokens j, j + steps, j + 2*steps, ...: a batch-sharded token axis stays
     # sharded inside every chunk (each device works on every step), rather than the scan

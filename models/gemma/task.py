@@ -21,7 +21,8 @@ from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
 from models.gemma.config import GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
-from models.gemma.model import Gemma, dtype_from_name
+from models.gemma.model import Gemma
+from models.layers import dtype_from_name
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
 from runtime.task import DataShape, EvalContext, Evaluator, Task

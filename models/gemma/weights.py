@@ -41,6 +41,7 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 
 from models.gemma.config import GemmaConfig
+from models.layers import dtype_from_name
 from runtime.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -435,7 +436,7 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
     Returns only the base params (no LoRA leaves).
     """
     kind, files = _detect(path, fmt)
-    dtype = jnp.dtype(cfg.param_dtype)
+    dtype = jnp.dtype(dtype_from_name(cfg.param_dtype))
     shapes = param_shapes(cfg)
     flat = {}
     with contextlib.ExitStack() as stack:

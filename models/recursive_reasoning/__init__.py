@@ -12,12 +12,11 @@
 from models.recursive_reasoning.act import (ACTCarry, act_evaluate, act_step, compile_seconds, init_params, initial_carry,
                                            make_act_step)
 from models.recursive_reasoning.hrm import HRM, HRMConfig
-from models.recursive_reasoning.losses import (IGNORE_LABEL_ID, act_loss, softmax_cross_entropy,
-                                               stablemax_cross_entropy, summarize)
+from models.recursive_reasoning.losses import act_loss, softmax_cross_entropy, stablemax_cross_entropy, summarize
 from models.recursive_reasoning.trm import TRM, InnerCarry, TRMConfig, dummy_batch, initial_states
 
 __all__ = [
-    "ACTCarry", "HRM", "HRMConfig", "IGNORE_LABEL_ID", "InnerCarry", "TRM", "TRMConfig", "act_evaluate", "act_loss", "act_step",
+    "ACTCarry", "HRM", "HRMConfig", "InnerCarry", "TRM", "TRMConfig", "act_evaluate", "act_loss", "act_step",
     "compile_seconds", "dummy_batch", "init_params", "initial_carry", "initial_states", "make_act_step",
     "softmax_cross_entropy", "stablemax_cross_entropy", "summarize",
 ]

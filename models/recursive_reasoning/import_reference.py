@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from runtime.errors import UserError
+from runtime.errors import UserError, one_line
 from runtime.imported import load_imported_params, load_imported_states
 
 PREFIXES = ("_orig_mod.", "module.", "model.", "inner.")
@@ -85,7 +85,7 @@ def load_state_dict(path: str) -> dict[str, np.ndarray]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"cannot read {path} as a torch state_dict: {' '.join(str(e).split())[:300]}") from e
+        raise UserError(f"cannot read {path} as a torch state_dict: {one_line(e)[:300]}") from e
     if not isinstance(sd, Mapping):
         raise UserError(f"{path} holds a {type(sd).__name__}, not a state_dict (a mapping of names to tensors)")
     out: dict[str, np.ndarray] = {}

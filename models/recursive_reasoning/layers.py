@@ -1,6 +1,6 @@
 """Building blocks of the recursive-reasoning models (TRM, HRM).
 
-Semantics follow the public PyTorch references (see /work/shared/reference/TRM.md):
+Semantics follow the public PyTorch references (SamsungSAILMontreal/TinyRecursiveModels, sapientinc/HRM):
 
 * RMSNorm has no learned gain, eps 1e-5, and is computed in float32 (result cast back).
 * Blocks are post-norm and bias-free: ``h = rms(h + mix(h)); h = rms(h + swiglu(h))`` where
@@ -27,21 +27,12 @@ import numpy as np
 
 RMS_EPS = 1e-5
 
-_FORWARD_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
 # Standard deviation of a standard normal truncated to [-2, 2]; dividing by it makes the
 # truncated sample's std equal to the requested one (the reference's correction).
 _TRUNC2_STD = 0.87962566103423978
 
 CosSin = Optional[Tuple[jax.Array, jax.Array]]
 Mask = Optional[jax.Array]  # bool [T, T] (query, key); True = may attend; None = unmasked
-
-
-def forward_dtype(name: str):
-    try:
-        return _FORWARD_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown forward_dtype {name!r}; use one of {sorted(_FORWARD_DTYPES)}") from None
 
 
 def trunc_normal_init(std: float) -> Callable:

@@ -13,7 +13,7 @@ The "double where": ``s(x) = 1/(1-x)`` for ``x < 0`` else ``x + 1``. A plain
 input that is safe for it (``x_neg = where(x < 0, x, 0)``, ``x_pos = where(x < 0, 0, x)``).
 
 Reductions (match the reference): per sequence, the sum of token losses over valid labels
-(``labels != -100``) divided by ``max(1, valid count)``; ``lm_loss`` sums sequences over the
+(``labels != runtime.task.IGNORE_LABEL``) divided by ``max(1, valid count)``; ``lm_loss`` sums sequences over the
 batch. ``q_halt_loss = sum BCE-with-logits(q_halt, sequence exactly correct)``;
 ``q_continue_loss = sum BCE(q_continue, target_q_continue)`` when the target exists.
 ``total = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)``; the caller divides by the
@@ -30,7 +30,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-IGNORE_LABEL_ID = -100
+from runtime.task import IGNORE_LABEL
 
 
 def _compute_dtype(precision: str):
@@ -65,7 +65,7 @@ def _gather_label(logprobs: jax.Array, labels: jax.Array, valid: jax.Array) -> j
 def stablemax_cross_entropy(logits: jax.Array, labels: jax.Array, valid_mask: jax.Array | None = None,
                             precision: str = "float32") -> jax.Array:
     """Per-token stablemax CE [..., L]; 0 where the label is ignored."""
-    valid = (labels != IGNORE_LABEL_ID) if valid_mask is None else valid_mask
+    valid = (labels != IGNORE_LABEL) if valid_mask is None else valid_mask
     logprobs = log_stablemax(logits.astype(_compute_dtype(precision)), axis=-1)
     return _gather_label(logprobs, labels, valid)
 
@@ -73,7 +73,7 @@ def stablemax_cross_entropy(logits: jax.Array, labels: jax.Array, valid_mask: ja
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array, valid_mask: jax.Array | None = None,
                           precision: str = "float32") -> jax.Array:
     """Per-token softmax CE [..., L] (float32 like the reference); 0 where ignored."""
-    valid = (labels != IGNORE_LABEL_ID) if valid_mask is None else valid_mask
+    valid = (labels != IGNORE_LABEL) if valid_mask is None else valid_mask
     logprobs = jax.nn.log_softmax(logits.astype(_compute_dtype(precision)), axis=-1)
     return _gather_label(logprobs, labels, valid)
 
@@ -112,7 +112,7 @@ def act_loss(outputs: Mapping[str, jax.Array], labels: jax.Array, halted: jax.Ar
     logits = outputs["logits"]
     q_halt = outputs["q_halt_logits"]
 
-    valid = labels != IGNORE_LABEL_ID
+    valid = labels != IGNORE_LABEL
     counts = valid.sum(-1)
     divisor = jnp.maximum(counts, 1)[..., None].astype(jnp.float32)
 

@@ -1,7 +1,7 @@
 """Tiny Recursive Model (TRM): one small network applied recursively to (z_H, z_L).
 
 Semantics follow the public reference (SamsungSAILMontreal/TinyRecursiveModels,
-``models/recursive_reasoning/trm.py``); see /work/shared/reference/TRM.md. This module is the
+``models/recursive_reasoning/trm.py``). This module is the
 *inner* model: one call = one ACT step (``H_cycles - 1`` cycles without gradient, then one
 with). The ACT wrapper (halting, carry reset, data replacement) is in ``act.py``.
 
@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.recursive_reasoning.layers import (ReasoningNet, forward_dtype, local_global_mask, make_net_fn, repeat,
+from models.layers import dtype_from_name
+from models.recursive_reasoning.layers import (ReasoningNet, local_global_mask, make_net_fn, repeat,
                                                rope_cos_sin, stop_gradient_tree, trunc_normal_init, lecun_init)
 from runtime.frozen import Freezable
 
@@ -121,7 +122,7 @@ class RecursiveIO(nn.Module):
 
     @property
     def dtype(self):
-        return forward_dtype(self.cfg.forward_dtype)
+        return dtype_from_name(self.cfg.forward_dtype)
 
     @nn.nowrap
     def initial_states(self) -> Tuple[jax.Array, jax.Array]:
