@@ -5,14 +5,18 @@ group files are checked; the listing; the scaled-down overrides."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
 
-from experiments import launch, programme
-from experiments.compose import changes, compose, local_overrides, variants
+from conftest import REPO, child_env
+from experiments import launch, programme, sweep
+from experiments.compose import changes, compose, flat, local_overrides, variants
 from experiments.programme import GROUPS, GroupFileError, load_group
 from runtime.config import validate
 
@@ -168,3 +172,78 @@ def test_scaled_down_runs_keep_each_group_s_ratios():
     assert (o["arch"], o["arch.lora_rank"], o["arch.lora_alpha"]) == ("gemma_tiny", "64", "128")
     local = validate(compose("gemma01/gemma2_2b_lora", tuple(local_overrides("gemma01", "gemma2_2b_lora"))), "x/y")
     assert (local.arch.name, local.arch.lora_rank, local.data.name) == ("gemma_tiny", 16, "sft")
+
+
+# ------------------------------------------------------------------------------ sweep --local
+
+
+def _experiment_of(cmd: list[str]) -> list[str]:
+    return next(c for c in cmd if c.startswith("+experiment=")).split("=", 1)[1].split(",")
+
+
+def test_local_sweep_is_one_multirun_and_goes_on_after_a_failed_job(tmp_path, capsys):
+    """A multirun stops at a failed job; the sweep starts another with the variants after it and
+    reads every job's exit code from its manifest (the process's code where it left none)."""
+    outcome = {"hidden256": ("completed", 0), "hidden384": ("failed", 3), "hidden512": None,  # died, no manifest
+               "hidden768": ("completed", 0)}
+    calls = []
+
+    def fake_multirun(cmd):
+        calls.append(cmd)
+        assert cmd[2] == "-m" and cmd[1].endswith("pretrain_jax.py")
+        for experiment in _experiment_of(cmd):
+            variant = experiment.rsplit("/", 1)[1]
+            if outcome[variant] is None:
+                return 7
+            status, code = outcome[variant]
+            (tmp_path / "exp01" / variant).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "exp01" / variant / "run_manifest.json").write_text(
+                json.dumps({"status": status, "exit_code": code}))
+            if code:
+                return code
+        return 0
+
+    jobs = sweep.run_local("exp01", list(outcome), tmp_path, ["train.seed=1"], call=fake_multirun)
+    assert [(j.run, j.code) for j in jobs] == [("hidden256", 0), ("hidden384", 3), ("hidden512", 7), ("hidden768", 0)]
+    assert [_experiment_of(c) for c in calls] == [[f"local/exp01/{v}" for v in vs] for vs in (
+        list(outcome), ["hidden512", "hidden768"], ["hidden768"])]
+    assert all(c[-1] == "train.seed=1" and f"run.root={tmp_path}" in c and "run.group=exp01" in c for c in calls)
+
+
+def test_sweep_dry_run_prints_the_multirun(tmp_path, capsys):
+    assert launch.main(["sweep", "exp01", "--local", "--variants", "hidden256,hidden512", "--root", str(tmp_path),
+                        "--dry-run", "--", "train.seed=0,1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("$ ") == 1 and " -m " in out
+    assert "+experiment=local/exp01/hidden256,local/exp01/hidden512 run.group=exp01" in out and "train.seed=0,1" in out
+    assert launch.main(["sweep", "exp01", "--local", "--variants", "hidden999", "--dry-run"]) == 2
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_the_generated_scaled_experiment_is_the_scaled_down_run(group, tmp_path):
+    """What the multirun composes (the generated file) is what `local_overrides` gives."""
+    spec = GROUPS[group]
+    chosen = list(dict.fromkeys(spec.example_variants + spec.smoke_variants))
+    searchpath = sweep.write_scaled(group, chosen, tmp_path)
+    for v in chosen:
+        got = flat(compose(f"{sweep.SCALED}/{group}/{v}", (f"hydra.searchpath=[file://{searchpath}]",)))
+        want = flat(compose(f"{group}/{v}", tuple(local_overrides(group, v))))
+        assert got == want, f"{group}/{v}: {set(got.items()) ^ set(want.items())}"
+
+
+@pytest.mark.slow
+def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
+    from experiments.examples import tiny
+
+    data = tmp_path / "data"
+    env = child_env(1, PODRUNNER_LOCAL_DATA=str(data))
+    code = subprocess.call([sys.executable, "experiments/launch.py", "sweep", "exp02a", "--local", "--variants",
+                            "L2,L6", "--root", str(tmp_path), "--", *tiny(2), "data.generate_puzzles=20"],
+                           cwd=REPO, env=env, stdout=open(tmp_path / "sweep.log", "w"), stderr=subprocess.STDOUT)
+    log = (tmp_path / "sweep.log").read_text()
+    assert code == 0, log[-3000:]
+    assert log.count("$ ") == 1 and "exp02a/L2                   exit 0" in log and "exp02a/L6" in log
+    for variant, cycles in (("L2", 2), ("L6", 6)):
+        manifest = json.loads((tmp_path / "exp02a" / variant / "run_manifest.json").read_text())
+        assert (manifest["status"], manifest["config"]["arch"]["L_cycles"]) == ("completed", cycles)
+        assert manifest["config"]["arch"]["hidden"] == 64  # scaled down
