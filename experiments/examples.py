@@ -90,11 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     global SCALE
     SCALE = args.scale or ("smoke" if args.smoke else "local")
     steps = args.steps or (2 if args.smoke else 20)
-    os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
-    from experiments.analyze import analyze, collect_local
-
-    baselines: dict[str, Path] = {}
-    failed = []
     try:
         unknown = [g for g in args.groups if g not in GROUPS]
     except UserError as e:  # a bad group.yaml
@@ -104,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
         return 2
     groups = args.groups or list(GROUPS)
+    os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
+    from experiments.analyze import analyze, collect_local
+
+    baselines: dict[str, Path] = {}
+    failed = []
     if args.smoke:
         groups = [g for g in groups if GROUPS[g].smoke_variants]
     for group in groups:

@@ -79,6 +79,7 @@ def run_local(group: str, variants: list[str], root: Path, overrides: list[str],
               call: Callable[[list[str]], int] | None = None) -> list[Job]:
     """Run the variants as Hydra multiruns (a new one after a failed job); every job's exit code."""
     call = call or (lambda cmd: subprocess.call(cmd, cwd=REPO))
+    root = root if root.is_absolute() else REPO / root  # the runs go where the job (run in the repo) puts them
     searchpath = write_scaled(group, variants, root)
     jobs: list[Job] = []
     todo = list(variants)
