@@ -91,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     SCALE = args.scale or ("smoke" if args.smoke else "local")
     steps = args.steps or (2 if args.smoke else 20)
     try:
-        unknown = [g for g in args.groups if g not in GROUPS]
+        known = list(GROUPS)
     except UserError as e:  # a bad group.yaml
         print(f"error: {e}", file=sys.stderr)
         return 2
+    unknown = [g for g in args.groups if g not in known]
     if unknown:
-        print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
+        print(f"error: unknown group(s) {unknown}; the groups are {known}", file=sys.stderr)
         return 2
-    groups = args.groups or list(GROUPS)
+    groups = args.groups or known
     os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
     from experiments.analyze import analyze, collect_local
 

@@ -143,8 +143,9 @@ def test_commands_report_a_bad_group_file_as_one_error_line(tmp_path, monkeypatc
         assert command() == 2
         err = capsys.readouterr().err
         assert err.startswith("error: experiments/exp01/group.yaml: unknown key(s) ['colour']") and err.count("\n") == 1
-    assert examples.main(["exp01", "--root", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.startswith("error: experiments/exp01/group.yaml:")
+    for argv in (["exp01"], ["--smoke"]):
+        assert examples.main([*argv, "--root", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.startswith("error: experiments/exp01/group.yaml:")
 
 
 # ----------------------------------------------------------------------------- scaled down
