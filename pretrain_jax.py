@@ -44,12 +44,22 @@ def _exit(code: int) -> None:
 
 
 def _swept_values(hydra_cfg) -> str | None:
-    """In a sweep (-m), this job's values of the swept keys, e.g. "train.seed=1"; else None."""
+    """In a sweep (-m), this job's values of the swept keys, e.g. "train.seed=1"; else None.
+
+    The swept keys are the ones Hydra's sweeper expanded: its `hydra.sweeper.params` and the
+    sweep overrides of the multirun's own command line, which the sweeper saves before the first
+    job in <hydra.sweep.dir>/multirun.yaml (the experiment choice names the run already)."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
-    parsed = OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+    try:
+        sweep = OmegaConf.load(Path(hydra_cfg.runtime.cwd) / hydra_cfg.sweep.dir / "multirun.yaml").hydra
+        given = [f"{k}={v}" for k, v in (sweep.sweeper.get("params") or {}).items()] + list(sweep.overrides.task)
+        parsed = OverridesParser.create().parse_overrides(given)
+    except Exception:  # noqa: BLE001 - no record of the sweep: the job's number still keeps runs apart
+        return f"job{hydra_cfg.job.num}"
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()} - {"experiment", "+experiment"}
     return ",".join(t for t in hydra_cfg.overrides.task if t.split("=", 1)[0] in swept) or None
 

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from experiments.programme import COMMON_METRICS, GROUPS, Group, Plot  # noqa: E402
+from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot  # noqa: E402
 
 PARAMS = "model/params"
 METRICS_FILE = "metrics.jsonl"
@@ -556,7 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()
+    except GroupFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.group not in GROUPS:
             raise UserError(f"unknown group {args.group!r}; pick one of {', '.join(GROUPS)}")

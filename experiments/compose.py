@@ -4,6 +4,7 @@
     changes("exp01", "hidden256")         -> {"arch.hidden": 256, "arch.heads": 4, "arch.puzzle_emb_ndim": 256}
     differences("exp01", "hidden256")     -> {"arch.hidden": (512, 256), "arch.heads": (8, 4), ...}
     local_overrides("exp01", "hidden256") -> ["arch.hidden=32", "arch.heads=1", ...]
+    local_experiment("exp01", "hidden256") -> the same as an experiment file (YAML text), for a multirun
 
 Differences are between RESOLVED configs (interpolations applied), so derived values such as
 exp06's learning rate or puzzle_emb_ndim = hidden show up as what they become.
@@ -17,7 +18,6 @@ forward_dtype float16). So each group keeps what it studies and shrinks everythi
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import yaml
 from hydra import compose as hydra_compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.programme import GROUPS, Group
+from experiments.programme import GROUPS, Group, variant_files
 from runtime.config import register_schemas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,13 +35,8 @@ LOCAL_SCALE = Path(__file__).resolve().parent / "local_scale.yaml"
 IGNORED = ("run.",)  # where a run goes is not what it studies
 
 
-def _natural(name: str) -> list:
-    return [float(t) if re.fullmatch(r"\d+(\.\d+)?", t) else t for t in re.split(r"(\d+(?:\.\d+)?)", name)]
-
-
 def variants(group: str) -> list[str]:
-    files = sorted((CONF / "experiment" / group).glob("*.yaml"), key=lambda p: _natural(p.stem))
-    return [p.stem for p in files]
+    return variant_files(group)
 
 
 GROUP_CHOICES = ("arch", "data", "optim", "mesh")  # config groups an experiment may swap
@@ -163,25 +158,48 @@ def _rescaled(key: str, local: Any, pod: Any, new: Any, scale: dict[str, Any]) -
     return float(f"{value:.6g}")
 
 
-def local_overrides(group: str, variant: str, extra: tuple[str, ...] = (), scale_name: str = "local") -> list[str]:
-    """Hydra overrides that run `<group>/<variant>` scaled down (see the module docstring)."""
+def local_settings(group: str, variant: str, scale_name: str = "local") -> tuple[dict[str, str], dict[str, Any]]:
+    """What runs `<group>/<variant>` scaled down (see the module docstring): (config groups to
+    swap, e.g. {"arch": "gemma_tiny"}; {dotted key: value} to set, in order)."""
     scale = local_scale(family(group), scale_name)
     diff = differences(group, variant)
-    out = [f"{k}={v}" for k, v in scale.get("groups", {}).items()]  # e.g. arch=gemma_tiny
+    values: dict[str, Any] = {}
     for key, local in scale["set"].items():
         if key in diff and diff[key][0] is not None:
-            value = _rescaled(key, local, diff[key][0], diff[key][1], scale)
+            values[key] = _rescaled(key, local, diff[key][0], diff[key][1], scale)
         else:
-            value = local
-        out.append(f"{key}={_override_value(value)}")
+            values[key] = local
     tasks = OmegaConf.select(compose(f"{group}/{variant}"), "data.tasks") or {}
     for task in tasks:  # multi-task data: each task's set is generated small, under the local data root
         for key, local in scale.get("task", {}).items():
-            out.append(f"data.tasks.{task}.{key}={_override_value(local.replace('<task>', task) if isinstance(local, str) else local)}")
+            values[f"data.tasks.{task}.{key}"] = local.replace("<task>", task) if isinstance(local, str) else local
     for key in scale.get("keep", ()):  # variant values to re-apply over a swapped group (arch=gemma_tiny)
         if key in diff:
-            out.append(f"{key}={_override_value(diff[key][1])}")
-    return out + list(extra)
+            values[key] = diff[key][1]
+    return dict(scale.get("groups", {})), values
+
+
+def local_overrides(group: str, variant: str, extra: tuple[str, ...] = (), scale_name: str = "local") -> list[str]:
+    """Hydra overrides that run `<group>/<variant>` scaled down (see the module docstring)."""
+    swaps, values = local_settings(group, variant, scale_name)
+    return ([f"{k}={v}" for k, v in swaps.items()] + [f"{k}={_override_value(v)}" for k, v in values.items()]
+            + list(extra))
+
+
+def local_experiment(group: str, variant: str, scale_name: str = "local") -> str:
+    """The scaled-down run as an experiment config file (YAML text): the variant, the swaps and
+    the local values; what `launch.py sweep --local` hands to Hydra's multirun."""
+    swaps, values = local_settings(group, variant, scale_name)
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    defaults = [f"/experiment/{group}/{variant}", *({f"override /{k}": v} for k, v in swaps.items()), "_self_"]
+    header = f"# @package _global_\n# {group}/{variant} scaled down (experiments/compose.py, local_scale.yaml)\n"
+    return header + yaml.safe_dump({"defaults": defaults, **nested}, sort_keys=False)
 
 
 def _override_value(value: Any) -> str:

@@ -1,12 +1,16 @@
-"""Few-step scaled-down runs of every group, in one process, then each group's analysis: what
-the tests exercise (tests/test_programme_runs.py) and what draws the example plot beside each
-group's README.
+"""Few-step scaled-down runs of the programme's groups, in one process, then each group's
+analysis: what draws the example plot beside each group's README, and (--smoke) what the tests
+train (tests/test_programme_runs.py).
 
     python experiments/examples.py [GROUP ...] [--steps 20] [--root outputs/examples] [--scale local|smoke] [--readme-plots]
+    python experiments/examples.py --smoke [GROUP ...] [--steps 2] [--root DIR]
 
-Each group runs two variants scaled down exactly as `launch.py sweep GROUP --local` would
-(experiments/local_scale.yaml), cut to `--steps` steps with a small eval: its baseline variant
-(run once per model family and copied in) and the one named in EXAMPLE_VARIANTS.
+Each run is scaled down exactly as `launch.py sweep GROUP --local` would
+(experiments/local_scale.yaml), cut to `--steps` steps with a small eval. By default a group runs
+its `example_variants` (experiments/<group>/group.yaml) and its baseline variant (run once per
+base experiment and copied into each group that shares it). `--smoke` runs only each group's
+`smoke_variants`, the variants that add a code path (a dataset kind, a model family, a feature
+switch), at the smaller `smoke` scale.
 """
 
 from __future__ import annotations
@@ -21,21 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from experiments.compose import compose, family, local_overrides  # noqa: E402
+from experiments.compose import compose, local_overrides  # noqa: E402
 from experiments.programme import GROUPS  # noqa: E402
-
-# Per group: the variant run beside its baseline (a group without a baseline variant runs both).
-EXAMPLE_VARIANTS: dict[str, tuple[str, ...]] = {
-    "exp01": ("hidden256",), "exp02a": ("L2",), "exp02b": ("H1",), "exp03": ("layers3_cycles4",),
-    "exp04a": ("puzzles100",), "exp04b": ("aug100",), "exp05": ("halt4",), "exp06": ("batch3072",),
-    "exp07": ("float32",), "exp08": ("off",), "exp09": ("adamw_b2_0.99",), "exp10": ("lr3e-4",),
-    "contrib01": ("curriculum",), "contrib02": ("annealed",), "contrib03": ("L12_remat",),
-    "contrib04": ("lambda0.1",), "contrib05": ("maze30_full", "maze30_local7"),
-    "contrib06": ("sudoku", "sudoku_maze"),
-    "gemma01": ("gemma1_2b_lora",), "gemma02": ("seq512",), "gemma03": ("rank4",), "gemma04": ("lr5e-5",),
-}
-# The family baselines (run once, copied into each group as its baseline variant).
-FAMILY_BASELINE = {"trm": ("exp02a", "L6"), "gemma": ("gemma02", "seq1024")}
+from runtime.errors import UserError  # noqa: E402
 
 
 def tiny(steps: int) -> tuple[str, ...]:
@@ -62,42 +54,62 @@ def run_variant(group: str, variant: str, root: Path, steps: int) -> Path:
 
 
 def run_group(group: str, root: Path, steps: int, baselines: dict[str, Path]) -> list[Path]:
-    """The group's example variants, plus its baseline variant (copied from the family's run)."""
+    """The group's example variants, plus its baseline variant (copied from the run of its base)."""
     spec = GROUPS[group]
     out = []
     if spec.baseline_variant is not None:
-        fam = family(group)
-        if fam not in baselines:
-            baselines[fam] = run_variant(*FAMILY_BASELINE[fam], root=root / f"_baselines_{os.getpid()}", steps=steps)
+        if spec.base not in baselines:
+            baselines[spec.base] = run_variant(group, spec.baseline_variant, root / f"_baselines_{os.getpid()}", steps)
         target = root / group / spec.baseline_variant
         if not target.exists():
-            shutil.copytree(baselines[fam], target, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+            shutil.copytree(baselines[spec.base], target, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
         out.append(target)
-    for variant in EXAMPLE_VARIANTS[group]:
-        out.append(run_variant(group, variant, root, steps))
+    for variant in spec.example_variants:
+        if variant != spec.baseline_variant:
+            out.append(run_variant(group, variant, root, steps))
     return out
+
+
+def run_smoke(group: str, root: Path, steps: int) -> list[Path]:
+    """The group's smoke variants (each adds a code path the tests train)."""
+    return [run_variant(group, variant, root, steps) for variant in GROUPS[group].smoke_variants]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("groups", nargs="*", metavar="GROUP")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="default: 20 (2 with --smoke)")
     parser.add_argument("--root", type=Path, default=Path("outputs/examples"))
-    parser.add_argument("--scale", choices=("local", "smoke"), default="local",
-                        help="local: as `sweep --local` (default); smoke: smaller still (the tests)")
+    parser.add_argument("--scale", choices=("local", "smoke"), default=None,
+                        help="local: as `sweep --local` (the default); smoke: smaller still (the default with --smoke)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run each group's smoke_variants only (default --scale smoke, --steps 2)")
     parser.add_argument("--readme-plots", action="store_true",
                         help="copy each group's first plot to experiments/<group>/example.png")
     args = parser.parse_args(argv)
     global SCALE
-    SCALE = args.scale
+    SCALE = args.scale or ("smoke" if args.smoke else "local")
+    steps = args.steps or (2 if args.smoke else 20)
+    try:
+        known = list(GROUPS)
+    except UserError as e:  # a bad group.yaml
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    unknown = [g for g in args.groups if g not in known]
+    if unknown:
+        print(f"error: unknown group(s) {unknown}; the groups are {known}", file=sys.stderr)
+        return 2
+    groups = args.groups or known
     os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
     from experiments.analyze import analyze, collect_local
 
     baselines: dict[str, Path] = {}
     failed = []
-    for group in args.groups or list(GROUPS):
+    if args.smoke:
+        groups = [g for g in groups if GROUPS[g].smoke_variants]
+    for group in groups:
         try:
-            run_group(group, args.root, args.steps, baselines)
+            run_smoke(group, args.root, steps) if args.smoke else run_group(group, args.root, steps, baselines)
         except Exception as e:  # noqa: BLE001 - one group's failure must not hide the others
             print(f"error: {group} failed: {' '.join(str(e).split())[:500]}", file=sys.stderr, flush=True)
             failed.append(group)

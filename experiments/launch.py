@@ -6,7 +6,7 @@
     python experiments/launch.py status --tpu NAME --zone Z
     python experiments/launch.py stop   --tpu NAME --zone Z
     python experiments/launch.py list   [GROUP ...]                    # the programme: groups, variants, changes
-    python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, this machine
+    python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, one Hydra -m
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
     python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
 
@@ -213,9 +213,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Every group of the programme (or the named ones): its variants and what each changes
     against the baseline, from the composed configs (* = the baseline's own setting)."""
     from experiments.compose import changes, describe, variants
-    from experiments.programme import GROUPS
+    from experiments.programme import GROUPS, GroupFileError
 
-    names = args.groups or list(GROUPS)
+    try:
+        names = args.groups or list(GROUPS)
+    except GroupFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     unknown = [g for g in names if g not in GROUPS]
     if unknown:
         print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
@@ -238,9 +242,13 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 def _sweep_variants(args: argparse.Namespace) -> list[str]:
     from experiments.compose import variants
-    from experiments.programme import GROUPS
+    from experiments.programme import GROUPS, GroupFileError
 
-    if args.group not in GROUPS:
+    try:
+        known_groups = list(GROUPS)
+    except GroupFileError as e:
+        raise pod.PodError(str(e)) from e
+    if args.group not in known_groups:
         raise pod.PodError(f"unknown group {args.group!r}; `python experiments/launch.py list` shows the groups")
     known = variants(args.group)
     chosen = args.variants.split(",") if args.variants else known
@@ -252,46 +260,40 @@ def _sweep_variants(args: argparse.Namespace) -> list[str]:
 
 @_user_errors
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Run every variant of GROUP (or --variants), one after another, each its own run
-    (<run.root>/<group>/<variant>): --local scales each down for this machine
-    (experiments/local_scale.yaml; runs under outputs/local), --tpu/--zone launches each on
-    all workers of a slice (like `pod`). A failed variant does not stop the sweep; the exit
-    code is the first non-zero one. Then: `launch.py analyze GROUP`."""
-    import subprocess
-
-    from experiments.compose import local_overrides
+    """Run every variant of GROUP (or --variants), each its own run (<run.root>/<group>/<variant>).
+    --local: scaled down for this machine (experiments/local_scale.yaml; runs under outputs/local)
+    as one Hydra multirun, `pretrain_jax.py -m +experiment=local/<group>/<v1>,...`
+    (experiments/sweep.py). --tpu/--zone: one `pod` run per variant, one after another, each with
+    its own run id on all workers of the slice. A failed variant does not stop the sweep; every
+    job's exit code is printed, and the exit code is the first non-zero one. Overrides after `--`
+    go to every variant (a Hydra sweep there, e.g. train.seed=0,1, multiplies the jobs of a local
+    sweep). Then: `launch.py analyze GROUP`."""
+    from experiments import sweep
 
     chosen = _sweep_variants(args)
     if not args.local and not args.tpu:
         raise pod.PodError("say where: --local (scaled down, this machine) or --tpu NAME --zone ZONE")
-    results = []
-    for variant in chosen:
-        experiment = f"+experiment={args.group}/{variant}"
-        if args.local:
-            overrides = [experiment, *local_overrides(args.group, variant), f"run.root={args.root}", *args.overrides]
-            command = [sys.executable, str(REPO_ROOT / "pretrain_jax.py"), *overrides]
-            print("$ " + " ".join(_quote(c) for c in command[1:]), flush=True)
-            code = 0 if args.dry_run else subprocess.call(command, cwd=REPO_ROOT)
-        else:
-            if not args.zone:
-                raise pod.PodError("--tpu needs --zone")
-            code = pod.launch_pod(pod.Target(args.tpu, args.zone, args.project), [experiment, *args.overrides],
+    if args.local:
+        results = [(j.run, j.code) for j in sweep.run_local(args.group, chosen, Path(args.root), args.overrides,
+                                                            dry_run=args.dry_run)]
+    else:
+        if not args.zone:
+            raise pod.PodError("--tpu needs --zone")
+        results = []
+        for variant in chosen:
+            code = pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
+                                  [f"+experiment={args.group}/{variant}", *args.overrides],
                                   repo_dir=args.repo_dir, run_id=None, log_dir=pod.DEFAULT_LOG_DIR, env=dict(args.env),
                                   forward_env=args.forward_env, dry_run=args.dry_run, interrupt_grace=30.0,
                                   leave_running=False)
-        results.append((variant, code))
-    print("\n".join(f"  {args.group}/{v:<20} exit {c}" for v, c in results))
+            results.append((variant, code))
+    if not args.dry_run:
+        print("\n".join(f"  {args.group}/{name:<20} exit {code}" for name, code in results))
     return next((c for _, c in results if c), 0)
 
 
-def _quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
-
-
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="run a group's variants one by one (scaled down here, or on a pod)",
+    p = sub.add_parser("sweep", help="run a group's variants (scaled down here as a Hydra multirun, or on a pod)",
                        description=cmd_sweep.__doc__, epilog="Extra overrides for every variant go after `--`.")
     p.add_argument("group", metavar="GROUP")
     p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")

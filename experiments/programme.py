@@ -1,7 +1,12 @@
-"""The experiment programme (../shared/reference/EXPERIMENTS.md) as data: what each group studies
-and how its analysis plots it. The variants themselves are the files
-`conf/experiment/<group>/<variant>.yaml`; what each changes is computed by composing them
-(`experiments/compose.py`), never restated here.
+"""The experiment programme (docs/EXPERIMENTS.md) as data: one folder per group.
+
+A group is its folder `experiments/<group>/`: `group.yaml` (what it studies, its baseline
+variant, how its analysis plots it, which variants the tests run) beside its `README.md`; its
+variants are the files `conf/experiment/<group>/<variant>.yaml`. What each variant changes is
+computed by composing them (`experiments/compose.py`), never restated here.
+
+`GROUPS` maps each group's name to its `Group`, loaded from the folders on first use; a bad
+group.yaml raises `GroupFileError` (one line naming the file and the fix).
 
 Plot axes: ``params`` (parameter count), ``step``, ``variant`` (one bar per variant), or a
 config key such as ``arch.hidden``. Plot values: any metric in metrics.jsonl (the last value,
@@ -10,12 +15,27 @@ or the whole curve when x is ``step``).
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.errors import UserError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent
+VARIANTS_DIR = EXPERIMENTS_DIR.parent / "conf" / "experiment"
+GROUP_FILE = "group.yaml"
 
 BASELINE = "baseline/trm_sudoku_extreme"  # the experiment every TRM group varies
-GEMMA_BASELINE = "gemma_sft/gemma2b_full_v5e8"
-
 PRIMARY = "eval/exact_accuracy"
+
+
+class GroupFileError(UserError):
+    """A group folder whose group.yaml is missing, malformed or names something that is not there."""
 
 
 @dataclass(frozen=True)
@@ -31,86 +51,139 @@ class Group:
     name: str
     title: str
     varies: str  # in the words of EXPERIMENTS.md
-    baseline_variant: str | None  # the variant that is the baseline itself (None: all differ)
+    baseline_variant: str | None  # the variant that is the base itself (None: all differ)
     plots: tuple[Plot, ...]
     extra_metrics: tuple[str, ...] = ()  # group-specific table columns
-    base: str = BASELINE
+    base: str = BASELINE  # the experiment the variants build on
     primary: str = PRIMARY
     target: float = 0.87  # the accuracy "time to target" is measured at (the baseline's ~87%)
+    varies_keys: tuple[str, ...] = ()  # the resolved keys its variants may change (besides preset swaps)
+    example_variants: tuple[str, ...] = ()  # run beside the baseline variant for the README's example plot
+    smoke_variants: tuple[str, ...] = ()  # variants that add a code path: the tests train them for a few steps
 
-
-def _acc(x: str, log_x: bool = False, title: str = "") -> Plot:
-    return Plot(PRIMARY, x, log_x, title)
-
-
-_CURVE = Plot(PRIMARY, "step", title="held-out exact accuracy during training")
-_SPEED = Plot("perf/examples_per_sec", "variant", title="throughput")
-
-GROUPS: dict[str, Group] = {g.name: g for g in [
-    Group("exp01", "model scaling", "hidden (heads); puzzle_emb_ndim = hidden", "hidden512",
-          (_acc("params", True, "exact accuracy vs parameters"), Plot("perf/examples_per_sec", "params", True)),
-          ("train/exact_accuracy",)),
-    Group("exp02a", "L_cycles", "L_cycles", "L6",
-          (_acc("arch.L_cycles", title="exact accuracy vs L_cycles"), _CURVE)),
-    Group("exp02b", "H_cycles", "H_cycles", "H3",
-          (_acc("arch.H_cycles", title="exact accuracy vs H_cycles"), _CURVE)),
-    Group("exp03", "depth vs recursion", "(L_layers, L_cycles) at L_layers x L_cycles = 12", "layers2_cycles6",
-          (_acc("arch.L_layers", title="exact accuracy vs layers (effective depth fixed)"), _SPEED)),
-    Group("exp04a", "data scaling", "training puzzles (x1000 augmentations; one dataset each)", "puzzles1000",
-          (_acc("data.generate_puzzles", True, "exact accuracy vs training puzzles"),
-           Plot("train/exact_accuracy", "data.generate_puzzles", True, "training exact accuracy (overfitting gap)")),
-          ("train/exact_accuracy",)),
-    Group("exp04b", "augmentation", "augmentations per puzzle (1000 puzzles)", "aug1000",
-          (_acc("data.generate_num_aug", True, "exact accuracy vs augmentations"),
-           Plot("train/exact_accuracy", "data.generate_num_aug", True)), ("train/exact_accuracy",)),
-    Group("exp05", "supervision steps", "halt_max_steps", "halt16",
-          (_acc("arch.halt_max_steps", title="exact accuracy vs supervision steps"),
-           Plot("train/steps", "arch.halt_max_steps", title="mean ACT steps at halting (training)")), ("train/steps",)),
-    Group("exp06", "batch scaling", "global batch; lr = 1e-4 * sqrt(batch / 6144)", "batch6144",
-          (_acc("train.global_batch_size", True, "exact accuracy vs global batch"),
-           Plot("perf/examples_per_sec", "train.global_batch_size", True, "throughput vs batch")), ("train/lr",)),
-    Group("exp07", "precision", "forward dtype", "bfloat16",
-          (_acc("variant", title="exact accuracy by forward dtype"), _SPEED), ("train/grad_norm",)),
-    Group("exp08", "EMA", "EMA on/off and rate", "ema0.999",
-          (_acc("variant", title="exact accuracy by EMA rate"), _CURVE)),
-    Group("exp09", "optimizer", "optimizer and betas", "adam_atan2",
-          (_acc("variant", title="exact accuracy by optimizer"), Plot("train/grad_norm", "step", title="gradient norm")),
-          ("train/grad_norm",)),
-    Group("exp10", "LR schedule", "lr and lr_min_ratio (cosine to lr * lr_min_ratio)", "lr1e-4",
-          (_CURVE, Plot("train/lr", "step", title="learning rate"))),
-    Group("contrib01", "curriculum recursion",
-          "L_cycles 2->6 and H_cycles 1->3 linearly over the first 10k epochs, vs fixed", "fixed",
-          (_CURVE, Plot("train/L_cycles", "step", title="L_cycles in use")), ("perf/examples_per_sec",)),
-    Group("contrib02", "adaptive halting", "halt exploration 0.3 annealed to 0.05 over training, vs fixed 0.1", "fixed",
-          (_CURVE, Plot("train/halt_exploration_prob", "step", title="exploration probability")),
-          ("train/halt_exploration_prob",)),
-    Group("contrib03", "rematerialisation", "L_cycles 6, 12, 24, each with and without remat of the recursion", "L6",
-          (Plot("perf/compiled_temp_gib", "arch.L_cycles", title="compiled temporaries per device (GiB)"), _SPEED),
-          ("perf/compiled_temp_gib",)),
-    Group("contrib04", "cycle consistency", "lambda on ||z_H(t+1) - z_H(t)||^2", "lambda0",
-          (_acc("arch.cycle_consistency_weight", title="exact accuracy vs lambda"),
-           Plot("train/cycle_loss", "step", title="cycle-consistency term")), ("train/cycle_loss",)),
-    Group("contrib05", "sparse attention", "full vs local 7x7 window + global prefix; Maze 30x30 and 50x50",
-          None, (_acc("variant", title="exact accuracy by attention pattern"), _SPEED)),
-    Group("contrib06", "multi-task", "Sudoku only, Maze only, Sudoku + Maze with a shared reasoning core", None,
-          (_acc("variant", title="exact accuracy (multi-task: the mean over its tasks)"), _CURVE),
-          ("eval/sudoku/exact_accuracy", "eval/maze/exact_accuracy")),
-    Group("gemma01", "Gemma models x fine-tuning method", "Gemma 2B / Gemma2-2B / Gemma3-1B, full vs LoRA",
-          "gemma1_2b_full",
-          (Plot("eval/answer_exact_match", "variant"), Plot("eval/format_adherence", "variant")),
-          ("eval/format_adherence", "eval/loss"), base=GEMMA_BASELINE, primary="eval/answer_exact_match", target=0.5),
-    Group("gemma02", "Gemma sequence length", "sequence length (Gemma 2B full fine-tune)", "seq1024",
-          (Plot("eval/answer_exact_match", "data.seq_len"), Plot("perf/examples_per_sec", "data.seq_len")),
-          ("eval/format_adherence", "eval/loss"), base=GEMMA_BASELINE, primary="eval/answer_exact_match", target=0.5),
-    Group("gemma03", "Gemma LoRA rank", "LoRA rank (alpha = 2 x rank), Gemma 2B", "rank16",
-          (Plot("eval/answer_exact_match", "arch.lora_rank", True), Plot("eval/loss", "arch.lora_rank", True)),
-          ("eval/format_adherence", "eval/loss"), base="gemma_sft/gemma2b_lora_v5e8", primary="eval/answer_exact_match", target=0.5),
-    Group("gemma04", "Gemma learning rate", "peak learning rate, Gemma 2B full fine-tune", "lr1e-5",
-          (Plot("eval/answer_exact_match", "optim.lr", True), Plot("eval/loss", "step")),
-          ("eval/format_adherence", "eval/loss"), base=GEMMA_BASELINE, primary="eval/answer_exact_match", target=0.5),
-]}
 
 # The metrics every group's table reports (EXPERIMENTS.md), beside its own `extra_metrics`.
 # (Mean halt steps: train/steps; evaluation always runs halt_max_steps.)
 COMMON_METRICS = ("eval/token_accuracy", "train/steps", "model/params", "perf/examples_per_sec",
                   "perf/compiled_temp_gib")
+
+_REQUIRED = ("title", "varies", "baseline_variant", "varies_keys", "plots")
+_FIELDS = {f.name: f for f in dataclasses.fields(Group) if f.name != "name"}
+_PLOT_FIELDS = {f.name for f in dataclasses.fields(Plot)}
+
+
+def _natural(name: str) -> list:
+    return [float(t) if re.fullmatch(r"\d+(\.\d+)?", t) else t for t in re.split(r"(\d+(?:\.\d+)?)", name)]
+
+
+def variant_files(group: str) -> list[str]:
+    """The variants of `group`: conf/experiment/<group>/*.yaml, in natural order (hidden256 < hidden1024)."""
+    files = sorted((VARIANTS_DIR / group).glob("*.yaml"), key=lambda p: _natural(p.stem))
+    return [p.stem for p in files]
+
+
+def _strings(where: str, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise GroupFileError(f"{where}: {key} must be a list of names (quote a name YAML reads as another type, e.g. \"off\"), got {value!r}")
+    return tuple(value)
+
+
+def _plot(where: str, i: int, raw: Any) -> Plot:
+    if not isinstance(raw, dict) or not {"x", "y"} <= set(raw) or set(raw) - _PLOT_FIELDS:
+        raise GroupFileError(f"{where}: plots[{i}] must be a mapping with y, x and optionally log_x, title; got {raw!r}")
+    if not all(isinstance(raw[k], str) for k in ("x", "y")) or not isinstance(raw.get("log_x", False), bool):
+        raise GroupFileError(f"{where}: plots[{i}]: x and y are names, log_x true/false; got {raw!r}")
+    return Plot(**{k: raw[k] for k in raw})
+
+
+def _check_names(where: str, name: str, spec: dict[str, Any]) -> None:
+    known = variant_files(name)
+    if not known:
+        raise GroupFileError(f"{where}: the group has no variants; add conf/experiment/{name}/<variant>.yaml files")
+    chosen = [spec["baseline_variant"]] if spec["baseline_variant"] is not None else []
+    for key in ("example_variants", "smoke_variants"):
+        chosen += list(spec.get(key, ()))
+    bad = sorted({v for v in chosen if v not in known})
+    if bad:
+        raise GroupFileError(f"{where}: no variant file(s) {bad} in conf/experiment/{name}/; the variants are {known}")
+
+
+def load_group(folder: Path) -> Group:
+    """Read and check `<folder>/group.yaml`; the group's name is the folder's."""
+    name, path = folder.name, folder / GROUP_FILE
+    where = f"experiments/{name}/{GROUP_FILE}"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise GroupFileError(f"{where}: cannot read it: {' '.join(str(e).split())}") from e
+    if not isinstance(raw, dict):
+        raise GroupFileError(f"{where}: expected a mapping of {sorted(_FIELDS)}, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    missing = [k for k in _REQUIRED if k not in raw]
+    if unknown or missing:
+        raise GroupFileError(f"{where}: " + "; ".join(
+            ([f"unknown key(s) {unknown}"] if unknown else []) + ([f"missing key(s) {missing}"] if missing else []))
+            + f"; the keys are {sorted(_FIELDS)}")
+    spec: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "plots":
+            if not isinstance(value, list) or not value:
+                raise GroupFileError(f"{where}: plots must be a non-empty list of {{y, x, log_x, title}}")
+            spec[key] = tuple(_plot(where, i, p) for i, p in enumerate(value))
+        elif key in ("extra_metrics", "varies_keys", "example_variants", "smoke_variants"):
+            spec[key] = _strings(where, key, value)
+        elif key == "target":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise GroupFileError(f"{where}: target must be a number, got {value!r}")
+            spec[key] = float(value)
+        elif key == "baseline_variant" and value is None:
+            spec[key] = None
+        elif not isinstance(value, str) or not value:
+            raise GroupFileError(f"{where}: {key} must be a non-empty string, got {value!r}")
+        else:
+            spec[key] = value
+    if not spec["varies_keys"]:
+        raise GroupFileError(f"{where}: varies_keys is empty; name the config keys the variants change")
+    _check_names(where, name, spec)
+    return Group(name=name, **spec)
+
+
+def load_groups(root: Path | None = None) -> dict[str, Group]:
+    """Every `<root>/<group>/group.yaml` (root: experiments/), in natural order of the folder names."""
+    root = EXPERIMENTS_DIR if root is None else root
+    folders = sorted((p.parent for p in root.glob(f"*/{GROUP_FILE}")), key=lambda p: _natural(p.name))
+    return {folder.name: load_group(folder) for folder in folders}
+
+
+class _Groups(MutableMapping):
+    """GROUPS: loaded from the folders on first use (so a bad file is reported by the command
+    that needs it, as one `error:` line, not as a traceback at import)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, Group] | None = None
+
+    def _loaded(self) -> dict[str, Group]:
+        if self._groups is None:
+            self._groups = load_groups()
+        return self._groups
+
+    def __getitem__(self, name: str) -> Group:
+        return self._loaded()[name]
+
+    def __setitem__(self, name: str, group: Group) -> None:
+        self._loaded()[name] = group
+
+    def __delitem__(self, name: str) -> None:
+        del self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return f"GROUPS({list(self)})"
+
+
+GROUPS: MutableMapping[str, Group] = _Groups()

@@ -1,99 +1,72 @@
-"""The experiment programme's configs: every variant of every group composes, validates, and
-changes exactly what EXPERIMENTS.md says it varies; the listing; the scaled-down overrides."""
+"""The experiment programme's configs: every group folder is complete, every variant of every
+group composes, validates and changes only the keys its group.yaml says the group varies; the
+group files are checked; the listing; the scaled-down overrides."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
 
-from experiments import launch
-from experiments.compose import changes, compose, local_overrides, variants
-from experiments.programme import GROUPS
+from conftest import REPO, child_env
+from experiments import launch, programme, sweep
+from experiments.compose import changes, compose, flat, local_overrides, variants
+from experiments.programme import GROUPS, GroupFileError, load_group
 from runtime.config import validate
 
-BASE = {}  # the baseline variant of a group changes nothing
+PRESETS = ("arch", "data", "optim", "mesh")  # a swapped config group shows up under its own name
 
 
-def _sqrt_lr(batch: int) -> dict:
-    return {"train.global_batch_size": batch, "optim.lr": pytest.approx(1e-4 * math.sqrt(batch / 6144), rel=1e-12)}
+def test_every_group_is_a_complete_folder():
+    assert GROUPS, "no experiments/<group>/group.yaml found"
+    for name, group in GROUPS.items():
+        folder = programme.EXPERIMENTS_DIR / name
+        assert (folder / "README.md").is_file(), f"{name}: write experiments/{name}/README.md"
+        assert variants(name), name
+        validate(compose(group.base), group.base)  # the base it varies is an experiment that composes
+    readmes = {p.parent.name for p in programme.EXPERIMENTS_DIR.glob("*/README.md")}
+    assert readmes == set(GROUPS), "a group folder without group.yaml (or the other way round)"
 
 
-def _ramp(start, end, fraction):
-    return {"start": start, "end": end, "fraction": fraction, "shape": "linear"}
-
-
-def _hidden(h, heads=None):
-    return {"arch.hidden": h, "arch.puzzle_emb_ndim": h} | ({"arch.heads": heads} if heads else {})
-
-
-def _sudoku(puzzles=1000, aug=1000):
-    return {"data.generate_puzzles": puzzles, "data.generate_num_aug": aug,
-            "data.path": f"data/sudoku-extreme-{puzzles}-aug-{aug}"}
-
-
-def _drop_unchanged(d: dict) -> dict:
-    base = _sudoku()
-    return {k: v for k, v in d.items() if base.get(k) != v}
-
-
-_LORA = {"arch.lora_rank": 16, "arch.lora_alpha": 32, "arch.param_dtype": "bfloat16", "optim.lr": 2e-4}
-
-# What each variant is meant to change, written from the table in EXPERIMENTS.md.
-EXPECTED: dict[str, dict[str, dict]] = {
-    "exp01": {"hidden256": _hidden(256, 4), "hidden384": _hidden(384, 6), "hidden512": BASE,
-              "hidden768": _hidden(768), "hidden1024": _hidden(1024), "hidden1536": _hidden(1536)},
-    "exp02a": {f"L{n}": ({"arch.L_cycles": n} if n != 6 else BASE) for n in (2, 4, 6, 8, 10, 12)},
-    "exp02b": {f"H{n}": ({"arch.H_cycles": n} if n != 3 else BASE) for n in (1, 2, 3, 4, 5)},
-    "exp03": {f"layers{a}_cycles{b}": ({"arch.L_layers": a, "arch.L_cycles": b} if a != 2 else BASE)
-              for a, b in ((1, 12), (2, 6), (3, 4), (4, 3), (6, 2))},
-    "exp04a": {f"puzzles{n}": _drop_unchanged(_sudoku(puzzles=n)) for n in (100, 250, 500, 1000, 2000, 5000)},
-    "exp04b": {f"aug{n}": _drop_unchanged(_sudoku(aug=n)) for n in (10, 100, 500, 1000, 2000)},
-    "exp05": {f"halt{n}": ({"arch.halt_max_steps": n} if n != 16 else BASE) for n in (4, 8, 12, 16, 24, 32)},
-    "exp06": {f"batch{b}": (_sqrt_lr(b) if b != 6144 else BASE) for b in (1536, 3072, 6144, 12288, 24576, 49152)},
-    "exp07": {"float32": {"arch.forward_dtype": "float32"}, "bfloat16": BASE, "float16": {"arch.forward_dtype": "float16"}},
-    "exp08": {"off": {"optim.ema_rate": None}, "ema0.99": {"optim.ema_rate": 0.99}, "ema0.995": {"optim.ema_rate": 0.995},
-              "ema0.999": BASE, "ema0.9995": {"optim.ema_rate": 0.9995}},
-    "exp09": {"adam_atan2": BASE, "adamw_b2_0.95": {"optim.name": "adamw"},
-              "adamw_b2_0.99": {"optim.name": "adamw", "optim.b2": 0.99},
-              "adamw_b2_0.999": {"optim.name": "adamw", "optim.b2": 0.999},
-              "lion_b2_0.99": {"optim.name": "lion", "optim.b2": 0.99}},
-    "exp10": {"lr3e-5": {"optim.lr": 3e-5}, "lr1e-4": BASE, "lr3e-4": {"optim.lr": 3e-4},
-              "lr1e-4_min0.1": {"optim.lr_min_ratio": 0.1}, "lr1e-4_min0.01": {"optim.lr_min_ratio": 0.01}},
-    "contrib01": {"fixed": BASE, "curriculum": {"curriculum.H_cycles": _ramp(1, 3, 0.2),
-                                                 "curriculum.L_cycles": _ramp(2, 6, 0.2)}},
-    "contrib02": {"fixed": BASE, "annealed": {"curriculum.halt_exploration_prob": _ramp(0.3, 0.05, 1.0)}},
-    "contrib03": {f"L{n}{r}": ({"arch.L_cycles": n} if n != 6 else {}) | ({"arch.remat": True} if r else {})
-                  for n in (6, 12, 24) for r in ("", "_remat")},
-    "contrib04": {"lambda0": BASE} | {f"lambda{w}": {"arch.cycle_consistency_weight": float(w)} for w in ("0.01", "0.1", "1.0")},
-    "contrib05": {f"maze{s}_{p}": {"arch": "trm_att", "data": f"maze_{s}x{s}", "train.global_batch_size": 768}
-                  | ({"arch.attention_window": 7} if p == "local7" else {}) for s in (30, 50) for p in ("full", "local7")},
-    "contrib06": {"sudoku": {"arch": "trm_att", "train.global_batch_size": 768},
-                  "maze": {"arch": "trm_att", "data": "maze_30x30", "train.global_batch_size": 768},
-                  "sudoku_maze": {"arch": "trm_att", "data": "sudoku_maze", "train.global_batch_size": 768}},
-    "gemma01": {"gemma1_2b_full": BASE, "gemma1_2b_lora": _LORA, "gemma2_2b_full": {"arch": "gemma2_2b"},
-                "gemma2_2b_lora": {"arch": "gemma2_2b"} | _LORA, "gemma3_1b_full": {"arch": "gemma3_1b"},
-                "gemma3_1b_lora": {"arch": "gemma3_1b"} | _LORA},
-    "gemma02": {f"seq{n}": ({"data.seq_len": n} if n != 1024 else BASE) for n in (512, 1024, 2048)},
-    "gemma03": {f"rank{r}": ({"arch.lora_rank": r, "arch.lora_alpha": 2 * r} if r != 16 else BASE) for r in (4, 8, 16, 64)},
-    "gemma04": {f"lr{lr}": ({"optim.lr": float(lr)} if lr != "1e-5" else BASE) for lr in ("5e-6", "1e-5", "2e-5", "5e-5")},
-}
-
-
-def test_every_group_of_the_programme_is_here():
-    missing = [g for g in GROUPS if g not in EXPECTED]
-    assert not missing, f"add the intended changes of {missing} to EXPECTED"
-
-
-@pytest.mark.parametrize("group", sorted(EXPECTED))
-def test_each_variant_changes_exactly_the_intended_keys(group):
-    assert variants(group) and set(variants(group)) == set(EXPECTED[group]), "variant files vs EXPECTED"
-    for variant, intended in EXPECTED[group].items():
-        got = changes(group, variant)
-        assert got == intended, f"{group}/{variant}"
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_each_variant_changes_only_what_its_group_varies(group):
+    spec = GROUPS[group]
+    got = {v: changes(group, v) for v in variants(group)}
+    for variant, change in got.items():
+        stray = sorted(set(change) - set(spec.varies_keys) - set(PRESETS))
+        assert not stray, f"{group}/{variant} also changes {stray}; not in varies_keys {list(spec.varies_keys)}"
         validate(compose(f"{group}/{variant}"), f"{group}/{variant}")  # the typed schema accepts it
-    baseline = GROUPS[group].baseline_variant
-    assert baseline is None or changes(group, baseline) == {}
+    changed = set().union(*got.values())
+    unused = sorted(set(spec.varies_keys) - changed)
+    assert not unused, f"{group}: no variant changes {unused}; drop them from varies_keys"
+    for a, b in itertools.combinations(got, 2):
+        assert got[a] != got[b], f"{group}/{a} and {group}/{b} run the same setting"
+    for variant, change in got.items():
+        assert (change == {}) == (variant == spec.baseline_variant), (
+            f"{group}/{variant}: only the baseline variant ({spec.baseline_variant}) may change nothing")
+
+
+def test_derived_values_follow_their_rules():
+    """The rules EXPERIMENTS.md states, on every variant they apply to (interpolations resolved)."""
+    for v in variants("exp06"):  # lr = 1e-4 * sqrt(batch / 6144)
+        c = validate(compose(f"exp06/{v}"), v)
+        assert c.optim.lr == pytest.approx(1e-4 * math.sqrt(c.train.global_batch_size / 6144), rel=1e-12), v
+    for v in variants("exp01"):  # puzzle_emb_ndim follows the width
+        c = validate(compose(f"exp01/{v}"), v)
+        assert c.arch.puzzle_emb_ndim == c.arch.hidden, v
+    for group in ("exp04a", "exp04b"):  # each variant reads its own set, named after its sizes
+        for v in variants(group):
+            d = validate(compose(f"{group}/{v}"), v).data
+            assert d.path.endswith(f"sudoku-extreme-{d.generate_puzzles}-aug-{d.generate_num_aug}"), v
+    for v in variants("gemma03"):  # alpha = 2 x rank
+        a = validate(compose(f"gemma03/{v}"), v).arch
+        assert a.lora_alpha == 2 * a.lora_rank, v
 
 
 def test_the_baseline_is_the_reference_setting():
@@ -116,8 +89,66 @@ def test_listing_shows_every_group_and_variant(capsys):
         for variant in variants(group):
             line = next(l for l in out.splitlines() if f" {group}/{variant} " in l)
             assert ("the baseline" in line) == (changes(group, variant) == {})
+            assert line.lstrip().startswith("*") == (variant == GROUPS[group].baseline_variant)
     assert "exp06/batch1536" in out and "optim.lr=5e-05 train.global_batch_size=1536" in out
     assert launch.main(["list", "exp99"]) == 2
+
+
+# ---------------------------------------------------------------------------- group.yaml
+
+
+def _group_file(tmp_path, edit) -> "object":
+    """A copy of exp01's folder with `edit` applied to its group.yaml (a dict -> a dict or text)."""
+    folder = tmp_path / "exp01"
+    shutil.copytree(programme.EXPERIMENTS_DIR / "exp01", folder)
+    raw = yaml.safe_load((folder / "group.yaml").read_text())
+    new = edit(raw)
+    (folder / "group.yaml").write_text(new if isinstance(new, str) else yaml.safe_dump(new))
+    return folder
+
+
+def test_the_group_file_is_what_groups_holds(tmp_path):
+    assert load_group(_group_file(tmp_path, lambda raw: raw)) == GROUPS["exp01"]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r | {"colour": "red"}, "unknown key(s) ['colour']"),
+    (lambda r: {k: v for k, v in r.items() if k != "varies_keys"}, "missing key(s) ['varies_keys']"),
+    (lambda r: r | {"baseline_variant": "hidden999"}, "no variant file(s) ['hidden999'] in conf/experiment/exp01/"),
+    (lambda r: r | {"smoke_variants": ["hidden256", "nope"]}, "no variant file(s) ['nope']"),
+    (lambda r: r | {"plots": [{"y": "eval/exact_accuracy"}]}, "plots[0] must be a mapping with y, x"),
+    (lambda r: r | {"plots": []}, "plots must be a non-empty list"),
+    (lambda r: r | {"example_variants": [False]}, 'quote a name YAML reads as another type, e.g. "off"'),
+    (lambda r: r | {"varies_keys": []}, "varies_keys is empty"),
+    (lambda r: r | {"target": "high"}, "target must be a number"),
+    (lambda r: r | {"title": None}, "title must be a non-empty string"),
+    (lambda r: "- just\n- a list\n", "expected a mapping"),
+    (lambda r: "title: [unclosed\n", "cannot read it"),
+])
+def test_a_bad_group_file_is_one_line_naming_it(tmp_path, edit, says):
+    with pytest.raises(GroupFileError) as e:
+        load_group(_group_file(tmp_path, edit))
+    message = str(e.value)
+    assert message.startswith("experiments/exp01/group.yaml: ") and says in message and "\n" not in message
+
+
+def test_commands_report_a_bad_group_file_as_one_error_line(tmp_path, monkeypatch, capsys):
+    _group_file(tmp_path, lambda r: r | {"colour": "red"})
+    monkeypatch.setattr(programme, "EXPERIMENTS_DIR", tmp_path)
+    monkeypatch.setattr(GROUPS, "_groups", None)  # load again, from tmp_path
+    from experiments import analyze, examples
+
+    for command in (lambda: launch.main(["list"]), lambda: launch.main(["sweep", "exp01", "--local", "--dry-run"]),
+                    lambda: analyze.main(["exp01"])):
+        assert command() == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: experiments/exp01/group.yaml: unknown key(s) ['colour']") and err.count("\n") == 1
+    for argv in (["exp01"], ["--smoke"]):
+        assert examples.main([*argv, "--root", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.startswith("error: experiments/exp01/group.yaml:")
+
+
+# ----------------------------------------------------------------------------- scaled down
 
 
 def _as_dict(overrides: list[str]) -> dict[str, str]:
@@ -142,3 +173,87 @@ def test_scaled_down_runs_keep_each_group_s_ratios():
     assert (o["arch"], o["arch.lora_rank"], o["arch.lora_alpha"]) == ("gemma_tiny", "64", "128")
     local = validate(compose("gemma01/gemma2_2b_lora", tuple(local_overrides("gemma01", "gemma2_2b_lora"))), "x/y")
     assert (local.arch.name, local.arch.lora_rank, local.data.name) == ("gemma_tiny", 16, "sft")
+
+
+# ------------------------------------------------------------------------------ sweep --local
+
+
+def _experiment_of(cmd: list[str]) -> list[str]:
+    return next(c for c in cmd if c.startswith("+experiment=")).split("=", 1)[1].split(",")
+
+
+def test_local_sweep_is_one_multirun_and_goes_on_after_a_failed_job(tmp_path, capsys):
+    """A multirun stops at a failed job; the sweep starts another with the variants after it and
+    reads every job's exit code from its manifest (the process's code where it left none)."""
+    outcome = {"hidden256": ("completed", 0), "hidden384": ("failed", 3), "hidden512": None,  # died, no manifest
+               "hidden768": ("completed", 0)}
+    calls = []
+
+    def fake_multirun(cmd):
+        calls.append(cmd)
+        assert cmd[2] == "-m" and cmd[1].endswith("pretrain_jax.py")
+        for experiment in _experiment_of(cmd):
+            variant = experiment.rsplit("/", 1)[1]
+            if outcome[variant] is None:
+                return 7
+            status, code = outcome[variant]
+            (tmp_path / "exp01" / variant).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "exp01" / variant / "run_manifest.json").write_text(
+                json.dumps({"status": status, "exit_code": code}))
+            if code:
+                return code
+        return 0
+
+    jobs = sweep.run_local("exp01", list(outcome), tmp_path, ["train.seed=1"], call=fake_multirun)
+    assert [(j.run, j.code) for j in jobs] == [("hidden256", 0), ("hidden384", 3), ("hidden512", 7), ("hidden768", 0)]
+    assert [_experiment_of(c) for c in calls] == [[f"local/exp01/{v}" for v in vs] for vs in (
+        list(outcome), ["hidden512", "hidden768"], ["hidden768"])]
+    assert all(c[-1] == "train.seed=1" and f"run.root={tmp_path}" in c and "run.group=exp01" in c for c in calls)
+
+
+def test_sweep_dry_run_prints_the_multirun(tmp_path, capsys):
+    assert launch.main(["sweep", "exp01", "--local", "--variants", "hidden256,hidden512", "--root", str(tmp_path),
+                        "--dry-run", "--", "train.seed=0,1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("$ ") == 1 and " -m " in out
+    assert "+experiment=local/exp01/hidden256,local/exp01/hidden512 run.group=exp01" in out and "train.seed=0,1" in out
+    assert launch.main(["sweep", "exp01", "--local", "--variants", "hidden999", "--dry-run"]) == 2
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_the_generated_scaled_experiment_is_the_scaled_down_run(group, tmp_path):
+    """What the multirun composes (the generated file) is what `local_overrides` gives."""
+    spec = GROUPS[group]
+    chosen = list(dict.fromkeys(spec.example_variants + spec.smoke_variants))
+    searchpath = sweep.write_scaled(group, chosen, tmp_path)
+    for v in chosen:
+        got = flat(compose(f"{sweep.SCALED}/{group}/{v}", (f"hydra.searchpath=[file://{searchpath}]",)))
+        want = flat(compose(f"{group}/{v}", tuple(local_overrides(group, v))))
+        assert got == want, f"{group}/{v}: {set(got.items()) ^ set(want.items())}"
+
+
+@pytest.mark.slow
+def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
+    from experiments.examples import tiny
+
+    data = tmp_path / "data"
+    env = child_env(1, PODRUNNER_LOCAL_DATA=str(data))
+    code = subprocess.call([sys.executable, "experiments/launch.py", "sweep", "exp02a", "--local", "--variants",
+                            "L2,L6", "--root", str(tmp_path), "--", *tiny(2), "data.generate_puzzles=20"],
+                           cwd=REPO, env=env, stdout=open(tmp_path / "sweep.log", "w"), stderr=subprocess.STDOUT)
+    log = (tmp_path / "sweep.log").read_text()
+    assert code == 0, log[-3000:]
+    assert log.count("$ ") == 1 and "exp02a/L2                   exit 0" in log and "exp02a/L6" in log
+    for variant, cycles in (("L2", 2), ("L6", 6)):
+        manifest = json.loads((tmp_path / "exp02a" / variant / "run_manifest.json").read_text())
+        assert (manifest["status"], manifest["config"]["arch"]["L_cycles"]) == ("completed", cycles)
+        assert manifest["config"]["arch"]["hidden"] == 64  # scaled down
+
+
+def test_pod_sweep_is_one_pod_run_per_variant(capsys):
+    assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--zone", "z", "--variants", "L2,L6", "--dry-run",
+                        "--", "train.seed=3"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("gcloud ")]
+    assert len(lines) == 2 and all("--worker=all" in l and "train.seed=3" in l for l in lines)
+    assert "+experiment=exp02a/L2" in lines[0] and "+experiment=exp02a/L6" in lines[1]
+    assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--dry-run"]) == 2  # no --zone
