@@ -6,6 +6,7 @@ Model-family specifics (loss, metrics, a carry that persists across batches) com
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,12 +15,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from models import sequence_loss  # noqa: F401  (re-exported: the tiny_transformer loss)
 from runtime import optimizers
 from runtime.config import OptimConfig
-from runtime.sharding import BATCH_AXES, batch_sharding, logical_shardings, replicated
+from runtime.sharding import activation_rules, batch_sharding, batch_spec, logical_shardings, replicated
 
 IGNORE_LABEL = -100
 
@@ -103,6 +104,7 @@ PUZZLE_BATCH_FIELDS = {"inputs": 2, "labels": 2, "puzzle_identifiers": 1}
 
 
 def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[str, Any]:
+    """Every field split on its first dim by the table's "batch" rule."""
     return {k: batch_sharding(mesh, ndim) for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
 
@@ -123,8 +125,8 @@ def task_batch_shapes(task: Any, global_batch: int) -> dict[str, tuple[int, ...]
 
 
 def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
-    """Every carry leaf has the batch first: sharded over the batch axes like the batch."""
-    return jax.tree.map(lambda a: NamedSharding(mesh, P(BATCH_AXES, *([None] * (a.ndim - 1)))), abstract_carry)
+    """Every carry leaf has the batch first: sharded by the table's "batch" rule like the batch."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, batch_spec(mesh, a.ndim, a.shape)), abstract_carry)
 
 
 def _is_none(x: Any) -> bool:
@@ -243,14 +245,25 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     def eval_step(params, ema_params, batch):
         return task.eval_sums(eval_params(params, ema_params), batch)
 
+    def with_rules(fn):
+        """`fn` traced under the table's rules on `mesh`: a model's `nn.with_logical_constraint`s take effect."""
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with activation_rules(mesh):
+                return fn(*args)
+
+        return traced
+
     batch_specs = batch_shardings(mesh, getattr(task, "batch_fields", None))
-    train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
+    train = jax.jit(with_rules(train_step), in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
-    evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
+    evaluate = jax.jit(with_rules(eval_step),
+                       in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                        out_shardings=replicated(mesh))
     eval_rows = None
     if hasattr(task, "eval_outputs"):
-        eval_rows = jax.jit(lambda p, e, b: task.eval_outputs(eval_params(p, e), b),
+        eval_rows = jax.jit(with_rules(lambda p, e, b: task.eval_outputs(eval_params(p, e), b)),
                             in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                             out_shardings=(replicated(mesh), batch_sharding(mesh, 1)))
     return Steps(init=init, init_from=init_from, train=train, eval=evaluate, eval_rows=eval_rows,
