@@ -6,6 +6,7 @@ Model-family specifics (loss, metrics, a carry that persists across batches) com
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,11 +15,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from runtime import optimizers
 from runtime.config import OptimConfig, StateDtype
-from runtime.sharding import BATCH_AXES, batch_sharding, logical_shardings, replicated
+from runtime.sharding import activation_rules, batch_sharding, batch_spec, logical_shardings, replicated
 from runtime.task import PUZZLE_BATCH_FIELDS, Task
 
 
@@ -79,6 +80,7 @@ def has_puzzle_table(abstract_params: Any) -> bool:
 
 
 def batch_shardings(mesh: Mesh, fields: dict[str, int] | None = None) -> dict[str, Any]:
+    """Every field split on its first dim by the table's "batch" rule."""
     return {k: batch_sharding(mesh, ndim) for k, ndim in (fields or PUZZLE_BATCH_FIELDS).items()}
 
 
@@ -100,8 +102,8 @@ def task_batch_shapes(task: Task, global_batch: int, seq_len: int) -> dict[str, 
 
 
 def carry_shardings(abstract_carry: Any, mesh: Mesh) -> Any:
-    """Every carry leaf has the batch first: sharded over the batch axes like the batch."""
-    return jax.tree.map(lambda a: NamedSharding(mesh, P(BATCH_AXES, *([None] * (a.ndim - 1)))), abstract_carry)
+    """Every carry leaf has the batch first: sharded by the table's "batch" rule like the batch."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, batch_spec(mesh, a.ndim, a.shape)), abstract_carry)
 
 
 def _is_none(x: Any) -> bool:
@@ -216,14 +218,25 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     def eval_step(params, ema_params, batch):
         return task.eval_sums(eval_params(params, ema_params), batch)
 
+    def with_rules(fn):
+        """`fn` traced under the table's rules on `mesh`: a model's `nn.with_logical_constraint`s take effect."""
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with activation_rules(mesh):
+                return fn(*args)
+
+        return traced
+
     batch_specs = batch_shardings(mesh, task.batch_fields)
-    train = jax.jit(train_step, in_shardings=(state_shardings, batch_specs),
+    train = jax.jit(with_rules(train_step), in_shardings=(state_shardings, batch_specs),
                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
-    evaluate = jax.jit(eval_step, in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
+    evaluate = jax.jit(with_rules(eval_step),
+                       in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                        out_shardings=replicated(mesh))
     eval_rows = None
     if task.has_eval_outputs:
-        eval_rows = jax.jit(lambda p, e, b: task.eval_outputs(eval_params(p, e), b),
+        eval_rows = jax.jit(with_rules(lambda p, e, b: task.eval_outputs(eval_params(p, e), b)),
                             in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                             out_shardings=(replicated(mesh), batch_sharding(mesh, 1)))
     return Steps(init=init, init_from=init_from, train=train, eval=evaluate, eval_rows=eval_rows,

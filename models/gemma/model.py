@@ -31,6 +31,16 @@ _REMAT_POLICY = {
 }
 
 
+# The residual stream [B, T, D] at block boundaries: batch-sharded, replicated over length and
+# embed (the table's "batch" rule claims fsdp first). The names resolve through the runtime's
+# logical rules while a train/eval step is traced; without rules (decoding) they are a no-op.
+RESIDUAL_AXES = ("batch", "length", "embed")
+
+
+def constrain_residual(x: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(x, RESIDUAL_AXES)
+
+
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
@@ -149,6 +159,7 @@ class Block(nn.Module):
         """tables: (global, local) pairs of masks [B, T, S] and RoPE (sin, cos), built once per call."""
         is_global, cache = layer_in
         cfg = self.cfg
+        x = constrain_residual(x)
         norm = lambda name: RMSNorm(("embed",), cfg.param_dtype, name=name)
         pick = lambda pair: jax.tree.map(lambda g, l: jnp.where(is_global, g, l), *pair)
         masks, ropes = tables
@@ -160,7 +171,7 @@ class Block(nn.Module):
         h = Mlp(cfg, name="mlp")(norm("pre_ffw_norm")(x))
         if cfg.post_norms:
             h = norm("post_ffw_norm")(h)
-        return x + h, cache
+        return constrain_residual(x + h), cache
 
 
 def _masks(cfg: GemmaConfig, positions, segment_ids, cache_len: int | None):

@@ -136,11 +136,10 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
     Prompts, answers and the jitted generator are prepared once; every batch has the same shape
     (prompts padded to the longest of the `examples`), so one compile serves all evaluations."""
     from jax.experimental import multihost_utils
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from data_pipeline.sft import score
     from models.gemma.sampling import generate
-    from runtime.sharding import BATCH_AXES
+    from runtime.sharding import batch_sharding
 
     n = min(examples, len(split))
     rows = -(-n // batch_size) * batch_size
@@ -148,7 +147,7 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
     tokens = tokens[:, :int(lengths.max())]
     answers = split.answers(np.arange(n))
     stop = (tokenizer.eos_id, tokenizer.end_of_turn_id)
-    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    sharding = batch_sharding(mesh, 1)
     put = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])  # noqa: E731
     gen = jax.jit(lambda p, t, lens: generate(p, task.cfg, t, lens, max_new_tokens=max_new_tokens, stop_ids=stop,
                                               pad_id=tokenizer.pad_id))
