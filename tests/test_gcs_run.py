@@ -29,12 +29,12 @@ def emulator(tmp_path):
 def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator, reference_losses):
     steps, reference = REFERENCE_STEPS, reference_losses  # the same run, checkpointing locally
     gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + REFERENCE_EXTRA + [
-        "train.checkpoint_every=5", "run.checkpoint.keep=2", "run.checkpoint.dir=gs://pod-runs/exp/t"]
+        "train.checkpoint_every=10", "run.checkpoint.keep=2", "run.checkpoint.dir=gs://pod-runs/exp/t"]
     env = emulator.child_env(child_env(8))
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = tmp_path / "gcs" / "test" / "t"
-    kill_after_step(proc, out / "metrics.jsonl", 12)
+    kill_after_step(proc, out / "metrics.jsonl", 22)  # the save at 20 started, so the one at 10 is committed
 
     from google.cloud import storage
 
@@ -63,7 +63,8 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
     last complete step with the same losses as an uninterrupted run."""
     steps, reference = REFERENCE_STEPS, reference_losses  # the same run, checkpointing locally
     gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + REFERENCE_EXTRA + [
-        "train.checkpoint_every=5", "run.checkpoint.keep=10", "run.checkpoint.dir=gs://pod-runs/o/t"]
+        "train.checkpoint_every=20", "run.checkpoint.keep=10", "run.checkpoint.dir=gs://pod-runs/o/t"]
+    # Few saves (each is many requests to the emulator): one committed, the next cut off, two after resuming.
     env = emulator.child_env(child_env(8))
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
