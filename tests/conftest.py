@@ -1,12 +1,17 @@
-"""Shared test setup: CPU devices, isolated W&B, a small generated dataset, and a runner
-for `pretrain_jax.py` as a real subprocess (the way users and the pod launcher run it)."""
+"""Shared test setup: CPU devices, isolated W&B, a small generated dataset, a JAX compilation
+cache shared by the whole session, and two ways to run training: `train` (the trainer in this
+process, as `pretrain_jax.py` runs it) and `run_pretrain` (the script as a real subprocess, for
+tests of the command line, signals, pods and the watchdog)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # Before jax/gcsfs are imported anywhere in the session.
@@ -37,6 +42,79 @@ def run_pretrain(overrides: list[str], *, devices: int = 8, timeout: float = 300
     return proc
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent JAX compilation cache for the session: in-process runs and child processes
+    (through os.environ, which child_env copies) reuse each other's compiled programs."""
+    import jax
+
+    cache = str(tmp_path_factory.getbasetemp() / "jax-cache")
+    settings = {"jax_compilation_cache_dir": cache, "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    yield cache
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        os.environ.pop(name, None)
+
+
+@dataclass
+class Trained:
+    code: int  # the exit code pretrain_jax.py would give
+    log: str  # the run's log lines (the `runtime` loggers), one per line
+    error: str | None = None  # a UserError's one-line message (pretrain_jax.py prints it as "error: ...")
+
+
+def compose_config(overrides: list[str]):
+    """The validated Config that `pretrain_jax.py <overrides>` would run."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.config import register_schemas, validate
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
+    return validate(cfg, experiment)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def train(overrides: list[str], *, check: bool = True) -> Trained:
+    """Run the trainer in this process (one process, the session's 8 CPU devices), as
+    `pretrain_jax.py <overrides>` would: a UserError becomes its exit code and one-line message.
+    The root logger and the SIGTERM handler are restored afterwards."""
+    from runtime.errors import UserError
+    from runtime.trainer import run
+
+    root, handler = logging.getLogger(), _Lines()
+    handlers, level, on_sigterm = root.handlers[:], root.level, signal.getsignal(signal.SIGTERM)
+    logging.getLogger("runtime").addHandler(handler)
+    try:
+        result = Trained(run(compose_config(overrides)), "")
+    except UserError as e:
+        result = Trained(e.exit_code, "", str(e))
+    finally:
+        logging.getLogger("runtime").removeHandler(handler)
+        root.handlers[:] = handlers  # setup_logging's basicConfig(force=True) replaced them
+        root.setLevel(level)
+        signal.signal(signal.SIGTERM, on_sigterm)  # PreemptionWatcher.close() leaves SIG_DFL
+    result.log = "\n".join(handler.lines)
+    if check and result.code != 0:
+        raise AssertionError(f"training exited {result.code}: {result.error}\n--- log\n{result.log[-6000:]}")
+    return result
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -56,9 +134,26 @@ def sudoku_dir(tmp_path_factory) -> Path:
     return root
 
 
-def base_overrides(data: Path, root: Path, *, steps: int = 8, name: str = "t") -> list[str]:
-    """A fast run: tiny model, batch 16, every step logged, checkpoints at half-way and end."""
+def base_overrides(data: Path, root: Path, *, steps: int = 8, name: str = "t", wandb: str = "disabled") -> list[str]:
+    """A fast run: tiny model, batch 16, every step logged, checkpoints at half-way and end,
+    W&B off (tests of W&B output pass wandb="offline")."""
     return [f"data.path={data}", "data.generate_if_missing=false", f"run.root={root}", "run.progress_bar=false",
             "run.group=test", f"run.name={name}", f"train.steps={steps}", "train.log_every=1",
             f"train.checkpoint_every={steps // 2}", f"train.eval_every={steps}", "train.global_batch_size=16",
-            "arch.hidden=32", "arch.heads=2", "optim.warmup_steps=2"]
+            "arch.hidden=32", "arch.heads=2", "optim.warmup_steps=2", f"run.wandb.mode={wandb}"]
+
+
+# The shared reference: REFERENCE_STEPS steps of base_overrides + REFERENCE_EXTRA, uninterrupted.
+# Tests that stop and resume a run with these settings (and any checkpoint/mesh settings, which do
+# not change the losses) compare against its losses instead of training their own.
+REFERENCE_STEPS, REFERENCE_EXTRA = 60, ["optim.ema_rate=0.9"]
+
+
+@pytest.fixture(scope="session")
+def reference_losses(sudoku_dir, tmp_path_factory) -> dict[int, float]:
+    """step -> train/loss of the shared reference run (trained once per session, in process)."""
+    root = tmp_path_factory.mktemp("reference")
+    train(base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA)
+    losses = train_losses(root / "test" / "t")
+    assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
+    return losses

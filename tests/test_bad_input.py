@@ -1,4 +1,8 @@
-"""Every bad input is one line naming the fix, a non-zero exit, and comes before any compile."""
+"""Every bad input is one line naming the fix, a non-zero exit, and comes before any compile.
+
+The command line's own handling (Hydra and config errors, the coordinator check that runs before
+JAX starts) goes through `pretrain_jax.py`; the trainer's checks run in process, where the
+UserError's message is the line the script prints."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import socket
 
 import pytest
 
-from conftest import base_overrides, run_pretrain
+from conftest import base_overrides, run_pretrain, train
 
 
 def free_port() -> int:
@@ -26,6 +30,15 @@ def assert_one_line_error(proc, *needles: str) -> str:
     return errors[0]
 
 
+def assert_user_error(result, *needles: str) -> str:
+    """An in-process run refused with exit 2 before compiling, its message one line with `needles`."""
+    assert result.code == 2 and result.error, (result.code, result.log[-3000:])
+    assert "\n" not in result.error and "compiled train step" not in result.log, result.error
+    for needle in needles:
+        assert needle in result.error, result.error
+    return result.error
+
+
 @pytest.mark.parametrize("override,needles", [
     ("train.stepz=3", ["train.stepz"]),                     # unknown key
     ("arch=tiny_transfomer", ["arch/tiny_transfomer", "tiny_transformer"]),  # typo'd group: lists the options
@@ -38,19 +51,19 @@ def test_config_errors(override, needles):
 
 
 def test_mesh_that_does_not_match_devices(sudoku_dir, tmp_path):
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["mesh.data=3"], check=False)
-    assert_one_line_error(proc, "3 devices, but this job has 8")
+    result = train(base_overrides(sudoku_dir, tmp_path) + ["mesh.data=3"], check=False)
+    assert_user_error(result, "3 devices, but this job has 8")
 
 
 def test_batch_that_does_not_divide(sudoku_dir, tmp_path):
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["train.global_batch_size=12"], check=False)
-    assert_one_line_error(proc, "global_batch_size=12", "multiple of 8")
+    result = train(base_overrides(sudoku_dir, tmp_path) + ["train.global_batch_size=12"], check=False)
+    assert_user_error(result, "global_batch_size=12", "multiple of 8")
 
 
 def test_missing_dataset(tmp_path):
     proc = run_pretrain([f"data.path={tmp_path}/nope", "data.generate_if_missing=false", f"run.root={tmp_path}"],
                         check=False)
-    assert_one_line_error(proc, f"{tmp_path}/nope", "build_sudoku")
+    assert_one_line_error(proc, f"{tmp_path}/nope", "build_sudoku")  # a trainer error, printed by the script
 
 
 def test_unreachable_coordinator(tmp_path):
@@ -60,18 +73,19 @@ def test_unreachable_coordinator(tmp_path):
 
 
 def test_partial_distributed_values():
-    proc = run_pretrain(["distributed.coordinator_address=127.0.0.1:1234"], check=False)
-    assert_one_line_error(proc, "distributed.num_processes", "distributed.process_id")
+    assert_user_error(train(["distributed.coordinator_address=127.0.0.1:1234"], check=False),
+                      "distributed.num_processes", "distributed.process_id")
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_is_refused_and_left_intact(sudoku_dir, tmp_path):
-    run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=2))
+    train(base_overrides(sudoku_dir, tmp_path, steps=2))
     ckpt = tmp_path / "test" / "t" / "checkpoints"
     before = sorted(p.name for p in ckpt.iterdir())
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=4) + ["arch.hidden=48"], check=False)
-    assert_one_line_error(proc, "arch.hidden=32", "48", "run.name")
+    result = train(base_overrides(sudoku_dir, tmp_path, steps=4) + ["arch.hidden=48"], check=False)
+    assert_user_error(result, "arch.hidden=32", "48", "run.name")
     assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written, nothing removed
 
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=4) + ["run.checkpoint.resume=false"], check=False)
-    assert_one_line_error(proc, "already holds checkpoints", "run.name")
+    result = train(base_overrides(sudoku_dir, tmp_path, steps=4) + ["run.checkpoint.resume=false"], check=False)
+    assert_user_error(result, "already holds checkpoints", "run.name")
     assert sorted(p.name for p in ckpt.iterdir()) == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import base_overrides, read_jsonl, run_pretrain
+from conftest import base_overrides, read_jsonl, train
 from runtime.config import RampConfig, cycles_at, ramp_value
 from runtime.errors import UserError
 from runtime.builder import curriculum_metrics, curriculum_stages
@@ -68,6 +68,7 @@ def test_bad_curriculum_is_one_line(override, message):
         composed("+experiment=baseline/trm_sudoku_extreme", override)
 
 
+@pytest.mark.slow
 def test_curriculum_run_switches_stages_and_logs_them(sudoku_dir, tmp_path):
     """A real run: H_cycles 1 -> 2 over the first half; each stage compiles once, the logged
     values follow the schedule, and the exploration probability anneals."""
@@ -76,17 +77,18 @@ def test_curriculum_run_switches_stages_and_logs_them(sudoku_dir, tmp_path):
         "arch.halt_max_steps=2", "arch.puzzle_emb_len=1", "arch.forward_dtype=float32", "optim=adam_atan2",
         "curriculum.H_cycles={start:1,end:2,fraction:0.5}",
         "curriculum.halt_exploration_prob={start:0.5,end:0.0,fraction:1.0}"]
-    proc = run_pretrain(overrides)
-    assert proc.stderr.count("compiled train step") == 2
-    assert "curriculum: H_cycles=1 L_cycles=1 from step 0" in proc.stderr
+    log = train(overrides).log
+    assert log.count("compiled train step") == 2
+    assert "curriculum: H_cycles=1 L_cycles=1 from step 0" in log
     rows = [r for r in read_jsonl(tmp_path / "test" / "t" / "metrics.jsonl") if "train/H_cycles" in r]
     assert [(r["step"], r["train/H_cycles"]) for r in rows] == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
     assert [r["train/halt_exploration_prob"] for r in rows] == pytest.approx([0.5 * (1 - s / 6) for s in range(6)])
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_variant_s_optimizer(sudoku_dir, tmp_path):
     """One checkpoint directory, two variants that differ only in the optimizer (a sweep with a
     fixed run.checkpoint.dir): the second must not continue the first's run."""
-    run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=2))
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=4) + ["optim.b2=0.99"], check=False)
-    assert proc.returncode == 2 and "optim.b2=0.95" in proc.stderr and "0.99" in proc.stderr
+    train(base_overrides(sudoku_dir, tmp_path, steps=2))
+    result = train(base_overrides(sudoku_dir, tmp_path, steps=4) + ["optim.b2=0.99"], check=False)
+    assert result.code == 2 and "optim.b2=0.95" in result.error and "0.99" in result.error

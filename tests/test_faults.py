@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, train_losses
 from test_bad_input import free_port
 
 pytestmark = pytest.mark.slow
@@ -51,13 +51,11 @@ def finish(procs, timeout: float) -> list[tuple[int, str, float]]:
     return results
 
 
-def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path):
-    steps, common = 60, ["mesh=fsdp", "train.checkpoint_every=50"]
-    run_pretrain(base_overrides(sudoku_dir, tmp_path / "ref", steps=steps) + common)
-    reference = train_losses(tmp_path / "ref" / "test" / "t")
-
-    overrides = base_overrides(sudoku_dir, tmp_path / "pod", steps=steps) + common
-    out = tmp_path / "pod" / "test" / "t"
+def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losses):
+    steps, reference = REFERENCE_STEPS, reference_losses  # one process x 8 devices, data parallel
+    overrides = base_overrides(sudoku_dir, tmp_path, steps=steps) + REFERENCE_EXTRA + [
+        "mesh=fsdp", "train.checkpoint_every=50"]
+    out = tmp_path / "test" / "t"
     procs = start_pod(2, 4, overrides)
     wait_for_step(out / "metrics.jsonl", 8, procs)
     for p in procs:

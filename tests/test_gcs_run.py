@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env, run_pretrain, train_losses
+from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
 from gcs_emulator import start_gcs_emulator
-from test_bad_input import assert_one_line_error
-from test_train_loop import kill_after_step
+from test_bad_input import assert_user_error
+from test_train_loop import kill_after_step, resumed_step
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +26,15 @@ def emulator(tmp_path):
         yield emu
 
 
-def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator):
-    steps, common = 40, ["train.checkpoint_every=5", "run.checkpoint.keep=2"]
-    run_pretrain(base_overrides(sudoku_dir, tmp_path / "local", steps=steps) + common)
-    reference = train_losses(tmp_path / "local" / "test" / "t")
-
-    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + common + ["run.checkpoint.dir=gs://pod-runs/exp/t"]
+def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator, reference_losses):
+    steps, reference = REFERENCE_STEPS, reference_losses  # the same run, checkpointing locally
+    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + REFERENCE_EXTRA + [
+        "train.checkpoint_every=10", "run.checkpoint.keep=2", "run.checkpoint.dir=gs://pod-runs/exp/t"]
     env = emulator.child_env(child_env(8))
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = tmp_path / "gcs" / "test" / "t"
-    kill_after_step(proc, out / "metrics.jsonl", 12)
+    kill_after_step(proc, out / "metrics.jsonl", 22)  # the save at 20 started, so the one at 10 is committed
 
     from google.cloud import storage
 
@@ -45,8 +43,7 @@ def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator):
     complete = sorted({int(n.split("/")[2]) for n in names if n.split("/")[2].isdigit()})
     assert complete and "exp/t/run_manifest.json" in names
 
-    resumed = run_pretrain(gcs, env=env)
-    start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
+    start = resumed_step(train(gcs).log)  # in this process, pointed at the emulator by apply_env()
     assert start in complete and start < steps
     losses = {s: v for s, v in train_losses(out).items() if s > start}
     assert sorted(losses) == list(range(start + 1, steps + 1))
@@ -56,20 +53,18 @@ def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator):
 
 
 def test_missing_bucket_is_one_line(sudoku_dir, tmp_path, emulator):
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://no-such-bucket/x"],
-                        env=emulator.child_env(child_env(8)), check=False)
-    assert_one_line_error(proc, "gs://no-such-bucket does not exist", "gcloud storage buckets create")
+    result = train(base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://no-such-bucket/x"], check=False)
+    assert_user_error(result, "gs://no-such-bucket does not exist", "gcloud storage buckets create")
 
 
-def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator):
+def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, reference_losses):
     """Kill the storage endpoint while saves are in flight: the run fails with one clear line,
     the cut-off step is never resumed from, and once storage is back the run resumes from the
     last complete step with the same losses as an uninterrupted run."""
-    steps, common = 60, ["train.checkpoint_every=5", "run.checkpoint.keep=10"]
-    run_pretrain(base_overrides(sudoku_dir, tmp_path / "local", steps=steps) + common)
-    reference = train_losses(tmp_path / "local" / "test" / "t")
-
-    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + common + ["run.checkpoint.dir=gs://pod-runs/o/t"]
+    steps, reference = REFERENCE_STEPS, reference_losses  # the same run, checkpointing locally
+    gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + REFERENCE_EXTRA + [
+        "train.checkpoint_every=20", "run.checkpoint.keep=10", "run.checkpoint.dir=gs://pod-runs/o/t"]
+    # Few saves (each is many requests to the emulator): one committed, the next cut off, two after resuming.
     env = emulator.child_env(child_env(8))
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -92,8 +87,7 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator):
     assert complete and (named is None or int(named.group(1)) in complete), (complete, error)
 
     emulator.start()  # storage is back: resume from the newest complete step, never the cut-off one
-    resumed = run_pretrain(gcs, env=env)
-    start = int(resumed.stderr.split("resumed from step ")[1].split()[0])
+    start = resumed_step(train(gcs).log)
     assert start == complete[-1]
     out = tmp_path / "gcs" / "test" / "t"
     losses = {s: v for s, v in train_losses(out).items() if s > start}

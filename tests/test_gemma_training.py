@@ -14,7 +14,7 @@ import flax.linen as nn
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, child_env, read_jsonl, run_pretrain, train_losses
+from conftest import REPO, child_env, read_jsonl, run_pretrain, train, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +41,14 @@ def overrides(data: Path, root: Path, name: str, steps: int) -> list[str]:
             f"run.root={root}", "run.group=g", f"run.name={name}", "run.progress_bar=false", f"train.steps={steps}",
             "train.log_every=1", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
             "train.global_batch_size=16", "arch.dtype=float32", "arch.loss_chunk_size=256", "optim.warmup_steps=2",
-            "data.eval_max_examples=16", "data.eval_generate_examples=0"]
+            "data.eval_max_examples=16", "data.eval_generate_examples=0", "run.wandb.mode=disabled"]
 
 
 def test_pod_matches_single_process(sft_dir, tmp_path):
     from experiments.local_pod import run_local_pod
 
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "arch.remat=full"]
-    run_pretrain(overrides(sft_dir, tmp_path / "one", "t", 4) + mesh)
+    train(overrides(sft_dir, tmp_path / "one", "t", 4) + mesh)
     single = train_losses(tmp_path / "one" / "g" / "t")
 
     log = io.StringIO()
@@ -89,14 +89,14 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
 
     # Evaluating them through the trainer gives the loss computed here.
     common = overrides(sft_dir, tmp_path, "eval", 2) + [f"arch.checkpoint={hf}"]
-    run_pretrain(common + ["train.eval_only=true"])
+    train(common + ["train.eval_only=true"])
     logged = next(r for r in read_jsonl(tmp_path / "g" / "eval" / "metrics.jsonl") if "eval/loss" in r)
     assert logged["eval/loss"] == pytest.approx(_eval_loss(cfg, base, sft_dir, 16), rel=1e-5)
 
     # LoRA from those weights: the base stays bit-identical, adapters move, optimizer state is adapters only.
     lora = overrides(sft_dir, tmp_path, "lora", 3) + [f"arch.checkpoint={hf}", "arch.lora_rank=4", "arch.lora_alpha=8",
                                                      "optim.lr=1e-2"]
-    run_pretrain(lora)
+    train(lora)
     ckpt = Checkpoints(str(tmp_path / "g" / "lora" / "checkpoints"), keep=3, async_save=False)
     import orbax.checkpoint as ocp
 
@@ -129,9 +129,10 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
 
 def test_cpu_demo_learns_the_format(tmp_path):
     """A shortened `+experiment=gemma_sft/tiny_cpu` (README: format adherence 1.0 at step 200):
-    greedy answers follow <reasoning>...</reasoning><answer>...</answer> and the loss falls."""
+    greedy answers follow <reasoning>...</reasoning><answer>...</answer> and the loss falls. A subprocess:
+    the demo runs on one CPU device (this process has 8)."""
     run_pretrain(["+experiment=gemma_sft/tiny_cpu", f"data.path={tmp_path / 'data'}", "data.generate_puzzles=1000",
-                  f"run.root={tmp_path}", "run.progress_bar=false", "train.steps=150", "train.eval_every=150",
+                  f"run.root={tmp_path}", "run.progress_bar=false", "run.wandb.mode=disabled", "train.steps=150", "train.eval_every=150",
                   "train.checkpoint_every=150", "data.eval_generate_examples=16", "optim.warmup_steps=15"],
                  devices=1, timeout=600)
     rows = read_jsonl(tmp_path / "gemma_sft" / "tiny_cpu" / "metrics.jsonl")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, child_env, read_jsonl, run_pretrain
+from conftest import REPO, child_env, read_jsonl, train
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ ARCH = dict(hidden=32, heads=4, expansion=2.0, L_layers=2, H_cycles=2, L_cycles=
 
 def _common(data: Path, root: Path, name: str) -> list[str]:
     return [f"data.path={data}", "data.generate_if_missing=false", f"run.root={root}", "run.progress_bar=false",
-            "run.group=test", f"run.name={name}", "train.log_every=1", "train.global_batch_size=16",
+            "run.group=test", f"run.name={name}", "run.wandb.mode=disabled", "train.log_every=1", "train.global_batch_size=16",
             "arch=trm_mlp", "arch.forward_dtype=float32", "arch.halt_max_steps=3", "optim.warmup_steps=2",
             *[f"arch.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in ARCH.items()]]
 
@@ -56,8 +56,8 @@ def test_imported_checkpoint_evaluates_and_continues(sudoku_dir, tmp_path, monke
 
     # Evaluate the imported model with the trainer.
     eval_rows = 32
-    run_pretrain(_common(sudoku_dir, tmp_path, "eval") + [f"train.init_params_from={out}", "train.eval_only=true",
-                                                          "train.steps=1", f"data.eval_max_examples={eval_rows}"])
+    train(_common(sudoku_dir, tmp_path, "eval") + [f"train.init_params_from={out}", "train.eval_only=true",
+                                                   "train.steps=1", f"data.eval_max_examples={eval_rows}"])
     rows = read_jsonl(tmp_path / "test" / "eval" / "metrics.jsonl")
     logged = next(r for r in rows if "eval/lm_loss" in r)
     manifest = json.loads((tmp_path / "test" / "eval" / "run_manifest.json").read_text())
@@ -86,26 +86,23 @@ def test_imported_checkpoint_evaluates_and_continues(sudoku_dir, tmp_path, monke
 
     # Continue training from it: the checkpoint carries the imported init states for resume.
     cont = _common(sudoku_dir, tmp_path, "cont") + [f"train.init_params_from={out}", "train.checkpoint_every=2"]
-    first = run_pretrain(cont + ["train.steps=2"])
-    assert "parameters from" in first.stderr
+    assert "parameters from" in train(cont + ["train.steps=2"]).log
     from runtime.checkpointing import Checkpoints
 
     saved = Checkpoints(str(tmp_path / "test" / "cont" / "checkpoints"), keep=3, async_save=False)
     assert np.array_equal(np.asarray(saved.read_meta(2)["init_states"]["H_init"], np.float32), h_init)
     saved.close()
-    resumed = run_pretrain(cont + ["train.steps=4"])
-    assert "resumed from step 2" in resumed.stderr
+    assert "resumed from step 2" in train(cont + ["train.steps=4"]).log
     losses = {r["step"]: r["train/loss"] for r in read_jsonl(tmp_path / "test" / "cont" / "metrics.jsonl")
               if "train/loss" in r}
     assert sorted(losses) == [1, 2, 3, 4]
 
 
 def test_bad_init_params_path_is_one_line(sudoku_dir, tmp_path):
-    proc = run_pretrain(_common(sudoku_dir, tmp_path, "bad") + [f"train.init_params_from={tmp_path}/nope",
-                                                                "train.steps=2"], check=False)
-    assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: train.init_params_from=") and "import_reference" in last
+    result = train(_common(sudoku_dir, tmp_path, "bad") + [f"train.init_params_from={tmp_path}/nope", "train.steps=2"],
+                   check=False)
+    assert result.code == 2 and "\n" not in result.error
+    assert result.error.startswith("train.init_params_from=") and "import_reference" in result.error
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +118,12 @@ def test_arc_eval_in_trainer_single_and_pod(arc_dir, tmp_path):
     from experiments.local_pod import run_local_pod
 
     common = [f"data.path={arc_dir}", "data.name=arc", "data.generate_if_missing=false", "run.progress_bar=false",
-              "run.group=arc", "train.log_every=1", "train.global_batch_size=8", "arch=trm_mlp",
+              "run.group=arc", "run.wandb.mode=disabled", "train.log_every=1", "train.global_batch_size=8", "arch=trm_mlp",
               "arch.hidden=32", "arch.heads=2", "arch.L_layers=1", "arch.H_cycles=1", "arch.L_cycles=1",
               "arch.puzzle_emb_ndim=32", "arch.puzzle_emb_len=1", "arch.halt_max_steps=2", "optim.warmup_steps=1"]
     ckpt = tmp_path / "ckpt"
-    run_pretrain(common + [f"run.root={tmp_path / 'train'}", "run.name=t", f"run.checkpoint.dir={ckpt}",
-                           "train.steps=2", "train.eval_every=2"], timeout=600)
+    train(common + [f"run.root={tmp_path / 'train'}", "run.name=t", f"run.checkpoint.dir={ckpt}", "train.steps=2",
+                    "train.eval_every=2"])
     rows = read_jsonl(tmp_path / "train" / "arc" / "t" / "metrics.jsonl")
     trained = next(r for r in rows if "eval/ARC/pass@1" in r)
     assert {f"eval/ARC/pass@{k}" for k in (1, 2, 5, 10, 100, 1000)} <= set(trained)
@@ -143,7 +140,7 @@ def test_arc_eval_in_trainer_single_and_pod(arc_dir, tmp_path):
         overrides = common + [f"run.root={root}", "run.name=e", f"run.checkpoint.dir={ckpt}", "train.steps=2",
                               "train.eval_only=true"]
         if procs == 1:
-            run_pretrain(overrides, timeout=600)
+            train(overrides)
         else:
             log = io.StringIO()
             env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+from conftest import REPO, base_overrides, child_env, read_jsonl, train, train_losses
 from experiments.local_pod import run_local_pod
 from wandb_offline import read_offline_runs
 
@@ -35,12 +35,12 @@ def run_pod(overrides: list[str], tmp_path: Path, processes: int = 2, devices: i
 @pytest.fixture(scope="module")
 def single_process_run(sudoku_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
-    run_pretrain(base_overrides(sudoku_dir, root, steps=8) + ELASTIC)
+    train(base_overrides(sudoku_dir, root, steps=8) + ELASTIC)
     return train_losses(root / "test" / "t")
 
 
 def test_two_process_pod_matches_single_process(sudoku_dir, tmp_path, single_process_run):
-    log = run_pod(base_overrides(sudoku_dir, tmp_path, steps=8) + ELASTIC, tmp_path)
+    log = run_pod(base_overrides(sudoku_dir, tmp_path, steps=8, wandb="offline") + ELASTIC, tmp_path)
     assert "[p0] process 0/2, local devices 4, global devices 8, platform cpu (explicit)" in log
     assert "[p1] process 1/2, local devices 4, global devices 8, platform cpu (explicit)" in log
     losses = train_losses(tmp_path / "test" / "t")
@@ -63,13 +63,13 @@ def test_two_process_pod_matches_single_process(sudoku_dir, tmp_path, single_pro
 @pytest.mark.parametrize("first,then", [("pod", "single"), ("single", "pod")])
 def test_elastic_resume_across_process_counts(sudoku_dir, tmp_path, single_process_run, first, then):
     overrides = base_overrides(sudoku_dir, tmp_path, steps=4) + ELASTIC
-    run_pod(overrides, tmp_path) if first == "pod" else run_pretrain(overrides)
+    run_pod(overrides, tmp_path) if first == "pod" else train(overrides)
     out = tmp_path / "test" / "t"
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     shutil.copy(out / "metrics.jsonl", tmp_path / "first.jsonl")
 
     overrides = base_overrides(sudoku_dir, tmp_path, steps=8) + ELASTIC
-    log = run_pod(overrides, tmp_path) if then == "pod" else run_pretrain(overrides).stderr
+    log = run_pod(overrides, tmp_path) if then == "pod" else train(overrides).log
     assert "resumed from step 4" in log
     losses = train_losses(out)
     assert sorted(losses) == list(range(1, 9))  # steps 1-4 from the first run, 5-8 after resume

@@ -107,17 +107,15 @@ def test_checkpoint_dir_under_a_file_fails(dataset, tmp_path):
           "choose another run.checkpoint.dir")
 
 
-def test_read_only_output_dir_fails(dataset, tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        if os.access(ro, os.W_OK):
-            pytest.skip("running as root: chmod 500 does not stop writes (covered by the under-a-file tests)")
-        fails(make_config(dataset, tmp_path), tmp_path, f"no write permission on output directory {ro}",
-              "chmod/chown", out=ro)
-    finally:
-        ro.chmod(0o700)
+def test_unwritable_output_dir_fails(dataset, tmp_path):
+    """An existing directory that refuses new files: sysfs refuses them to every user, root included
+    (chmod 500 would not stop root, and CI runs as root)."""
+    unwritable = Path("/sys/kernel")
+    if not unwritable.is_dir():
+        pytest.skip("no sysfs mounted at /sys")
+    msg = fails(make_config(dataset, tmp_path), tmp_path, f"no write permission on output directory {unwritable}",
+                "chmod/chown", "run.root", out=unwritable)
+    assert "Permission denied" in msg or "Read-only file system" in msg, msg
 
 
 def test_non_primary_does_not_touch_output_dir(dataset, tmp_path):

@@ -13,7 +13,8 @@ import time
 import jax
 import pytest
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+from conftest import (REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, run_pretrain, train,
+                      train_losses)
 
 
 def launch(overrides: list[str]) -> subprocess.Popen:
@@ -34,19 +35,20 @@ def kill_after_step(proc: subprocess.Popen, metrics: "os.PathLike", step: int, t
     raise AssertionError(f"run ended or stalled before step {step}: rc={proc.returncode}\n{proc.stdout.read()[-3000:]}")
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_with_identical_losses(sudoku_dir, tmp_path):
-    steps = 60
-    common = ["train.checkpoint_every=5", "run.checkpoint.keep=2", "optim.ema_rate=0.9"]
-    run_pretrain(base_overrides(sudoku_dir, tmp_path / "a", steps=steps) + common)
-    reference = train_losses(tmp_path / "a" / "test" / "t")
+def resumed_step(log: str) -> int:
+    return int(log.split("resumed from step ")[1].split()[0])
 
-    out = tmp_path / "b" / "test" / "t"
-    kill_after_step(launch(base_overrides(sudoku_dir, tmp_path / "b", steps=steps) + common), out / "metrics.jsonl", 12)
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_losses(sudoku_dir, tmp_path, reference_losses):
+    steps, reference = REFERENCE_STEPS, reference_losses
+    overrides = base_overrides(sudoku_dir, tmp_path, steps=steps) + REFERENCE_EXTRA + [
+        "train.checkpoint_every=5", "run.checkpoint.keep=2"]
+    out = tmp_path / "test" / "t"
+    kill_after_step(launch(overrides), out / "metrics.jsonl", 12)  # a real process, SIGKILLed
     complete = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert complete and complete[-1] < steps  # killed mid-run, with some complete checkpoint behind it
-    proc = run_pretrain(base_overrides(sudoku_dir, tmp_path / "b", steps=steps) + common)
-    resumed_at = int(proc.stderr.split("resumed from step ")[1].split()[0])
+    resumed_at = resumed_step(train(overrides).log)
     assert resumed_at == complete[-1]
     losses = {s: v for s, v in train_losses(out).items() if s > resumed_at}
     assert sorted(losses) == list(range(resumed_at + 1, steps + 1))
@@ -55,22 +57,24 @@ def test_killed_run_resumes_with_identical_losses(sudoku_dir, tmp_path):
     assert manifest["resumed_from_step"] == resumed_at and manifest["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(sudoku_dir, tmp_path):
     overrides = base_overrides(sudoku_dir, tmp_path, steps=8) + ["train.checkpoint_every=1"]
-    run_pretrain(overrides + ["train.steps=2"])  # a good checkpoint at steps 1 and 2
-    proc = run_pretrain(overrides + ["optim.lr=1e30"], check=False)  # resumes at 2, then blows up
-    assert proc.returncode == 3, proc.stderr[-2000:]
+    train(overrides + ["train.steps=2"])  # a good checkpoint at steps 1 and 2
+    result = train(overrides + ["optim.lr=1e30"], check=False)  # resumes at 2, then blows up
+    assert result.code == 3, result.log[-2000:]
     out = tmp_path / "test" / "t"
-    assert "non-finite loss or gradient at step 4" in proc.stderr or "non-finite loss or gradient at step 3" in proc.stderr
-    assert "Last good checkpoint: step" in proc.stderr
+    assert "non-finite loss or gradient at step 4" in result.log or "non-finite loss or gradient at step 3" in result.log
+    assert "Last good checkpoint: step" in result.log
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    bad = int(proc.stderr.split("non-finite loss or gradient at step ")[1].split(";")[0])
+    bad = int(result.log.split("non-finite loss or gradient at step ")[1].split(";")[0])
     assert max(steps) < bad  # nothing at or after the bad step was saved
     assert json.loads((out / "run_manifest.json").read_text())["status"] == "nonfinite"
 
 
+@pytest.mark.slow
 def test_eval_profile_and_outputs(sudoku_dir, tmp_path):
-    run_pretrain(base_overrides(sudoku_dir, tmp_path, steps=6) + ["train.eval_every=3", "train.profile_start_step=2",
+    train(base_overrides(sudoku_dir, tmp_path, steps=6) + ["train.eval_every=3", "train.profile_start_step=2",
                                                                   "train.profile_steps=2"])
     out = tmp_path / "test" / "t"
     rows = read_jsonl(out / "metrics.jsonl")
@@ -106,7 +110,8 @@ def test_parameters_are_created_sharded():
     assert state.params["embed"].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
 
 
-def test_sweep_runs_each_job_in_its_own_directory(sudoku_dir, tmp_path):
+@pytest.mark.slow
+def test_sweep_runs_each_job_in_its_own_directory(sudoku_dir, tmp_path):  # `-m` is the command line's
     overrides = [o for o in base_overrides(sudoku_dir, tmp_path, steps=2) if not o.startswith("run.name=")]
     run_pretrain(["-m", *overrides, "train.seed=0,1"])
     runs = sorted((tmp_path / "test").iterdir())

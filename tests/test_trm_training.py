@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, run_pretrain, train_losses
+from conftest import REPO, base_overrides, child_env, read_jsonl, train, train_losses
 
 # A tiny TRM-MLP with the reference optimizers (AdamATan2 + sign-SGD table + EMA).
 # halt_max_steps=3 with checkpoints every 4 steps: a resume lands mid-ACT (rows with steps > 0).
@@ -26,9 +26,10 @@ def trm_overrides(data: Path, root: Path, steps: int) -> list[str]:
     return base + TRM
 
 
+@pytest.mark.slow
 def test_trm_learns(sudoku_dir, tmp_path):
     steps = 80
-    run_pretrain(trm_overrides(sudoku_dir, tmp_path, steps) + [f"train.eval_every={steps}"])
+    train(trm_overrides(sudoku_dir, tmp_path, steps) + [f"train.eval_every={steps}"])
     out = tmp_path / "test" / "t"
     losses = train_losses(out)
     assert sorted(losses) == list(range(1, steps + 1))
@@ -43,14 +44,14 @@ def test_trm_learns(sudoku_dir, tmp_path):
         assert 0 <= ev[k] <= 1
 
 
+@pytest.mark.slow
 def test_trm_resume_restores_carry(sudoku_dir, tmp_path):
     """8 steps straight vs 4 steps + resume to 8: identical losses. The checkpoint at step 4 holds
     a carry with rows in the middle of their ACT steps, so a fresh carry would change them."""
-    run_pretrain(trm_overrides(sudoku_dir, tmp_path / "a", 8))
+    train(trm_overrides(sudoku_dir, tmp_path / "a", 8))
     reference = train_losses(tmp_path / "a" / "test" / "t")
-    run_pretrain(trm_overrides(sudoku_dir, tmp_path / "b", 4))
-    proc = run_pretrain(trm_overrides(sudoku_dir, tmp_path / "b", 8))
-    assert "resumed from step 4" in proc.stderr
+    train(trm_overrides(sudoku_dir, tmp_path / "b", 4))
+    assert "resumed from step 4" in train(trm_overrides(sudoku_dir, tmp_path / "b", 8)).log
     losses = train_losses(tmp_path / "b" / "test" / "t")
     assert sorted(losses) == list(range(1, 9))
     assert losses == pytest.approx(reference, rel=1e-6, abs=1e-7)
@@ -116,8 +117,7 @@ def test_puzzle_table_and_carry_sharded_over_batch_axes():
 def test_trm_two_process_pod_matches_single_process(sudoku_dir, tmp_path):
     from experiments.local_pod import run_local_pod
 
-    overrides = trm_overrides(sudoku_dir, tmp_path / "single", 6) + ["mesh=fsdp"]
-    run_pretrain(overrides)
+    train(trm_overrides(sudoku_dir, tmp_path / "single", 6) + ["mesh=fsdp"])
     single = train_losses(tmp_path / "single" / "test" / "t")
 
     out = io.StringIO()
