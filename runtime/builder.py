@@ -97,7 +97,7 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
     from runtime.checkpointing import Checkpoints
     from runtime.config import validate
     from runtime.errors import UserError
-    from runtime.registry import model_family
+    from runtime.registry import family_of_saved
 
     ckpt = Checkpoints(checkpoint_dir, keep=1_000_000, async_save=False)
     try:
@@ -107,7 +107,7 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
                             f"steps there: {ckpt.all_steps() or 'none'}")
         meta = ckpt.read_meta(step)
         saved = OmegaConf.create(meta["config"])
-        saved.arch = OmegaConf.merge(OmegaConf.structured(model_family(saved.arch.get("name")).schema), saved.arch)
+        saved.arch = OmegaConf.merge(OmegaConf.structured(family_of_saved(saved.arch).schema), saved.arch)
         config = validate(saved)
         shape = DataShape(examples=int(meta["data_position"]["train_examples"]),
                           vocab_size=getattr(config.arch, "vocab_size", 1), seq_len=8)

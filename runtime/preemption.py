@@ -18,8 +18,9 @@ class PreemptionWatcher:
     def __init__(self):
         self.distributed = jax.distributed.is_initialized()
         self.signalled = False
+        self._previous = None
         if not self.distributed:
-            signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.signalled = True
@@ -31,5 +32,5 @@ class PreemptionWatcher:
         return self.signalled
 
     def close(self) -> None:
-        if not self.distributed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if not self.distributed:  # whoever handled SIGTERM before the run handles it again
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)

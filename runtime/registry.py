@@ -123,6 +123,19 @@ def family_of(arch: Any) -> ModelFamily:
     raise UserError(f"arch config {type(arch).__name__} belongs to no registered model family")
 
 
+def family_of_saved(arch: Any) -> ModelFamily:
+    """The family of an arch config saved as plain data (a checkpoint's config snapshot): the
+    one whose schema has exactly its keys (a preset's `name` need not be the family's)."""
+    import dataclasses
+
+    load_plugins()
+    keys = set(arch)
+    for family in MODEL_FAMILIES.values():
+        if {f.name for f in dataclasses.fields(family.schema)} == keys:
+            return family
+    return model_family(str(arch.get("name")))
+
+
 def arch_schemas() -> dict[str, type]:
     load_plugins()
     return {name: family.schema for name, family in MODEL_FAMILIES.items()}

@@ -86,3 +86,20 @@ def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
         # Either our watchdog fired (exit 4) or JAX's coordination service aborted the process
         # (exit 134) and the fatal stack dump shows the watchdog's progress label.
         assert re.search(r"step \d+ stalled|<podrunner: last completed step \d+, in step \d+", out), out[-3000:]
+
+
+def test_preemption_watcher_restores_the_previous_sigterm_handler():
+    """A run in a process that handles SIGTERM itself (a test runner, a notebook) leaves that handler in place."""
+    from runtime.preemption import PreemptionWatcher
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        watcher = PreemptionWatcher()
+        assert signal.getsignal(signal.SIGTERM) == watcher._on_signal
+        watcher.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

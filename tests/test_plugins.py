@@ -204,3 +204,14 @@ def test_runtime_compares_no_dataset_names():
                 consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
                 named = [c for c in consts if isinstance(c, str) and c in KIND_NAMES]
                 assert not named, f"{path.name}:{node.lineno} compares with {named}"
+
+
+@pytest.mark.parametrize("preset,family", [("gemma_tiny", "gemma"), ("trm_att", "trm"), ("hrm", "hrm"),
+                                           ("tiny_transformer", "tiny_transformer")])
+def test_a_saved_arch_finds_its_family_whatever_the_preset_is_named(preset, family):
+    """Checkpoints keep the config as plain data; export and restore find the family from it."""
+    from runtime.config import to_dict
+    from runtime.registry import family_of_saved
+
+    saved = to_dict(compose([f"arch={preset}"]))["arch"]
+    assert family_of_saved(saved).name == family
