@@ -85,6 +85,9 @@ def test_offline_run_round_trip(tmp_path, capsys):
     sinks.save_file(manifest)
     sinks.close(exit_code=0)
     sinks.close(exit_code=3)  # idempotent: must not finish twice or change the exit code
+    import wandb
+
+    wandb.teardown()  # the W&B service writes the offline log asynchronously: let it finish before reading
 
     # JSONL: one strict-JSON row per log call, jax/numpy scalars as Python numbers, NaN as "nan".
     rows = strict_json_lines(out / JSONL_NAME)
@@ -133,6 +136,9 @@ def test_resume_appends_and_keeps_run_id(tmp_path):
     for step in range(split, total):
         second.log(step, {"train/loss": 1.0 / (step + 1), "train/lr": step * 1e-6})
     second.close()
+    import wandb
+
+    wandb.teardown()  # flush the offline logs before reading them
 
     rows = strict_json_lines(out / JSONL_NAME)
     assert [r["step"] for r in rows] == list(range(total))  # appended, not truncated
