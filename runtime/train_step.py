@@ -143,6 +143,51 @@ class Steps:
             self.at_step = lambda step: self
 
 
+def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, mask: Any,
+                    ema_rate: float | None, puzzle_table: bool) -> Callable:
+    """(state, batch) -> (state, metrics): one optimizer step on the trainable leaves."""
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def loss_fn(trainable):
+            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng, step=state.step)
+
+        trainable = trainable_part(state.params, mask)
+        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        if puzzle_table:
+            updates, opt_state = tx.update(grads, state.opt_state, trainable, **opt_extra)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        params = with_frozen(trainable, state.params)
+        ema = state.ema_params
+        if ema is not None:
+            ema = optimizers.ema_update(ema, trainable, ema_rate)
+        metrics = {
+            "sums": sums,
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(trainable),
+            "lr": schedule(state.step),
+        }
+        metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema, carry=carry)
+        return new_state, metrics
+
+    return train_step
+
+
+def traced_with_rules(mesh: Mesh, fn: Callable) -> Callable:
+    """`fn` traced under the table's rules on `mesh`: a model's `nn.with_logical_constraint`s take effect."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with activation_rules(mesh):
+            return fn(*args)
+
+    return traced
+
+
 def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
                 seq_len: int, ema_rate: float | None, global_batch: int = 1) -> Steps:
     """`task`: a model family's `runtime.task.Task`.
@@ -181,34 +226,8 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
                         out_shardings=state_shardings)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.meta.unbox(boxed), state_shardings)
-    puzzle_table = has_puzzle_table(boxed.params)
 
-    def train_step(state: TrainState, batch):
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
-        def loss_fn(trainable):
-            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng, step=state.step)
-
-        trainable = trainable_part(state.params, mask)
-        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        if puzzle_table:
-            updates, opt_state = tx.update(grads, state.opt_state, trainable, **opt_extra)
-        else:
-            updates, opt_state = tx.update(grads, state.opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        params = with_frozen(trainable, state.params)
-        ema = state.ema_params
-        if ema is not None:
-            ema = optimizers.ema_update(ema, trainable, ema_rate)
-        metrics = {
-            "sums": sums,
-            "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(trainable),
-            "lr": schedule(state.step),
-        }
-        metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema, carry=carry)
-        return new_state, metrics
+    train_step = make_train_step(task, tx, schedule, mask, ema_rate, has_puzzle_table(boxed.params))
 
     def eval_params(params, ema_params):
         if ema_params is None:
@@ -218,15 +237,7 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     def eval_step(params, ema_params, batch):
         return task.eval_sums(eval_params(params, ema_params), batch)
 
-    def with_rules(fn):
-        """`fn` traced under the table's rules on `mesh`: a model's `nn.with_logical_constraint`s take effect."""
-
-        @functools.wraps(fn)
-        def traced(*args):
-            with activation_rules(mesh):
-                return fn(*args)
-
-        return traced
+    with_rules = functools.partial(traced_with_rules, mesh)
 
     batch_specs = batch_shardings(mesh, task.batch_fields)
     train = jax.jit(with_rules(train_step), in_shardings=(state_shardings, batch_specs),
