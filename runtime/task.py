@@ -39,9 +39,14 @@ class DataShape:
     batch_fraction: float = 1.0  # a task of a mixture: its share of every global batch
 
     def sub_batches(self, global_batch: int) -> dict[str, int]:
-        """A mixture's rows of each task per global batch: round(fraction x batch / sum)."""
-        total = sum(t.batch_fraction for t in self.tasks.values())
-        return {name: round(t.batch_fraction * global_batch / total) for name, t in self.tasks.items()}
+        """A mixture's rows of each task per global batch."""
+        return sub_batches({name: t.batch_fraction for name, t in self.tasks.items()}, global_batch)
+
+
+def sub_batches(fractions: Mapping[str, float], global_batch: int) -> dict[str, int]:
+    """Rows of each task of a mixture per global batch: round(fraction x batch / sum of fractions)."""
+    total = sum(fractions.values())
+    return {name: round(f * global_batch / total) for name, f in fractions.items()}
 
 
 class Task:

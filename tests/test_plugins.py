@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import compose_config
 from runtime.errors import UserError
 from runtime.frozen import Freezable
 from runtime.registry import (DATASET_KINDS, MODEL_FAMILIES, DatasetKind, ModelFamily, dataset_kind,
@@ -133,13 +134,7 @@ def toy_plugins():
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from runtime.config import register_schemas, validate
-
-    register_schemas()  # the new family's schema becomes the arch option base_toy_embed
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return validate(hydra_compose(config_name="config", overrides=overrides))
+    return compose_config(overrides)  # register_schemas() offers the new family as arch=base_toy_embed
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from runtime.config import DataConfig, TaskDataConfig
 from runtime.data_feed import BatchFeeder
 from runtime.errors import UserError
 from runtime.registry import DATASET_KINDS, DatasetKind, dataset_kind, register_dataset_kind
-from runtime.task import DataShape
+from runtime.task import DataShape, sub_batches
 
 
 def task_data_configs(data: Any) -> dict[str, DataConfig]:
@@ -84,8 +84,7 @@ class MultiTaskFeeder:
         self.split = split
         self.global_batch = global_batch
         self.seed = seed
-        total = sum(split.fractions.values())
-        self.sizes = {t: round(f * global_batch / total) for t, f in split.fractions.items()}
+        self.sizes = sub_batches(split.fractions, global_batch)
         if sum(self.sizes.values()) != global_batch:
             raise ValueError(f"sub-batches {self.sizes} do not add up to the global batch {global_batch}")
         self.feeders = {t: BatchFeeder(s, sharding, self.sizes[t], task_seed(seed, t), prefetch)

@@ -1,4 +1,4 @@
-"""Gemma 1/2/3 text model in Flax linen (facts: ../shared/reference/GEMMA.md; layout: config.py).
+"""Gemma 1/2/3 text model in Flax linen (the published Gemma architectures; layout: config.py).
 
 One code path serves training (full sequences, optional packed segments) and decoding (a
 KV cache [L, B, S, K, hd] whose slot s holds the key/value of position s; see decode.py).
