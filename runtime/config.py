@@ -141,7 +141,7 @@ class RunConfig(Freezable):
     # Where things go. group/name default to the +experiment=<group>/<variant> choice.
     group: Optional[str] = None
     name: Optional[str] = None
-    id: Optional[str] = None  # W&B run id; None = from the checkpoint, else a new one
+    id: Optional[str] = None  # W&B run id; must match the checkpoint's when resuming; None = the checkpoint's, else a new one
     root: str = "outputs"  # local root for metrics.jsonl, W&B files, manifest
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -56,13 +56,43 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
         kind.ensure_built(config.data)
 
 
+PROPOSED_RUN_ID_ENV = "PODRUNNER_RUN_ID"  # set by experiments/pod.py: a fresh run's id, never a resumed one's
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 def new_run_id(config: Config) -> str:
     """A W&B-safe id agreed by all processes (process 0's random draw, broadcast)."""
-    if config.run.id:
-        return config.run.id
     token = multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32))
     name = re.sub(r"[^a-zA-Z0-9_-]", "-", config.run.name)[:40]
     return f"{name}-{int(token[0]):08x}"
+
+
+def choose_run_id(config: Config, meta: dict | None, directory: str, step: int | None) -> str:
+    """The run's id (W&B run, manifest, checkpoints), said in one `run id X (why)` line.
+
+    Resuming: the checkpoint's id. A given run.id must equal it (a different one is a UserError:
+    it would split one run's history in two). Fresh: run.id, else the launcher's proposal in
+    $PODRUNNER_RUN_ID (launch.py pod without --run-id: a proposal only, so relaunching a run
+    resumes it under its own id), else a new random one."""
+    proposed = os.environ.get(PROPOSED_RUN_ID_ENV)
+    if meta is not None:
+        saved = meta["run_id"]
+        if config.run.id and config.run.id != saved:
+            raise UserError(f"run.id={config.run.id} differs from the run id {saved} of the checkpoint (step {step}) "
+                            f"in {directory}; drop run.id (launch.py: --run-id) to resume as {saved}, or use a new "
+                            "run.name (or run.checkpoint.dir) to start a fresh run")
+        run_id, why = saved, "resumed from the checkpoint"
+    elif config.run.id:
+        run_id, why = config.run.id, "run.id"
+    elif proposed:
+        if not _RUN_ID.fullmatch(proposed):
+            raise UserError(f"{PROPOSED_RUN_ID_ENV}={proposed!r} is not a run id: use 1-64 letters, digits, '.', '_' "
+                            f"or '-', or unset {PROPOSED_RUN_ID_ENV}")
+        run_id, why = proposed, f"a fresh run: the launcher's {PROPOSED_RUN_ID_ENV}"
+    else:
+        run_id, why = new_run_id(config), "a fresh run"
+    log.info("run id %s (%s)", run_id, why)
+    return run_id
 
 
 def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, directory: str, step: int) -> None:
@@ -168,6 +198,7 @@ def run(config: Config) -> int:
     shape = kind.shape(config.data, train_split)
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = resume_point(config, ckpt, shape.examples)
+    run_id = choose_run_id(config, meta, ckpt.directory, start_step)
     init_states = read_init_states(config, meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
@@ -176,7 +207,6 @@ def run(config: Config) -> int:
                                                                  output_dir=plan.output_dir))
     state = initial_state(config, steps, ckpt, start_step)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
-    run_id = meta["run_id"] if meta else new_run_id(config)
     position = int(meta["data_position"]["next_batch"]) if meta else 0
 
     feeder, eval_feeder = (kind.make_feeder(split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed,
