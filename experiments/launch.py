@@ -74,7 +74,8 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", type=Path, default=None,
                    help="also write each process's output to DIR/process_<i>.log")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment variable for every process (repeatable)")
+                   help="extra environment variable for every process (repeatable; on this command line, so "
+                        "export secrets instead: the processes inherit this environment)")
     p.add_argument("--timeout", type=float, default=None,
                    help=f"kill everything after this many seconds (exit {EXIT_TIMEOUT})")
     p.add_argument("--grace-period", type=float, default=60.0,
@@ -119,11 +120,15 @@ def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 @_user_errors
 def cmd_pod(args: argparse.Namespace) -> int:
     """Run pretrain_jax.py on ALL workers of a TPU VM slice through one
-    `gcloud compute tpus tpu-vm ssh --worker=all`, with one run id shared by every worker
-    (run.id=<id>; generated here unless given). WANDB_API_KEY (and --forward-env names) are
-    taken from this environment and shown as ***. Each worker's output goes to
-    ~/podrunner-logs/<run_id>/worker-<hostname>.log there and streams back here, kept in
-    <log-dir>/<run_id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers."""
+    `gcloud compute tpus tpu-vm ssh --worker=all`, with one run id shared by every worker.
+    --run-id ID is fixed (run.id=ID: resuming a checkpoint of another run is refused, exit 2);
+    without it a new id is proposed, which a fresh run takes and a resumed run ignores (it keeps
+    its checkpoint's id; the launcher says so and writes it to <log-dir>/<id>/run_id).
+    WANDB_API_KEY (and --forward-env names) are taken from this environment and never put on a
+    command line: one `gcloud ... scp --worker=all` copies them first as a 0600 file that each
+    worker reads and removes before python starts; only their names are printed. Each worker's
+    output goes to ~/podrunner-logs/<id>/worker-<hostname>.log there and streams back here, kept
+    in <log-dir>/<id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers."""
     return pod.launch_pod(
         _target(args), args.overrides, repo_dir=args.repo_dir, run_id=args.run_id, log_dir=args.log_dir,
         env=dict(args.env), forward_env=args.forward_env, dry_run=args.dry_run,
@@ -134,14 +139,16 @@ def _add_pod(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pod", help="run pretrain_jax.py on every worker of a TPU VM slice",
                        description=cmd_pod.__doc__, epilog="Training-script overrides go after `--`.")
     _add_target(p)
-    p.add_argument("--run-id", default=None, help="run id shared by all workers (default: a new one)")
+    p.add_argument("--run-id", default=None,
+                   help="fixed run id shared by all workers; a resume must match the checkpoint's (default: a new "
+                        "one, proposed: a resumed run keeps its checkpoint's)")
     p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
                    help="local directory for <run_id>/launch.log (default: %(default)s)")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable on every worker (repeatable; value shown)")
     p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="also forward this local environment variable, masked like WANDB_API_KEY "
-                        "(repeatable, e.g. HF_TOKEN)")
+                   help="also send this local environment variable as a secret, like WANDB_API_KEY: "
+                        "never on a command line, never printed (repeatable, e.g. HF_TOKEN)")
     p.add_argument("--interrupt-grace", type=float, default=30.0,
                    help="on Ctrl-C: seconds between SIGTERM (checkpoint) and SIGKILL on the workers "
                         "(default: %(default)s)")
@@ -203,7 +210,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     _add_target(p)
     p.add_argument("--outputs", default="outputs",
                    help="run.root on the workers, relative to --repo-dir (default: %(default)s)")
-    p.add_argument("--run-id", default=None, help="look only at this run's worker logs")
+    p.add_argument("--run-id", default=None, help="look only at the worker logs of this launch (the id `pod` printed)")
     p.set_defaults(func=cmd_status)
 
 
@@ -306,7 +313,8 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="pod runs: extra environment variable on every worker (e.g. PODRUNNER_DATA=gs://B/data)")
     p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="pod runs: forward this local environment variable, masked (repeatable)")
+                   help="pod runs: send this local environment variable as a secret, like WANDB_API_KEY "
+                        "(repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.set_defaults(func=cmd_sweep)
 

@@ -5,6 +5,9 @@ reads (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and M fake
 CPU devices, so the N processes together behave like an N-host pod with N*M
 devices (collectives go over gloo).
 
+Secrets (WANDB_API_KEY, HF_TOKEN, ...) reach the processes only through their environment
+(this process's, inherited, plus `extra_env`), never their argv; only the argv is printed.
+
 Exit-code policy of `run_local_pod` (shell conventions):
   0          every process exited 0.
   c > 0      the first process seen failing exited with code c; the others were SIGKILLed.

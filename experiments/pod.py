@@ -13,8 +13,25 @@ Operations (CLI in experiments/launch.py):
 
 Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
 value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
-expand there. Secrets (WANDB_API_KEY, --forward-env) are shown as KEY=*** wherever we print the
-command; they do appear in the gcloud argv itself (visible to `ps` on this machine).
+expand there.
+
+Secrets (WANDB_API_KEY, --forward-env NAME) never appear on a command line: gcloud writes its
+whole argv to its own log file, and a remote `bash -c` command line is world-readable in
+/proc/<pid>/cmdline for the whole run. Nor on ssh's stdin: with --worker=all gcloud runs one ssh
+per worker, all reading gcloud's one stdin, so only one worker would get the bytes. Instead
+`gcloud ... scp --worker=all` copies a 0600 file (written in a private temporary directory here,
+deleted right after) to ~/.podrunner-secrets-<random> on every worker; the run's command sources
+it in the subshell that then execs python, removes it at once (and at exit, whatever happens),
+so the values live only in python's environment (/proc/<pid>/environ: the user's own). Every
+print, the dry run and the local logs name the secrets, never their values. `stop` removes the
+file a failed launch left behind.
+
+Run ids: `--run-id ID` (or a run.id= override) is fixed: passed as run.id=ID, so the trainer
+refuses to resume a checkpoint written under another id (exit 2). Without one, a new id is only
+proposed (PODRUNNER_RUN_ID): a fresh run takes it, a resumed run keeps its checkpoint's id. The
+trainer prints the id it uses (`run id X (why)`); when that is not the launch's id the launcher
+says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and on the workers) are filed
+under the launch's id.
 
 gcloud's `--worker=all` output is interleaved; the remote helpers of `setup` and `status` print
 one tagged line per worker (`podrunner-versions {json}`, `podrunner-status {json}`), found
@@ -33,6 +50,7 @@ import signal
 import string
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +61,8 @@ from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
 SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
-MASK = "***"
+SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home
+PROPOSED_RUN_ID_ENV = "PODRUNNER_RUN_ID"  # read by runtime/trainer.py: a fresh run's id
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a directory name on the workers
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -51,6 +70,7 @@ _RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
 STATUS_TAG = "podrunner-status "
 VERSIONS_TAG = "podrunner-versions "
 START_TAG = "podrunner-start "
+_TRAINER_RUN_ID = re.compile(r"\bINFO run id (\S+) \(([^)]*)\)")  # runtime/trainer.py choose_run_id's line
 
 
 class PodError(Exception):
@@ -64,12 +84,18 @@ class Target:
     project: str | None = None
 
 
+def _where(target: Target) -> list[str]:
+    return ["--zone", target.zone, *(["--project", target.project] if target.project else []), "--worker=all"]
+
+
 def gcloud_argv(target: Target, command: str) -> list[str]:
     """The single ssh that runs `command` on every worker of the slice."""
-    argv = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", target.tpu, "--zone", target.zone]
-    if target.project:
-        argv += ["--project", target.project]
-    return argv + ["--worker=all", "--command", command]
+    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", target.tpu, *_where(target), "--command", command]
+
+
+def gcloud_scp_argv(target: Target, local: str, remote: str) -> list[str]:
+    """Copy the local file to `remote` (relative: in the home directory) on every worker."""
+    return ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{target.tpu}:{remote}", *_where(target)]
 
 
 def remote_path(path: str) -> str:
@@ -89,16 +115,21 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + suffix
 
 
-def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, list[str]]:
-    """(run id, overrides ending in run.id=<id>). A run.id= override counts as --run-id."""
+def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, list[str], bool]:
+    """(launch id, overrides, fixed). A given id (--run-id, or a run.id= override) is fixed: the
+    overrides end in run.id=<id>, and the trainer refuses a checkpoint of another run. Else a new
+    id, only proposed to the trainer (PODRUNNER_RUN_ID): a resumed run keeps its checkpoint's."""
     given = [m.group(1) for m in map(_RUN_ID_OVERRIDE.match, overrides) if m]
     if given and run_id is not None and given[-1] != run_id:
         raise PodError(f"--run-id {run_id} conflicts with the override run.id={given[-1]}; give one")
+    fixed = bool(given) or run_id is not None
     run_id = given[-1] if given else (run_id or new_run_id())
     if not _RUN_ID.fullmatch(run_id):
         raise PodError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-' (it names log "
                        "directories on the workers)")
-    return run_id, list(overrides) if given else [*overrides, f"run.id={run_id}"]
+    if given or not fixed:
+        return run_id, list(overrides), fixed
+    return run_id, [*overrides, f"run.id={run_id}"], fixed
 
 
 def remote_env(extra: Mapping[str, str], forward: Iterable[str],
@@ -118,25 +149,41 @@ def _fail(message: str, code: int = 2) -> str:
     return f'{{ echo "podrunner: $(hostname): {message}" >&2; exit {code}; }}'
 
 
+def secrets_file_text(secret_env: Mapping[str, str]) -> str:
+    """The secrets file the workers source (with `set -a`): one KEY='value' line each."""
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in secret_env.items())
+
+
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
-                secret_env: Mapping[str, str], *, mask: bool) -> str:
+                secrets_file: str | None = None) -> str:
     """Worker command: cd, activate, export, then `python pretrain_jax.py ...` tee'd to
-    ~/podrunner-logs/<run_id>/worker-<hostname>.log. pipefail makes python's code the exit code."""
-    exports = ["PYTHONUNBUFFERED=1", f"PODRUNNER_RUN_ID={shlex.quote(run_id)}"]
+    ~/podrunner-logs/<run_id>/worker-<hostname>.log. pipefail makes python's code the exit code.
+    `secrets_file` (in the home directory, copied there by `send_secrets`): sourced in the
+    subshell that execs python, so only python's environment holds the values; removed right
+    after, and by the EXIT trap if the command ends before."""
+    exports = ["PYTHONUNBUFFERED=1", f"{PROPOSED_RUN_ID_ENV}={shlex.quote(run_id)}"]
     exports += [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    exports += [f"{k}={MASK if mask else shlex.quote(v)}" for k, v in secret_env.items()]
     rid = shlex.quote(run_id)
     train = " ".join(["python", "pretrain_jax.py", *map(shlex.quote, overrides)])
+    steps = ["set -o pipefail"]
+    if secrets_file:
+        steps.append(f"SECRETS={remote_path('~/' + secrets_file)}; trap 'rm -f \"$SECRETS\"' EXIT")
+        train = ('( { set -a && . "$SECRETS" && set +a && rm -f "$SECRETS"; } || '
+                 + _fail("the secrets file did not arrive (gcloud scp)") + f"; exec {train}; )")
     return "; ".join([
-        "set -o pipefail",
+        *steps,
         f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),
         ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)"),
         "export " + " ".join(exports),
         f'LOG="$HOME"/podrunner-logs/{rid}/worker-"$(hostname)".log',
         'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
         f'{{ echo "{START_TAG}host=$(hostname) commit=$(git rev-parse --short=12 HEAD 2>/dev/null '
-        f'|| echo unknown) run_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
+        f'|| echo unknown) launch_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
     ])
+
+
+def remove_secrets_command(secrets_file: str) -> str:
+    return f"rm -f {remote_path('~/' + secrets_file)}"
 
 
 _VERSIONS_SCRIPT = r'''
@@ -322,8 +369,20 @@ def stop(grace):
     summary = f"killed {len(targets)} process(es)" if targets else "nothing running"
     if left:
         summary += f", still alive: {left}"
-    print(f"[{host}] {summary}; {lock_note}", flush=True)
+    print(f"[{host}] {summary}; {lock_note}{remove_secrets()}", flush=True)
     return code
+
+
+def remove_secrets():
+    """The secrets files of launches that never started (a run removes its own at once)."""
+    removed = 0
+    for path in glob.glob(os.path.join(glob.escape(home), ".podrunner-secrets-*")):
+        try:
+            os.remove(path)
+            removed += 1
+        except OSError:
+            pass
+    return f"; removed {removed} leftover secrets file(s)" if removed else ""
 
 
 def newest(paths):
@@ -494,26 +553,38 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                env: Mapping[str, str] | None = None, forward_env: Iterable[str] = (),
                dry_run: bool = False, interrupt_grace: float = 30.0, leave_running: bool = False,
                environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> int:
-    """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C)."""
+    """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). With secrets,
+    first copy them (`send_secrets`); if that fails, nothing is started and its code is returned.
+    Run ids and secrets: see the module docstring."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
-    run_id, overrides = resolve_run_id(run_id, overrides)
+    run_id, overrides, fixed = resolve_run_id(run_id, overrides)
     plain, secret = remote_env(env or {}, forward_env, environ)
-    command = pod_command(repo_dir, run_id, overrides, plain, secret, mask=False)
-    shown = shlex.join(gcloud_argv(target, pod_command(repo_dir, run_id, overrides, plain, secret, mask=True)))
+    secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
+    command = pod_command(repo_dir, run_id, overrides, plain, secrets_file)
+    shown = shown_commands(target, command, secret, secrets_file)
     if dry_run:
-        stream.write(shown + "\n")
+        stream.write(shown)
         return 0
 
     run_dir = Path(log_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "command.txt").write_text(shown + "\n")
-    _say(stream, f"run id {run_id}; output also in {run_dir / 'launch.log'}; on the workers in "
+    (run_dir / "command.txt").write_text(shown)
+    how = ("fixed: a checkpoint of another run is refused" if fixed else
+           "proposed: a fresh run takes it, a resumed run keeps its checkpoint's")
+    _say(stream, f"run id {run_id} ({how}); output also in {run_dir / 'launch.log'}; on the workers in "
                  f"~/podrunner-logs/{run_id}/worker-<hostname>.log")
-    watch = _PodWatch(stream)
+    log_path, watch = run_dir / "launch.log", _PodWatch(stream, run_id, run_dir)
     try:
-        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=run_dir / "launch.log",
-                          on_line=watch.line)
+        if secrets_file:
+            _say(stream, f"secrets {', '.join(secret)}: sent as a 0600 file, read and removed on each worker "
+                         "before python starts (never on a command line)")
+            code = send_secrets(target, secret, secrets_file, stream=stream, log_path=log_path)
+            if code != 0:
+                _say(stream, f"copying the secrets to the workers failed (gcloud exit code {code}); nothing was started")
+                _remove_secrets(target, secrets_file, stream, log_path)
+                return code
+        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line)
     except KeyboardInterrupt:
         if leave_running:
             _say(stream, "interrupted; the workers may still be running (launch.py status / stop)")
@@ -521,7 +592,7 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
         _say(stream, f"interrupted: stopping the run on all workers (SIGTERM, SIGKILL after "
                      f"{interrupt_grace:g} s)")
         try:
-            stop_pod(target, grace=interrupt_grace, stream=stream)
+            stop_pod(target, grace=interrupt_grace, stream=stream)  # also removes a leftover secrets file
         except KeyboardInterrupt:
             _say(stream, "stop interrupted; run `launch.py stop` to make sure the TPU is free")
         return EXIT_INTERRUPTED
@@ -530,22 +601,62 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                 "other workers may still be running: check with `launch.py status`, end them with "
                 "`launch.py stop`")
         _say(stream, f"gcloud exited with code {code}; {hint}")
+        if secrets_file:  # a worker whose command never started still holds the file
+            _remove_secrets(target, secrets_file, stream, log_path)
     return code
+
+
+def shown_commands(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None) -> str:
+    """What `pod` runs, as printed by --dry-run and kept in command.txt: names, never values."""
+    lines = []
+    if secrets_file:
+        lines += [f"# secrets {', '.join(secret)}: a 0600 file of KEY='value' lines, copied, never on a command line",
+                  shlex.join(gcloud_scp_argv(target, "SECRETS-FILE", secrets_file))]
+    return "".join(line + "\n" for line in [*lines, shlex.join(gcloud_argv(target, command))])
+
+
+def send_secrets(target: Target, secret_env: Mapping[str, str], secrets_file: str, *,
+                 stream: TextIO, log_path: Path | None = None) -> int:
+    """Copy the secrets to ~/<secrets_file> on every worker (one `gcloud ... scp --worker=all`;
+    its exit code). The local copy: a 0600 file in a private temporary directory, deleted as soon
+    as gcloud returns; scp creates the remote one with the same 0600 mode."""
+    with tempfile.TemporaryDirectory(prefix="podrunner-") as tmp:
+        local = os.path.join(tmp, secrets_file)
+        with os.fdopen(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+            f.write(secrets_file_text(secret_env))
+        return run_gcloud(gcloud_scp_argv(target, local, secrets_file), stream=stream, log_path=log_path)
+
+
+def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path: Path | None) -> None:
+    _say(stream, "removing the secrets file from the workers")
+    code = run_gcloud(gcloud_argv(target, remove_secrets_command(secrets_file)), stream=stream, log_path=log_path)
+    if code != 0:
+        _say(stream, f"could not reach every worker (gcloud exit code {code}); `launch.py stop` removes the "
+                     f"file ~/{secrets_file} too")
 
 
 class _PodWatch:
     """Reads the pod's output as it streams: warns once when workers run different commits,
-    and remembers whether a worker found the TPU busy."""
+    remembers whether a worker found the TPU busy, and records the run id the trainer says it
+    uses in <run_dir>/run_id (said here when it is not the launch's, i.e. a resumed run)."""
 
     _START = re.compile(re.escape(START_TAG) + r"host=(\S+) commit=(\S+)")
     _BUSY = re.compile(r"TPU.*(already in use|busy)|libtpu_lockfile", re.IGNORECASE)
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None) -> None:
         self.stream, self.commits, self.warned, self.tpu_busy = stream, {}, False, False
+        self.launch_id, self.run_dir, self.run_id = launch_id, run_dir, None
 
     def line(self, line: str) -> None:
         if self._BUSY.search(line):
             self.tpu_busy = True
+        used = _TRAINER_RUN_ID.search(line)
+        if used and self.run_id is None and self.run_dir is not None:
+            self.run_id = used.group(1)
+            (self.run_dir / "run_id").write_text(self.run_id + "\n")
+            if self.run_id != self.launch_id:
+                _say(self.stream, f"the run's id is {self.run_id} ({used.group(2)}); this launch's logs stay "
+                                  f"under {self.launch_id}")
         m = self._START.search(line)
         if m:
             self.commits[m.group(1)] = m.group(2)

@@ -3,12 +3,16 @@
 The fake runs the --command of `gcloud compute tpus tpu-vm ssh --worker=all` with bash on this
 machine once per simulated worker, each with its own HOME under tmp_path, so every `~` path of
 the remote command lands in that worker's directory. The "repo" on each worker is a stand-in:
-a `.venv/bin/activate` stub and a `pretrain_jax.py` that dumps its argv and environment.
+a `.venv/bin/activate` stub and a `pretrain_jax.py` that dumps its argv and environment (the
+secrets as hashes, so that no file holds their values). The secrets are set only on "this
+machine" (FAKE_GCLOUD_LOCAL_ONLY): a worker has them only if the launcher sent them.
 Processes are scoped by HOME, so nothing outside tmp_path is ever touched.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
@@ -16,33 +20,46 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from experiments.pod import PodError, remote_path, resolve_run_id
+from experiments.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = REPO_ROOT / "experiments" / "launch.py"
 FAKE_GCLOUD_DIR = Path(__file__).resolve().parent / "fake_gcloud"
 SECRET = "wandb-secret-7f3a9c"
+HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
 WORKERS = 2
 TRICKY = ['run.name="a b \'c\'"', "data.path=/x y/$HOME/`id`", "train.steps=5"]
 
 STUB = """\
-import json, os, sys, time
-keys = ("WANDB_API_KEY", "PODRUNNER_RUN_ID", "TPU_WORKER_ID", "STUB_VENV", "PYTHONUNBUFFERED", "EXTRA")
+import hashlib, json, os, sys, time
+keys = ("PODRUNNER_RUN_ID", "TPU_WORKER_ID", "STUB_VENV", "PYTHONUNBUFFERED", "EXTRA")
+secret = lambda v: v and "sha256:" + hashlib.sha256(v.encode()).hexdigest()
 info = {"argv": sys.argv[1:], "pid": os.getpid(), "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in keys}}
-with open(os.path.join(os.environ["HOME"], "stub_run.json"), "w") as f:
+info["env"].update({k: secret(os.environ.get(k)) for k in ("WANDB_API_KEY", "HF_TOKEN")})
+home = os.environ["HOME"]
+with open(os.path.join(home, "stub_run.json"), "w") as f:
     json.dump(info, f)
 worker = os.environ["TPU_WORKER_ID"]
 print(f"stub worker {worker} argv={json.dumps(sys.argv[1:])}", flush=True)
+if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
+    print(f"12:00:00 INFO run id {os.environ['STUB_RUN_ID']} (resumed from the checkpoint)", flush=True)
 for step in (1, 2, 3):
     print(f"step {step}", flush=True)
 time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
+while os.environ.get("STUB_WAIT") and not os.path.exists(os.path.join(home, "go")):
+    time.sleep(0.05)  # until the test has looked at the running pod
 sys.exit(3 if os.environ.get("STUB_FAIL_WORKER") == worker else 0)
 """
+
+
+def hashed(value: str) -> str:
+    return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -58,9 +75,12 @@ def pod(tmp_path: Path):
         (venv_bin / "python").symlink_to(sys.executable)
         (home / "repo" / "pretrain_jax.py").write_text(STUB)
         (home / "repo" / "setup_tpu.sh").write_text("echo setup_tpu.sh: ok on $(hostname)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PODRUNNER_", "FAKE_GCLOUD_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WANDB_", "PODRUNNER_", "FAKE_GCLOUD_", "HF_"))}
+    (tmp_path / "tmp").mkdir()  # the launcher's temporary files, inside what the tests inspect
     env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
                FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS=str(WORKERS),
+               FAKE_GCLOUD_LOCAL_ONLY="WANDB_API_KEY,HF_TOKEN", TMPDIR=str(tmp_path / "tmp"),
                WANDB_API_KEY=SECRET, PYTHONUNBUFFERED="1",
                PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile", PODRUNNER_TPU_DEVICES="~/fake-accel*")
     started: list[subprocess.Popen] = []
@@ -71,7 +91,7 @@ def pod(tmp_path: Path):
 
         def launch(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=timeout)
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
         def gcloud_calls(self) -> list[list[str]]:
             log = tmp_path / "gcloud.jsonl"
@@ -120,23 +140,37 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 # --- pod --------------------------------------------------------------------------------------
 
-def test_dry_run_prints_the_exact_command_and_runs_nothing(pod):
-    r = pod.launch("pod", *target("--project", "proj", "--run-id", "r1", "--dry-run", "--", *TRICKY))
+def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
+    pod.env["HF_TOKEN"] = HF_SECRET
+    r = pod.launch("pod", *target("--project", "proj", "--run-id", "r1", "--forward-env", "HF_TOKEN", "--dry-run",
+                                  "--", *TRICKY))
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    assert len(lines) == 1
-    argv = shlex.split(lines[0])
+    note, scp, ssh = r.stdout.splitlines()
+    assert note.startswith("# secrets WANDB_API_KEY, HF_TOKEN: ")
+    secrets_file = shlex.split(scp)[6].split(":", 1)[1]
+    assert re.fullmatch(r"\.podrunner-secrets-[0-9a-f]{16}", secrets_file)
+    assert shlex.split(scp) == ["gcloud", "compute", "tpus", "tpu-vm", "scp", "SECRETS-FILE", f"my-tpu:{secrets_file}",
+                                "--zone", "us-central2-b", "--project", "proj", "--worker=all"]
+    argv = shlex.split(ssh)
     assert argv[:11] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone", "us-central2-b",
                          "--project", "proj", "--worker=all"]
     assert argv[11] == "--command" and len(argv) == 13
     command = argv[12]
+    assert command.startswith(f"set -o pipefail; SECRETS=\"$HOME\"/{secrets_file}; trap 'rm -f \"$SECRETS\"' EXIT; ")
     assert "cd \"$HOME\"/podrunner || " in command  # the default repo dir, ~ still expanding remotely
-    assert "export PYTHONUNBUFFERED=1 PODRUNNER_RUN_ID=r1 WANDB_API_KEY=***;" in command
-    assert ("python pretrain_jax.py 'run.name=\"a b '\"'\"'c'\"'\"'\"' 'data.path=/x y/$HOME/`id`' "
-            "train.steps=5 run.id=r1; } 2>&1 | tee -a \"$LOG\"") in command
+    assert "export PYTHONUNBUFFERED=1 PODRUNNER_RUN_ID=r1;" in command
+    assert ('( { set -a && . "$SECRETS" && set +a && rm -f "$SECRETS"; } || ' in command)
+    assert ("exec python pretrain_jax.py 'run.name=\"a b '\"'\"'c'\"'\"'\"' 'data.path=/x y/$HOME/`id`' "
+            "train.steps=5 run.id=r1; ); } 2>&1 | tee -a \"$LOG\"") in command
     assert 'LOG="$HOME"/podrunner-logs/r1/worker-"$(hostname)".log' in command
-    assert SECRET not in r.stdout + r.stderr
+    for secret in (SECRET, HF_SECRET):
+        assert secret not in r.stdout + r.stderr
     assert pod.gcloud_calls() == []  # nothing ran
+
+    del pod.env["WANDB_API_KEY"], pod.env["HF_TOKEN"]  # no secrets: no copy, nothing read on the workers
+    r = pod.launch("pod", *target("--run-id", "r1", "--forward-env", "HF_TOKEN", "--dry-run"))
+    assert len(r.stdout.splitlines()) == 1 and "SECRETS" not in r.stdout
+    assert "; python pretrain_jax.py run.id=r1; } 2>&1" in r.stdout
 
 
 def test_pod_runs_every_worker_with_one_run_id_and_intact_overrides(pod):
@@ -144,28 +178,30 @@ def test_pod_runs_every_worker_with_one_run_id_and_intact_overrides(pod):
                                   "--", *TRICKY))
     assert r.returncode == 0, r.stdout + r.stderr
     calls = pod.gcloud_calls()
-    assert len(calls) == 1 and calls[0].count("--worker=all") == 1  # ONE ssh for all workers
-    assert f"WANDB_API_KEY={SECRET}" in calls[0][-1]  # sent, only in gcloud's argv
+    assert [c[4] for c in calls] == ["scp", "ssh"]  # the secrets first, then ONE ssh for all workers
+    assert calls[1].count("--worker=all") == 1
 
     runs = [json.loads((home / "stub_run.json").read_text()) for home in pod.homes]
     run_id = runs[0]["env"]["PODRUNNER_RUN_ID"]
     assert re.fullmatch(r"\d{8}-\d{6}-[a-z0-9]{4}", run_id)
+    assert f"[launch] run id {run_id} (proposed: a fresh run takes it" in r.stdout
     for i, (home, run) in enumerate(zip(pod.homes, runs)):
-        assert run["argv"] == [*TRICKY, f"run.id={run_id}"]  # intact, same id everywhere
-        assert run["env"] == {"WANDB_API_KEY": SECRET, "PODRUNNER_RUN_ID": run_id, "TPU_WORKER_ID": str(i),
-                              "STUB_VENV": "1", "PYTHONUNBUFFERED": "1", "EXTRA": "x y"}
+        assert run["argv"] == TRICKY  # intact; a generated id is only proposed, never run.id=
+        assert run["env"] == {"WANDB_API_KEY": hashed(SECRET), "HF_TOKEN": None, "PODRUNNER_RUN_ID": run_id,
+                              "TPU_WORKER_ID": str(i), "STUB_VENV": "1", "PYTHONUNBUFFERED": "1", "EXTRA": "x y"}
         assert run["cwd"] == str(home / "repo")
         log = home / "podrunner-logs" / run_id / f"worker-t1v-n-my-tpu-w-{i}.log"
         text = log.read_text()
         assert f"stub worker {i} argv=" in text and "step 3" in text
-        assert f"podrunner-start host=t1v-n-my-tpu-w-{i} commit=unknown run_id={run_id}" in text
-        assert SECRET not in text
+        assert f"podrunner-start host=t1v-n-my-tpu-w-{i} commit=unknown launch_id={run_id}" in text
+        assert not list(home.glob(".podrunner-secrets-*"))
 
     launch_log = (pod.tmp / "logs" / run_id / "launch.log").read_text()
     for i in range(WORKERS):
         assert f"stub worker {i} argv=" in launch_log and f"stub worker {i} argv=" in r.stdout
     command_txt = (pod.tmp / "logs" / run_id / "command.txt").read_text()
-    assert "WANDB_API_KEY=***" in command_txt
+    assert command_txt.startswith("# secrets WANDB_API_KEY: ") and "tpu-vm scp SECRETS-FILE" in command_txt
+    assert "[launch] secrets WANDB_API_KEY: sent as a 0600 file" in r.stdout
     for text in (r.stdout, r.stderr, launch_log, command_txt):
         assert SECRET not in text
 
@@ -176,14 +212,128 @@ def test_pod_exit_code_is_gclouds(pod):
                                   "--", "train.steps=1"))
     assert r.returncode == 3, r.stdout + r.stderr
     assert "gcloud exited with code 3" in r.stdout
+    assert json.loads((pod.homes[0] / "stub_run.json").read_text())["argv"] == ["train.steps=1", "run.id=fail1"]
+    secrets_file = pod.gcloud_calls()[0][6].split(":", 1)[1]
+    assert pod.gcloud_calls()[-1][-1] == f'rm -f "$HOME"/{secrets_file}'  # for a worker that never started
+
+
+def test_secrets_never_on_a_command_line_nor_in_a_file(pod):
+    """The values reach python's environment on every worker and nothing else: no argv (gcloud's,
+    the workers' shells', python's), no file (logs, gcloud's state, the workers' homes, the
+    temporary directory), no environment on a worker but python's."""
+    pod.env.update(HF_TOKEN=HF_SECRET, STUB_WAIT="1")
+    launcher = subprocess.Popen([sys.executable, str(LAUNCH), "pod", *target(
+        "--repo-dir", "~/repo", "--run-id", "s1", "--log-dir", "logs", "--forward-env", "HF_TOKEN")],
+        cwd=pod.tmp, env=pod.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        dumps = [home / "stub_run.json" for home in pod.homes]
+        wait_for(lambda: all(d.exists() for d in dumps), 60)
+        stubs = {json.loads(d.read_text())["pid"] for d in dumps}
+        for secret in (SECRET, HF_SECRET):  # while the pod runs
+            assert command_lines_holding(secret.encode()) == []
+            assert worker_environments_holding(secret.encode(), pod.homes) == stubs
+        for home in pod.homes:
+            assert not list(home.glob(".podrunner-secrets-*"))  # read and removed before python started
+        assert not any((pod.tmp / "tmp").iterdir())  # the local copy too
+        for home in pod.homes:
+            (home / "go").touch()
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, out
+    assert "[launch] secrets WANDB_API_KEY, HF_TOKEN: sent as a 0600 file" in out
+    for home in pod.homes:
+        env = json.loads((home / "stub_run.json").read_text())["env"]
+        assert (env["WANDB_API_KEY"], env["HF_TOKEN"]) == (hashed(SECRET), hashed(HF_SECRET))  # intact
+    calls = pod.gcloud_calls()
+    assert [c[4] for c in calls] == ["scp", "ssh"]
+    for secret in (SECRET, HF_SECRET):
+        assert secret not in out and not any(secret in arg for call in calls for arg in call)
+        assert files_holding(secret.encode(), pod.tmp) == []
+    assert not list(pod.tmp.rglob("pwned*"))  # the value was never run as shell code
+
+
+def test_secrets_copy_failure_starts_nothing(pod):
+    pod.env["FAKE_GCLOUD_UNREACHABLE"] = "1"
+    r = pod.launch("pod", *target("--repo-dir", "~/repo", "--log-dir", "logs", "--", "train.steps=1"))
+    assert r.returncode == 255, r.stdout + r.stderr
+    assert "copying the secrets to the workers failed (gcloud exit code 255); nothing was started" in r.stdout
+    calls = pod.gcloud_calls()
+    assert [c[4] for c in calls] == ["scp", "ssh"] and calls[1][-1].startswith("rm -f ")
+    for home in pod.homes:
+        assert not (home / "stub_run.json").exists()
+        assert not list(home.glob(".podrunner-secrets-*"))  # worker 0 got it; the launcher removed it
+
+
+def test_secrets_file_is_private_and_sourced_intact(pod, monkeypatch):
+    for key, value in pod.env.items():  # the fake gcloud on PATH
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(pod.tmp / "tmp"))
+    values = {"WANDB_API_KEY": SECRET, "HF_TOKEN": HF_SECRET}
+    assert send_secrets(Target("my-tpu", "z"), values, ".podrunner-secrets-t1", stream=io.StringIO()) == 0
+    read = "import json, os; print(json.dumps([os.environ['WANDB_API_KEY'], os.environ['HF_TOKEN']]))"
+    for home in pod.homes:
+        path = home / ".podrunner-secrets-t1"
+        assert path.stat().st_mode & 0o777 == 0o600
+        out = subprocess.run(["bash", "-c", f'set -a; . "$1"; {shlex.quote(sys.executable)} -c "$2"', "-", path, read],
+                             cwd=home, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True)
+        assert json.loads(out.stdout) == [SECRET, HF_SECRET]
+    assert not any((pod.tmp / "tmp").iterdir())
+    assert not list(pod.tmp.rglob("pwned*"))
+
+
+def test_a_resumed_run_keeps_its_checkpoint_id_and_the_launcher_records_it(pod):
+    del pod.env["WANDB_API_KEY"]  # and no secrets: no copy
+    pod.env["STUB_RUN_ID"] = "t-0badc0de"
+    r = pod.launch("pod", *target("--repo-dir", "~/repo", "--log-dir", "logs", "--", "train.steps=5"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = pod.gcloud_calls()
+    assert [c[4] for c in calls] == ["ssh"] and "SECRETS" not in calls[0][-1]
+    launch_id = json.loads((pod.homes[0] / "stub_run.json").read_text())["env"]["PODRUNNER_RUN_ID"]
+    assert (f"[launch] the run's id is t-0badc0de (resumed from the checkpoint); this launch's logs stay under "
+            f"{launch_id}") in r.stdout
+    assert (pod.tmp / "logs" / launch_id / "run_id").read_text() == "t-0badc0de\n"
+
+
+def command_lines_holding(secret: bytes) -> list[int]:
+    return [pid for pid, cmdline, _ in proc_table() if secret in cmdline]
+
+
+def worker_environments_holding(secret: bytes, homes: list[Path]) -> set[int]:
+    """Pids of the processes "on a worker" (HOME is a worker's) whose environment holds `secret`."""
+    homes_b = {b"HOME=" + str(h).encode() for h in homes}
+    return {pid for pid, _, environ in proc_table() if secret in environ and homes_b & set(environ.split(b"\0"))}
+
+
+def proc_table() -> list[tuple[int, bytes, bytes]]:
+    rows = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                rows.append((int(entry.name), (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()))
+            except OSError:  # gone, or not ours to read
+                pass
+    return rows
+
+
+def files_holding(secret: bytes, root: Path) -> list[Path]:
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file() and not path.is_symlink() and secret in path.read_bytes():
+                found.append(path)
+    return found
 
 
 def test_ctrl_c_stops_the_run_on_every_worker(pod):
     pod.env["STUB_SLEEP"] = "60"
     launcher = subprocess.Popen([sys.executable, str(LAUNCH), "pod", *target(
         "--repo-dir", "~/repo", "--run-id", "int1", "--log-dir", "logs", "--interrupt-grace", "5")],
-        cwd=pod.tmp, env=pod.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        cwd=pod.tmp, env=pod.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
         wait_for(lambda: all(d.exists() for d in dumps))
@@ -209,6 +359,8 @@ def test_stop_kills_stale_processes_and_removes_the_lockfile(pod):
         (home / "fake-accel0").touch()
         holders.append(pod.spawn(home, "exec sleep 301 < ~/fake-accel0"))  # holds the "TPU"
         (home / "libtpu_lockfile").touch()
+    for home in pod.homes:
+        (home / ".podrunner-secrets-0123").write_text("WANDB_API_KEY=x\n")  # a launch that never started
     innocent = pod.spawn(pod.homes[0], "exec sleep 302")
     elsewhere = pod.tmp / "someone-else"
     elsewhere.mkdir()
@@ -227,7 +379,9 @@ def test_stop_kills_stale_processes_and_removes_the_lockfile(pod):
     assert f"killed pid {foreign.pid}" not in r.stdout
     for i, home in enumerate(pod.homes):
         assert not (home / "libtpu_lockfile").exists()
-        assert f"[t1v-n-my-tpu-w-{i}] killed 2 process(es); removed {home / 'libtpu_lockfile'}" in r.stdout
+        assert (f"[t1v-n-my-tpu-w-{i}] killed 2 process(es); removed {home / 'libtpu_lockfile'}; "
+                "removed 1 leftover secrets file(s)") in r.stdout
+        assert not (home / ".podrunner-secrets-0123").exists()
 
 
 def test_stop_keeps_a_lockfile_another_login_still_holds(pod):
@@ -305,9 +459,11 @@ def test_setup_git_ref_dry_run(pod):
 # --- pieces -----------------------------------------------------------------------------------
 
 def test_run_id_resolution():
-    assert resolve_run_id("a1", ["x=1"]) == ("a1", ["x=1", "run.id=a1"])
-    assert resolve_run_id(None, ["run.id=b2"]) == ("b2", ["run.id=b2"])  # given as an override
-    assert resolve_run_id("b2", ["+run.id=b2"]) == ("b2", ["+run.id=b2"])
+    assert resolve_run_id("a1", ["x=1"]) == ("a1", ["x=1", "run.id=a1"], True)  # fixed
+    assert resolve_run_id(None, ["run.id=b2"]) == ("b2", ["run.id=b2"], True)  # given as an override
+    assert resolve_run_id("b2", ["+run.id=b2"]) == ("b2", ["+run.id=b2"], True)
+    proposed, overrides, fixed = resolve_run_id(None, ["x=1"])
+    assert re.fullmatch(r"\d{8}-\d{6}-[a-z0-9]{4}", proposed) and overrides == ["x=1"] and not fixed
     with pytest.raises(PodError, match="conflicts"):
         resolve_run_id("a1", ["run.id=b2"])
     with pytest.raises(PodError, match="run id"):

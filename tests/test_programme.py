@@ -253,7 +253,7 @@ def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
 def test_pod_sweep_is_one_pod_run_per_variant(capsys):
     assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--zone", "z", "--variants", "L2,L6", "--dry-run",
                         "--", "train.seed=3"]) == 0
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("gcloud ")]
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("gcloud compute tpus tpu-vm ssh ")]
     assert len(lines) == 2 and all("--worker=all" in l and "train.seed=3" in l for l in lines)
     assert "+experiment=exp02a/L2" in lines[0] and "+experiment=exp02a/L6" in lines[1]
     assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--dry-run"]) == 2  # no --zone
