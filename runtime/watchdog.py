@@ -21,9 +21,19 @@ import sys
 import threading
 import time
 
+from runtime import liveness
 from runtime.errors import EXIT_HANG
 
 log = logging.getLogger(__name__)
+_latest: tuple[int, str] | None = None  # (completed step, phase) of the latest beat of any watchdog
+
+
+def progress_phrase() -> str:
+    """Where this process is, for a one-line error: "at step 8 (step 7 done; train)"."""
+    latest = _latest
+    if latest is None:
+        return "before the first step (start-up or compile)"
+    return f"at step {latest[0] + 1} (step {latest[0]} done; {latest[1]})"
 
 
 def _labelled_wait(label: str):
@@ -46,7 +56,9 @@ class Watchdog:
         return self
 
     def beat(self, completed_step: int, phase: str = "train") -> None:
+        global _latest
         self._last = (time.monotonic(), completed_step, phase)
+        _latest = (completed_step, phase)
 
     def stop(self) -> None:
         self._stop.set()
@@ -69,4 +81,5 @@ class Watchdog:
               "dumping Python stacks and exiting", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        liveness.leave(EXIT_HANG)  # the others stop too, with their own stall or naming this one
         os._exit(EXIT_HANG)  # not sys.exit: the main thread is the one that is stuck
