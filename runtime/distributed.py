@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -32,7 +33,7 @@ import jax
 
 from runtime import liveness
 from runtime.config import DistributedConfig
-from runtime.errors import UserError, one_line
+from runtime.errors import EXIT_USER_ERROR, UserError, one_line
 from runtime.watchdog import progress_phrase
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,15 @@ def _join(cfg: DistributedConfig, values: Explicit, hosts: Sequence[str], mode: 
         liveness.rendezvous(host, live_port, values.process_id, values.num_processes,
                             join_timeout_s=cfg.initialization_timeout_s, liveness_timeout_s=cfg.liveness_timeout_s,
                             progress=progress_phrase, coordinator=values.coordinator_address, hosts=hosts)
+    # Every process is there, so JAX's join is quick unless its port is blocked; JAX would then abort
+    # (SIGABRT) at its deadline: say it in one line just before.
+    before_jax = max(1.0, cfg.initialization_timeout_s - 2)
+    line = (f"JAX's coordinator {values.coordinator_address} did not connect all {values.num_processes} processes "
+            f"within {before_jax:g}s although all passed the start-up barrier: open its port between workers "
+            "(distributed.port), or raise distributed.initialization_timeout_s")
+    timer = threading.Timer(before_jax, liveness.stop, (line, EXIT_USER_ERROR))
+    timer.daemon = True
+    timer.start()
     try:
         jax.distributed.initialize(
             coordinator_address=values.coordinator_address,
@@ -212,6 +222,8 @@ def _join(cfg: DistributedConfig, values: Explicit, hosts: Sequence[str], mode: 
             f"{values.num_processes} within {cfg.initialization_timeout_s}s ({_short(e)}); check that every worker "
             "was started, the address is worker 0's, and the port is open"
         ) from e
+    finally:
+        timer.cancel()
     return _process_info(mode)
 
 

@@ -23,12 +23,15 @@ dead peer, and an async checkpoint cut short stays an incomplete step, which Orb
 A process that ends on purpose says goodbye first (`leave(code)`): exit 0 ends the watching; a
 failure gives the others LEAVE_GRACE_S to fail on their own (the same NaN, the same error) before
 they stop with EXIT_PEER_LOST naming it. Process 0 waits for them to go before it goes, since its
-exit takes JAX's coordination service down and with it every process still attached.
+exit takes JAX's coordination service down and with it every process still attached. A process
+that fails right when a peer dies (a collective or a checkpoint barrier breaks) calls `failing()`
+first, so the lost peer is what it reports, in one line, not the echo.
 
-Limit: if process 0's process dies abruptly (SIGKILL, OOM kill, segfault) while its host lives,
-the others' JAX clients abort within milliseconds, as the service's socket closes, before this
-channel can speak (jaxlib 0.10's `missed_heartbeat_callback` cannot call Python). Their stack
-dump still names the step (runtime/watchdog.py).
+Limit: when process 0's process dies abruptly (SIGKILL, OOM kill, segfault) while its host lives,
+the others' JAX clients see the service's socket close at the same moment as this channel does,
+and JAX may log its fatal line (`Terminating process because the JAX distributed service detected
+fatal errors`) before our line and exit 7; rarely its abort (exit 134) wins the race (jaxlib 0.10's
+`missed_heartbeat_callback` cannot call Python, so it cannot be handed to us).
 """
 
 from __future__ import annotations
@@ -127,8 +130,8 @@ def listen(port: int) -> socket.socket:
     """Process 0's listening socket, on every interface (as JAX's coordinator binds)."""
     try:
         if socket.has_dualstack_ipv6():
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-        return socket.create_server(("", port))
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+        return socket.create_server(("", port), backlog=1024)
     except OSError as e:
         raise UserError(f"process 0 cannot listen on liveness port {port} ({e.strerror or e}); free it or set "
                         "distributed.liveness_port to a free port, the same on every worker")
@@ -182,9 +185,10 @@ def _hear_hello(link: Link, selector, joined: dict[int, Link], count: int, deadl
         return
     while link.inbox:
         message = link.inbox.pop(0)
-        if "hello" not in message:
+        try:
+            pid, host, theirs = int(message["hello"]), str(message.get("host", "?")), message.get("count")
+        except (KeyError, TypeError, ValueError):  # not a hello of ours
             continue
-        pid, host, theirs = int(message["hello"]), str(message.get("host", "?")), message.get("count")
         problem = _inconsistency(pid, host, theirs, count, joined, link)
         if problem:
             link.send(fail=problem)  # the others hear it from gather
@@ -412,6 +416,17 @@ def failing(wait_s: float = 2.0) -> None:
     instead (nothing outside a pod). See Pod.failing."""
     if _current is not None:
         _current.failing(wait_s)
+
+
+def stop(line: str, code: int) -> None:
+    """End this process now with `error: line` and `code`, from any thread; the others hear of it
+    (process 0 waits for them to go first). Quiet if a lost peer is being reported already."""
+    if _current is not None and not _current._one_report.acquire(blocking=False):
+        return
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    leave(code)
+    os._exit(code)
 
 
 def leave(code: Optional[int]) -> None:

@@ -120,3 +120,21 @@ def test_process_0_failing_waits_for_the_others(monkeypatch):
     peer, reports = watch(1, joined[1])
     hub.leave(2)  # returns once process 1 went (it stops after the grace), before JAX's service would go
     assert f"process 0 (host {HOST}) stopped with exit code 2" in reports.get_nowait()
+
+
+def test_one_line_either_a_lost_peer_or_this_process_own_failure():
+    joined = barrier(2, {1: 2})
+    hub, reports = watch(0, joined[0])
+    joined[1][0].close()  # the peer dies; this process fails too (a collective), an echo
+    failing = threading.Thread(target=hub.failing, args=(5,), daemon=True)
+    failing.start()
+    assert reports.get(timeout=10).startswith("process 1 (host")
+    failing.join(1)
+    assert failing.is_alive()  # the echo is never reported: the watcher's report ends the process
+
+    joined = barrier(2, {1: 2})
+    hub, reports = watch(0, joined[0])
+    hub.failing(0.1)  # no peer lost: this process reports its own failure, alone
+    joined[1][0].close()
+    with pytest.raises(queue.Empty):
+        reports.get(timeout=1)
