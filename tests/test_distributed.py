@@ -111,6 +111,17 @@ def test_detection_failure_falls_back_to_worker_metadata(joins, monkeypatch):
         distributed.initialize(DistributedConfig(), {})
 
 
+def test_jax_join_after_the_barrier_ends_in_one_line_before_its_own_abort(joins, monkeypatch):
+    stopped, said = threading.Event(), []
+    monkeypatch.setattr(distributed.liveness, "stop", lambda line, code: (said.append((line, code)), stopped.set()))
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: stopped.wait(30))  # a blocked port
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+    distributed.initialize(DistributedConfig(initialization_timeout_s=3), env)
+    assert said == [("JAX's coordinator 127.0.0.1:1234 did not connect all 2 processes within 1s although all "
+                     "passed the start-up barrier: open its port between workers (distributed.port), or raise "
+                     "distributed.initialization_timeout_s", 2)]
+
+
 @pytest.mark.parametrize("cfg,message", [
     (DistributedConfig(liveness_port=1234), "distributed.liveness_port=1234 must be a TCP port (1-65535) other than "
                                             "the coordinator's (1234)"),
