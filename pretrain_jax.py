@@ -35,7 +35,10 @@ def _exit(code: int) -> None:
     """Exit with `code`. A failed run leaves at once (after its own cleanup, already done):
     a normal exit would wait for background threads (Orbax/tensorstore retrying a dead
     storage endpoint) and, in a multi-process job, in JAX's shutdown barrier for peers that
-    may never arrive."""
+    may never arrive. The other processes of a pod hear of it first (runtime/liveness.py)."""
+    from runtime import liveness
+
+    liveness.leave(code)
     if code:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -64,7 +67,16 @@ def _swept_values(hydra_cfg) -> str | None:
     return ",".join(t for t in hydra_cfg.overrides.task if t.split("=", 1)[0] in swept) or None
 
 
+def _failing() -> None:
+    """In a pod, a failure can be the echo of a peer that died (a collective, a checkpoint barrier):
+    the liveness channel names that peer instead, and exits, if it finds one (runtime/liveness.py)."""
+    from runtime import liveness
+
+    liveness.failing()
+
+
 def _user_error(e: UserError) -> None:
+    _failing()
     print(f"error: {e}", file=sys.stderr, flush=True)
     _exit(e.exit_code)
 
@@ -85,6 +97,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except UserError as e:  # exit here: Hydra would add its own line to a raised exception
         _user_error(e)
     except Exception:
+        _failing()
         traceback.print_exc()
         _exit(EXIT_FAILURE)
     if code:

@@ -205,7 +205,11 @@ class DistributedConfig(Freezable):
     process_id: Optional[int] = None
     port: int = 8482  # JAX's Cloud TPU coordinator port since 0.8.1 (8476 before)
     initialization_timeout_s: int = 300
-    heartbeat_timeout_s: int = 100  # a worker silent this long is declared dead
+    heartbeat_timeout_s: int = 100  # JAX aborts a worker silent this long; at least 2 x liveness_timeout_s
+    # Process 0's port for the start-up barrier and liveness channel (runtime/liveness.py); None: the
+    # coordinator's port + 1. It must be open between workers, like the coordinator's.
+    liveness_port: Optional[int] = None
+    liveness_timeout_s: float = 30.0  # a peer silent this long is lost (a dead process: at once)
     shutdown_timeout_s: int = 300
 
 

@@ -6,12 +6,17 @@
   sets these), or derived from the TPU VM's worker metadata (TPU_WORKER_ID and
   TPU_WORKER_HOSTNAMES in the environment, else the metadata server's agent-worker-number
   and worker-network-endpoints): worker 0 hosts the coordinator;
-- cluster: JAX's own auto-detection (`jax.distributed.initialize()` with no arguments),
-  used on a TPU VM of a multi-host slice or another environment JAX recognises;
+- cluster: the values of JAX's own auto-detection (its detectors, run before joining), used
+  on a TPU VM of a multi-host slice (single or multislice) or another environment JAX recognises;
 - single: nothing to join.
 In `auto` mode a detected cluster comes first; if detection fails and explicit values are
 known, the explicit path is the fallback. Timeouts are bounded and deliberate, and an
 unreachable coordinator is one clear error, not a hang.
+
+Before JAX joins, every process passes our start-up barrier (runtime/liveness.py, on process
+0's `distributed.liveness_port`, default the coordinator's port + 1): processes that do not all
+come within `distributed.initialization_timeout_s` get one line naming the missing ones (exit 2)
+instead of JAX's abort, and the barrier's connections then watch for a dead peer (exit 7).
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
+import threading
 import urllib.request
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
 
 import jax
 
+from runtime import liveness
 from runtime.config import DistributedConfig
-from runtime.errors import UserError, one_line
+from runtime.errors import EXIT_USER_ERROR, UserError, one_line
+from runtime.watchdog import progress_phrase
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,8 @@ class Explicit:
     num_processes: int
     process_id: int
     source: str
+    hosts: tuple[str, ...] = field(default=(), compare=False)  # each process's host, where known beforehand
+    local_device_ids: Optional[Sequence[int]] = field(default=None, compare=False)  # from JAX's cluster detection
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ def explicit_values(cfg: DistributedConfig, env: Mapping[str, str]) -> Optional[
     for source, address, count, pid in sources:
         given = [v is not None and v != "" for v in (address, count, pid)]
         if all(given):
-            return _checked(source, str(address), count, pid, cfg.port)
+            return _checked(source, str(address), count, pid, cfg.port, hostnames if source == TPU_METADATA else ())
         if any(given) and source == "config":
             missing = [n for n, g in zip(("coordinator_address", "num_processes", "process_id"), given) if not g]
             raise UserError(f"distributed.{', distributed.'.join(missing)} missing: give all three of "
@@ -85,14 +94,14 @@ def explicit_values(cfg: DistributedConfig, env: Mapping[str, str]) -> Optional[
     endpoints = worker_metadata(env)
     if endpoints is not None:
         worker, hosts = endpoints
-        return _checked(TPU_METADATA, hosts[0], len(hosts), worker, cfg.port)
+        return _checked(TPU_METADATA, hosts[0], len(hosts), worker, cfg.port, hosts)
     return None
 
 
 TPU_METADATA = "TPU worker metadata"
 
 
-def _checked(source: str, address: str, count, pid, port: int) -> Explicit:
+def _checked(source: str, address: str, count, pid, port: int, hosts: Sequence[str] = ()) -> Explicit:
     try:
         count, pid = int(count), int(pid)
     except ValueError:
@@ -100,7 +109,7 @@ def _checked(source: str, address: str, count, pid, port: int) -> Explicit:
     if not 0 <= pid < count:
         raise UserError(f"process_id {pid} is outside [0, {count}) (from {source}); give each worker a distinct id "
                         "below num_processes")
-    return Explicit(_with_port(address, port), count, pid, source)
+    return Explicit(_with_port(address, port), count, pid, source, tuple(hosts))
 
 
 def worker_metadata(env: Mapping[str, str]) -> Optional[tuple[int, list[str]]]:
@@ -142,33 +151,88 @@ def cluster_detected() -> bool:
     return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
 
 
-def _wait_for_coordinator(address: str, timeout_s: float) -> None:
-    host, _, port = address.rpartition(":")
+def detected_values(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[Optional[Explicit], str]:
+    """The values JAX's cluster auto-detection would join with (its own detectors, run before joining
+    so that the start-up barrier can use them), or None and why not."""
+    from jax._src import clusters
+
+    try:
+        address, count, pid, local_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            env.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, cfg.initialization_timeout_s)
+    except Exception as e:  # noqa: BLE001 - a detector that cannot reach its metadata
+        return None, _short(e)
+    if None in (address, count, pid):
+        return None, "no known cluster environment"
+    return Explicit(str(address), int(count), int(pid), "cluster", local_device_ids=local_ids), ""
+
+
+def _liveness_address(cfg: DistributedConfig, values: Explicit) -> tuple[str, int]:
+    """Process 0's host and its liveness port, checked; and the timeouts' order, checked."""
+    host, _, port = values.coordinator_address.rpartition(":")
     host = host.strip("[]")
     try:
-        socket.getaddrinfo(host, int(port))
+        coordinator_port = int(port)
+        if values.process_id != 0:
+            socket.getaddrinfo(host, coordinator_port)
     except (socket.gaierror, ValueError) as e:
-        raise UserError(f"coordinator address {address!r} does not resolve ({e}); set distributed.coordinator_address "
-                        "to worker 0's host:port")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=2).close()
-            return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise UserError(f"coordinator {address} did not answer within {timeout_s}s ({e}); start process 0 "
-                                "first or together with the others, check the address is worker 0's and the port is "
-                                "open (distributed.port / distributed.initialization_timeout_s)")
-            time.sleep(0.5)
+        raise UserError(f"coordinator address {values.coordinator_address!r} does not resolve ({e}); set "
+                        "distributed.coordinator_address to worker 0's host:port")
+    live_port = cfg.liveness_port if cfg.liveness_port is not None else coordinator_port + 1
+    if not 0 < live_port < 65536 or live_port == coordinator_port:
+        raise UserError(f"distributed.liveness_port={live_port} must be a TCP port (1-65535) other than the "
+                        f"coordinator's ({coordinator_port}), open between workers and the same on each")
+    if not 0 < cfg.liveness_timeout_s <= cfg.heartbeat_timeout_s / 2:
+        raise UserError(f"distributed.liveness_timeout_s={cfg.liveness_timeout_s:g} must be above 0 and at most half "
+                        f"of distributed.heartbeat_timeout_s={cfg.heartbeat_timeout_s}, so a lost worker is named "
+                        "before JAX's own heartbeat check aborts the process")
+    return host, live_port
+
+
+def _join(cfg: DistributedConfig, values: Explicit, hosts: Sequence[str], mode: str) -> ProcessInfo:
+    """The start-up barrier (every process joined, or one line naming who did not), the liveness
+    channel, then JAX's own join: it starts only now, so its deadline always comes after ours."""
+    if values.num_processes > 1:  # (a detected cluster may be one process)
+        host, live_port = _liveness_address(cfg, values)
+        if values.process_id == 0:
+            log.info("coordinator for %d processes at %s; waiting up to %ds for all to join (liveness port %d)",
+                     values.num_processes, values.coordinator_address, cfg.initialization_timeout_s, live_port)
+        liveness.rendezvous(host, live_port, values.process_id, values.num_processes,
+                            join_timeout_s=cfg.initialization_timeout_s, liveness_timeout_s=cfg.liveness_timeout_s,
+                            progress=progress_phrase, coordinator=values.coordinator_address, hosts=hosts)
+    # Every process is there, so JAX's join is quick unless its port is blocked; JAX would then abort
+    # (SIGABRT) at its deadline: say it in one line just before.
+    before_jax = max(1.0, cfg.initialization_timeout_s - 2)
+    line = (f"JAX's coordinator {values.coordinator_address} did not connect all {values.num_processes} processes "
+            f"within {before_jax:g}s although all passed the start-up barrier: open its port between workers "
+            "(distributed.port), or raise distributed.initialization_timeout_s")
+    timer = threading.Timer(before_jax, liveness.stop, (line, EXIT_USER_ERROR))
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=values.coordinator_address,
+            num_processes=values.num_processes,
+            process_id=values.process_id,
+            local_device_ids=values.local_device_ids,
+            **_timeouts(cfg),
+        )
+    except Exception as e:
+        raise UserError(
+            f"could not join coordinator {values.coordinator_address} as process {values.process_id}/"
+            f"{values.num_processes} within {cfg.initialization_timeout_s}s ({_short(e)}); check that every worker "
+            "was started, the address is worker 0's, and the port is open"
+        ) from e
+    finally:
+        timer.cancel()
+    return _process_info(mode)
 
 
 def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> ProcessInfo:
     """Join the job (or not) and return who this process is. Call once, before any jax op.
 
     In auto mode, values the user gave (config or JAX_* environment) are used as given;
-    otherwise a detected cluster is joined by JAX's auto-detection, with the TPU worker
-    metadata as the explicit fallback when detection fails.
+    otherwise a detected cluster is joined with the values of JAX's auto-detection, with the TPU
+    worker metadata as the explicit fallback when detection fails.
     """
     env = os.environ if env is None else env
     if jax.distributed.is_initialized():  # an earlier job of a Hydra -m sweep already joined
@@ -181,38 +245,17 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
                         "(config, JAX_* environment or TPU worker metadata)")
     user_given = explicit is not None and explicit.source != TPU_METADATA
     if cfg.mode == "cluster" or (cfg.mode == "auto" and not user_given and cluster_detected()):
-        try:
-            jax.distributed.initialize(**_timeouts(cfg))
-            return _process_info("cluster")
-        except Exception as e:  # detection or connection failed
-            if explicit is None:
-                raise UserError(f"JAX cluster auto-detection failed ({_short(e)}); pass distributed.coordinator_address, "
-                                "distributed.num_processes and distributed.process_id explicitly") from e
-            log.warning("cluster auto-detection failed (%s); falling back to %s", _short(e), explicit.source)
-            _shutdown_quietly()
+        detected, why = detected_values(cfg, env)
+        if detected is not None:
+            same = explicit is not None and explicit.num_processes == detected.num_processes
+            return _join(cfg, detected, explicit.hosts if same else (), "cluster")
+        if explicit is None:
+            raise UserError(f"JAX cluster auto-detection failed ({why}); pass distributed.coordinator_address, "
+                            "distributed.num_processes and distributed.process_id explicitly")
+        log.warning("cluster auto-detection failed (%s); falling back to %s", why, explicit.source)
     if explicit is None or explicit.num_processes == 1:
         return _process_info("single")
-    if explicit.process_id != 0:
-        # JAX aborts the process (no Python exception) when it cannot reach the coordinator,
-        # so find out first and say so in one line.
-        _wait_for_coordinator(explicit.coordinator_address, cfg.initialization_timeout_s)
-    else:
-        log.info("coordinator for %d processes at %s; waiting up to %ds for all to join", explicit.num_processes,
-                 explicit.coordinator_address, cfg.initialization_timeout_s)
-    try:
-        jax.distributed.initialize(
-            coordinator_address=explicit.coordinator_address,
-            num_processes=explicit.num_processes,
-            process_id=explicit.process_id,
-            **_timeouts(cfg),
-        )
-    except Exception as e:
-        raise UserError(
-            f"could not join coordinator {explicit.coordinator_address} as process {explicit.process_id}/"
-            f"{explicit.num_processes} within {cfg.initialization_timeout_s}s ({_short(e)}); check that every worker "
-            "was started, the address is worker 0's, and the port is open"
-        ) from e
-    return _process_info("explicit")
+    return _join(cfg, explicit, explicit.hosts, "explicit")
 
 
 def _timeouts(cfg: DistributedConfig) -> dict[str, int]:
@@ -238,10 +281,3 @@ def _process_info(mode: str) -> ProcessInfo:
     )
     print(info.line(), flush=True)  # every process says who it is, once
     return info
-
-
-def _shutdown_quietly() -> None:
-    try:
-        jax.distributed.shutdown()
-    except Exception:  # nothing was up
-        pass

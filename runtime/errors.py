@@ -13,6 +13,7 @@ EXIT_NONFINITE = 3  # the loss or the gradients became NaN/inf
 EXIT_HANG = 4  # the watchdog saw no step for train.watchdog_timeout_s
 EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in the chips' HBM
 EXIT_STORAGE = 6  # a checkpoint could not be written (outage, permissions) during the run
+EXIT_PEER_LOST = 7  # another process of the pod died, went silent or failed; this one stopped too (runtime/liveness.py)
 # Shell conventions, used by the launchers (experiments/local_pod.py, experiments/pod.py):
 EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
 EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from runtime import liveness
 from runtime.builder import curriculum_metrics
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, Plan
@@ -176,6 +177,7 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                             "resume", done, plan.checkpoint_dir)
                 return 0, "preempted", run.train_metrics | run.eval_metrics
     except Exception as e:
+        liveness.failing()  # a lost peer, if that is the cause, is named instead (and this process exits)
         log.error("training failed in step %d: %s", step + 1, one_line(e)[:500])
         raise
     finally:

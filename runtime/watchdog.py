@@ -1,15 +1,17 @@
-"""Hang watchdog: a dead worker must bring the job down, not leave the rest blocked forever.
+"""Hang watchdog: a step that stops making progress must bring the job down, not hang forever.
 
-When a peer dies, the survivors block inside a collective (or waiting on its results) with no
-Python error. The loop calls `beat(step)` as it makes progress; if no beat comes for
-`timeout_s` (compile is excluded: the watchdog is armed by the first beat), the process logs
-the stalled step, dumps every thread's Python stack to stderr and exits with EXIT_HANG.
+A dead or silent peer is the liveness channel's business (runtime/liveness.py, exit 7, naming
+it); this watchdog catches the rest: a stall with every process alive (data on a stalled mount,
+a collective mismatch, a wedged device). The loop calls `beat(step)` as it makes progress; if no
+beat comes for `timeout_s` (compile is excluded: the watchdog is armed by the first beat), the
+process logs the stalled step, dumps every thread's Python stack to stderr, tells the other
+processes, and exits with EXIT_HANG. `progress_phrase()` says where this process is, for the
+liveness channel's line.
 
-JAX may get there first: when its coordination service sees a peer's connection drop, it
-aborts the process from C++ (exit 134, "another task died"), where no Python code runs.
-faulthandler still dumps the Python stacks on that abort, and the watchdog thread waits
-inside a code object whose file name states the progress ("<podrunner: last completed step
-7, in step 8 (train)>"), so that dump names the stalled step too.
+Should JAX's coordination service abort the process from C++ (exit 134, "another task died"),
+faulthandler still dumps the Python stacks, and the watchdog thread waits inside a code object
+whose file name states the progress ("<podrunner: last completed step 7, in step 8 (train)>"),
+so that dump names the stalled step too.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ import sys
 import threading
 import time
 
+from runtime import liveness
 from runtime.errors import EXIT_HANG
 
 log = logging.getLogger(__name__)
+_latest: tuple[int, str] | None = None  # (completed step, phase) of the latest beat of any watchdog
+
+
+def progress_phrase() -> str:
+    """Where this process is, for a one-line error: "at step 8 (step 7 done; train)"."""
+    latest = _latest
+    if latest is None:
+        return "before the first step (start-up or compile)"
+    return f"at step {latest[0] + 1} (step {latest[0]} done; {latest[1]})"
 
 
 def _labelled_wait(label: str):
@@ -46,7 +58,9 @@ class Watchdog:
         return self
 
     def beat(self, completed_step: int, phase: str = "train") -> None:
+        global _latest
         self._last = (time.monotonic(), completed_step, phase)
+        _latest = (completed_step, phase)
 
     def stop(self) -> None:
         self._stop.set()
@@ -69,4 +83,5 @@ class Watchdog:
               "dumping Python stacks and exiting", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        liveness.leave(EXIT_HANG)  # the others stop too, with their own stall or naming this one
         os._exit(EXIT_HANG)  # not sys.exit: the main thread is the one that is stuck

@@ -76,27 +76,64 @@ def test_worker_metadata_from_metadata_server():
         server.close()
 
 
-def test_detection_failure_falls_back_to_worker_metadata(monkeypatch):
-    calls = []
-
-    def fake_initialize(**kwargs):
-        calls.append(kwargs)
-        if "coordinator_address" not in kwargs:
-            raise RuntimeError("auto-detection broke")
-
-    monkeypatch.setattr(distributed, "cluster_detected", lambda: True)
-    monkeypatch.setattr(distributed, "_wait_for_coordinator", lambda *a: None)
-    monkeypatch.setattr(distributed.jax.distributed, "initialize", fake_initialize)
+@pytest.fixture
+def joins(monkeypatch):
+    """jax.distributed.initialize and the start-up barrier, recorded instead of run."""
+    calls = {"barrier": [], "jax": []}
+    monkeypatch.setattr(distributed.liveness, "rendezvous", lambda *a, **kw: calls["barrier"].append((a, kw)))
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls["jax"].append(kw))
     monkeypatch.setattr(distributed.jax.distributed, "is_initialized", lambda: False)
-    env = {"TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.2", "TPU_WORKER_ID": "1"}
-    distributed.initialize(DistributedConfig(port=1234, initialization_timeout_s=7), env)
-    assert "coordinator_address" not in calls[0]  # auto-detection first
-    assert calls[1]["coordinator_address"] == "127.0.0.1:1234" and calls[1]["process_id"] == 1
-    assert calls[1]["num_processes"] == 2 and calls[1]["initialization_timeout"] == 7
+    monkeypatch.setattr(distributed, "cluster_detected", lambda: True)
+    return calls
 
-    calls.clear()  # without a fallback the failure is one clear error
-    with pytest.raises(UserError, match="auto-detection failed"):
+
+def test_detected_cluster_passes_the_barrier_before_jax_joins(joins, monkeypatch):
+    monkeypatch.setattr(distributed, "detected_values",
+                        lambda cfg, env: (distributed.Explicit("10.0.0.5:8482", 3, 2, "cluster"), ""))
+    env = {"TPU_WORKER_HOSTNAMES": "10.0.0.5,10.0.0.6,10.0.0.7", "TPU_WORKER_ID": "2"}
+    distributed.initialize(DistributedConfig(initialization_timeout_s=7), env)
+    (args, kwargs), = joins["barrier"]
+    assert args == ("10.0.0.5", 8483, 2, 3) and kwargs["join_timeout_s"] == 7  # liveness port: coordinator's + 1
+    assert kwargs["hosts"] == ("10.0.0.5", "10.0.0.6", "10.0.0.7")  # to name the missing ones
+    assert joins["jax"][0]["coordinator_address"] == "10.0.0.5:8482" and joins["jax"][0]["process_id"] == 2
+
+
+def test_detection_failure_falls_back_to_worker_metadata(joins, monkeypatch):
+    monkeypatch.setattr(distributed, "detected_values", lambda cfg, env: (None, "auto-detection broke"))
+    env = {"TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.2", "TPU_WORKER_ID": "1"}
+    distributed.initialize(DistributedConfig(port=1234, initialization_timeout_s=7, liveness_port=4321), env)
+    assert joins["barrier"][0][0] == ("127.0.0.1", 4321, 1, 2)
+    call, = joins["jax"]
+    assert call["coordinator_address"] == "127.0.0.1:1234" and call["process_id"] == 1
+    assert call["num_processes"] == 2 and call["initialization_timeout"] == 7
+
+    with pytest.raises(UserError, match=r"auto-detection failed \(auto-detection broke\)"):  # no fallback
         distributed.initialize(DistributedConfig(), {})
+
+
+def test_jax_join_after_the_barrier_ends_in_one_line_before_its_own_abort(joins, monkeypatch):
+    stopped, said = threading.Event(), []
+    monkeypatch.setattr(distributed.liveness, "stop", lambda line, code: (said.append((line, code)), stopped.set()))
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: stopped.wait(30))  # a blocked port
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+    distributed.initialize(DistributedConfig(initialization_timeout_s=3), env)
+    assert said == [("JAX's coordinator 127.0.0.1:1234 did not connect all 2 processes within 1s although all "
+                     "passed the start-up barrier: open its port between workers (distributed.port), or raise "
+                     "distributed.initialization_timeout_s", 2)]
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (DistributedConfig(liveness_port=1234), "distributed.liveness_port=1234 must be a TCP port (1-65535) other than "
+                                            "the coordinator's (1234)"),
+    (DistributedConfig(liveness_port=70000), "distributed.liveness_port=70000 must be a TCP port"),
+    (DistributedConfig(liveness_timeout_s=60), "distributed.liveness_timeout_s=60 must be above 0 and at most half "
+                                               "of distributed.heartbeat_timeout_s=100"),
+])
+def test_bad_liveness_settings(joins, cfg, message):
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        distributed.initialize(cfg, env)
+    assert joins["barrier"] == [] and joins["jax"] == []  # found before anything waits
 
 
 @pytest.mark.slow
