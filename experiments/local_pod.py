@@ -45,10 +45,17 @@ _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?(
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the coordinator binds it shortly after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port p with p and p + 1 free a moment ago: the coordinator's and the start-up barrier's
+    (distributed.liveness_port defaults to the coordinator's + 1); they are bound shortly after."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def with_device_count(xla_flags: str, count: int) -> str:

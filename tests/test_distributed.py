@@ -14,7 +14,7 @@ from conftest import REPO, base_overrides, child_env
 from runtime import distributed
 from runtime.config import DistributedConfig
 from runtime.errors import UserError
-from test_bad_input import free_port
+from experiments.local_pod import find_free_port
 
 
 def test_explicit_values_sources_and_order():
@@ -138,7 +138,7 @@ def test_bad_liveness_settings(joins, cfg, message):
 
 @pytest.mark.slow
 def test_two_workers_join_through_metadata_server(sudoku_dir, tmp_path):
-    port = free_port()
+    port = find_free_port()
     servers = [MetadataServer(i, "127.0.0.1,127.0.0.1") for i in range(2)]
     try:
         procs = [subprocess.Popen(

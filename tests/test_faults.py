@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,25 +13,14 @@ import time
 import pytest
 
 from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, train_losses
+from experiments.local_pod import find_free_port
 from runtime.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.slow
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free a moment ago: the coordinator's and the liveness channel's."""
-    while True:
-        with socket.socket() as s, socket.socket() as t:
-            s.bind(("127.0.0.1", 0))
-            try:
-                t.bind(("127.0.0.1", s.getsockname()[1] + 1))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-
-
 def start_pod(n: int, devices: int, overrides: list[str], ids: list[int] | None = None) -> list[subprocess.Popen]:
-    port = free_port_pair()
+    port = find_free_port()
     return [subprocess.Popen(
         [sys.executable, str(REPO / "pretrain_jax.py"), *overrides],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
