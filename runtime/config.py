@@ -351,6 +351,24 @@ def check_ranges(config: Config) -> None:
                                 f"{' (' + meaning + ')' if meaning else ''}")
 
 
+def _check_no_added_keys(node: DictConfig, where: str) -> None:
+    """Hydra's `+section.key=value` adds a key its schema lacks, and OmegaConf keeps it (an
+    attribute nothing reads): a misspelt setting would be silently ignored. Refuse it."""
+    import difflib
+
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        path = f"{where}.{key}" if where else str(key)
+        if known is not None and key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {where + '.' if where else ''}{close[0]}?" if close else f"settings: {sorted(known)}"
+            raise UserError(f"unknown config key {path}: {schema.__name__} has no such setting; {hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _check_no_added_keys(child, path)
+
+
 def _get(config: Any, dotted: str) -> Any:
     for key in dotted.split("."):
         config = getattr(config, key)
@@ -373,7 +391,10 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     schema.arch = OmegaConf.structured(OmegaConf.get_type(arch))
     try:
         merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
+        _check_no_added_keys(merged, "")
         config: Config = OmegaConf.to_object(merged)
+    except UserError:
+        raise
     except Exception as e:  # omegaconf's errors are multi-line; say it in one, naming the key
         key = getattr(e, "full_key", None)
         raise UserError(f"invalid config: {key + ': ' if key else ''}{one_line(e)}") from e
