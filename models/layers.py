@@ -30,6 +30,7 @@ def check_dtype_names(arch, *fields: str) -> None:
 
 
 def check_at_least(arch, low: int, *fields: str) -> None:
+    """Each `arch.<field>` is >= `low` (sizes, counts); else one UserError."""
     for name in fields:
         value = getattr(arch, name)
         if value < low:
@@ -40,7 +41,7 @@ def check_heads(arch, hidden: str = "hidden", heads: str = "heads") -> None:
     """Attention splits `hidden` into `heads` equal parts (head_dim = hidden / heads)."""
     h, n = getattr(arch, hidden), getattr(arch, heads)
     if h % n:
-        divisors = [d for d in range(1, h + 1) if h % d == 0 and d <= 64]
+        divisors = [d for d in range(1, min(h, 64) + 1) if h % d == 0]  # the usual head counts
         raise UserError(f"arch.{heads}={n} does not divide arch.{hidden}={h}; use heads in {divisors} (or change "
                         f"arch.{hidden})")
 

@@ -429,6 +429,7 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
 
 
 def _check_curriculum(config: Config) -> None:
+    """Each ramp: both ends or neither, on an arch that has the value, a known shape, cycles >= 1."""
     for name in ("H_cycles", "L_cycles", "halt_exploration_prob"):
         ramp = getattr(config.curriculum, name)
         if (ramp.start is None) != (ramp.end is None):
