@@ -25,7 +25,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from runtime.config import register_schemas, validate  # noqa: E402
-from runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR, UserError, one_line  # noqa: E402
+from runtime.errors import EXIT_FAILURE, UserError, config_error  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 register_schemas()
@@ -110,13 +110,11 @@ def main() -> None:
     except UserError as e:
         _user_error(e)
     except Exception as e:
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(e, (HydraException, OmegaConfBaseException)):
-            print(f"error: invalid config: {one_line(e)}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
-        raise
+        error = config_error(e)  # composing failed: Hydra, OmegaConf or a YAML file's syntax
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

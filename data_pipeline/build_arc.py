@@ -38,7 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.dihedral import NUM_TRANSFORMS, dihedral_transform, inverse_dihedral_transform
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
+from data_pipeline.marker import build_target, claim, finish
+from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
 
 GRID_SIZE = 30
 SEQ_LEN = GRID_SIZE * GRID_SIZE
@@ -185,18 +186,32 @@ def load_kaggle(folder: str | Path, subsets: Sequence[str] | None = None) -> dic
     result = {}
     for subset in wanted:
         path = found[subset]
-        tasks = json.loads(path.read_text())
+        tasks = _read_json(path)
         solutions_path = path.with_name(path.name[: -len("_challenges.json")] + "_solutions.json")
-        solutions = json.loads(solutions_path.read_text()) if solutions_path.is_file() else None
+        solutions = _read_json(solutions_path) if solutions_path.is_file() else None
         if solutions is None:
             print(f"{subset}: no {solutions_path.name}, test outputs set to dummy [[0]]")
         for name, task in tasks.items():
-            for i, pair in enumerate(task["test"]):
-                if solutions is not None:
-                    pair["output"] = solutions[name][i]
-                pair.setdefault("output", [[0]])
+            try:
+                for i, pair in enumerate(task["test"]):
+                    if solutions is not None:
+                        pair["output"] = solutions[name][i]
+                    pair.setdefault("output", [[0]])
+            except (KeyError, IndexError, TypeError) as e:
+                raise ValueError(f"{path}: puzzle {name!r} is malformed or lacks its solution ({type(e).__name__}: "
+                                 f"{e}); use the files as published") from None
         result[subset] = tasks
     return result
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); download it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object of puzzles")
+    return data
 
 
 # ---- builder --------------------------------------------------------------------
@@ -276,10 +291,13 @@ def build_arc_dataset(
     if num_aug < 0:
         raise ValueError(f"num_aug must be >= 0, got {num_aug}")
     output_dir = Path(output_dir)
+    build_target(str(output_dir), "build_arc")  # a folder that is not ours: refused before any work
     rng = np.random.default_rng(seed)
     chosen, test_puzzles = _collect(subsets, test_subsets, max_puzzles)
     if not chosen:
         raise ValueError("no ARC puzzles selected")
+    claim(str(output_dir), "build_arc", dict(subsets={k: len(v) for k, v in subsets.items()}, test_subsets=list(test_subsets),
+                                             num_aug=num_aug, translate=translate, max_puzzles=max_puzzles, seed=seed))
 
     puzzles: list[_Puzzle] = []
     for name, task, held_out in tqdm(chosen, desc="augmenting ARC puzzles"):
@@ -347,9 +365,11 @@ def build_arc_dataset(
     write_identifiers(str(output_dir), identifiers)
     with open(output_dir / "test_puzzles.json", "w") as f:
         json.dump(test_puzzles, f)
+    finish(str(output_dir))
     return output_dir
 
 
+@builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)

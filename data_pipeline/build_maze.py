@@ -34,19 +34,23 @@ from data_pipeline.maze import (
     path_length,
     to_string,
 )
+from data_pipeline.marker import build_target, claim, finish
+from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
 from data_pipeline.sources import choose, load_splits, read_qa_rows
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
 
 
 
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(questions, answers) as [N, n, n] uint8 ASCII grids from a source,q,a,rating CSV."""
-    rows = read_qa_rows(path)
-    if not rows:
-        raise ValueError(f"{path}: no mazes")
-    lengths = {len(s) for pair in rows for s in pair}
-    if len(lengths) != 1:
-        raise ValueError(f"{path}: every 'q' and 'a' must have the same length, got {sorted(lengths)}")
+    first: list[int] = []  # the first row's length: every maze of a file has the same size
+
+    def problem(q: str, a: str) -> str | None:
+        first[:] = first or [len(q)]
+        if len(q) != first[0] or len(a) != first[0]:
+            return f"'q' and 'a' have {len(q)} and {len(a)} characters, expected {first[0]} (the first row's)"
+        return None
+
+    rows = read_qa_rows(path, problem)
     try:
         questions = np.stack([from_string(q) for q, _ in rows])
         answers = np.stack([from_string(a) for _, a in rows])
@@ -138,8 +142,12 @@ def build_maze_dataset(
     if (generate is None) == (source_csv is None):
         raise ValueError("pass exactly one of generate or source_csv")
     output_dir = Path(output_dir)
+    build_target(str(output_dir), "build_maze")  # a folder that is not ours: refused before any work
     rng = np.random.default_rng(seed)
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, size, loop_fraction)
+    claim(str(output_dir), "build_maze", dict(generate=generate, source_csv=source_csv, test_size=test_size,
+                                              subsample_size=subsample_size, aug=aug, size=size,
+                                              loop_fraction=loop_fraction, seed=seed))
     questions, answers = sources["train"]
     keep = choose(rng, len(questions), subsample_size)
     sources["train"] = (questions[keep], answers[keep])
@@ -148,9 +156,11 @@ def build_maze_dataset(
         arrays, metadata = _encode_split(questions, answers, aug and split == "train")
         write_split(str(output_dir), split, arrays, metadata)
     write_identifiers(str(output_dir), ["<blank>"])
+    finish(str(output_dir))
     return output_dir
 
 
+@builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)

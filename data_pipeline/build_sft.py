@@ -28,6 +28,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
+from data_pipeline.marker import claim, finish
 from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft import (
     format_response,
@@ -39,6 +40,8 @@ from data_pipeline.sft_format import SFTMetadata, write_sft_split
 from data_pipeline.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 from runtime.errors import EXIT_USER_ERROR, one_line
 from runtime.task import IGNORE_LABEL
+
+BUILDER = "build_sft"  # the name in the marker of the folders it builds (data_pipeline/marker.py)
 
 
 @dataclass
@@ -144,6 +147,17 @@ def build_sft_dataset(output_dir: str | os.PathLike, jsonl: str, tokenizer: str 
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    claim(str(output_dir), BUILDER, dict(jsonl=jsonl, tokenizer=getattr(tokenizer, "path", tokenizer), seq_len=seq_len,
+                                         eval_jsonl=eval_jsonl, eval_fraction=eval_fraction, packing=packing, seed=seed),
+          inputs=[jsonl, eval_jsonl, getattr(tokenizer, "path", tokenizer)])
+    out = _build_splits(output_dir, jsonl, tokenizer, seq_len, eval_jsonl=eval_jsonl, eval_fraction=eval_fraction,
+                        packing=packing, seed=seed)
+    finish(str(output_dir))
+    return out
+
+
+def _build_splits(output_dir: str | os.PathLike, jsonl: str, tokenizer: str | Tokenizer, seq_len: int, *,
+                  eval_jsonl: str | None, eval_fraction: float, packing: bool, seed: int) -> dict[str, SFTMetadata]:
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
     examples = read_jsonl(jsonl)
     sources = {"train": jsonl, "test": eval_jsonl}
@@ -177,10 +191,10 @@ def build_generated_arithmetic(output_dir: str | os.PathLike, num_train: int, nu
 
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"need num_train >= 1 and num_eval >= 1, got {num_train}, {num_eval}")
-    records = generate_records(num_train + num_eval, seed)
     root = str(output_dir).rstrip("/")
-    fs, base = fsspec.core.url_to_fs(root)
-    fs.makedirs(base, exist_ok=True)
+    claim(root, BUILDER, dict(generate_arithmetic=num_train + num_eval, num_eval=num_eval, seq_len=seq_len, seed=seed,
+                              vocab_size=vocab_size, tokenizer=tokenizer, packing=packing), inputs=[tokenizer])
+    records = generate_records(num_train + num_eval, seed)
     paths = {"train": f"{root}/train.jsonl", "test": f"{root}/test.jsonl"}
     for split, part in (("train", records[:num_train]), ("test", records[num_train:])):
         with fsspec.open(paths[split], "w", encoding="utf-8") as f:
@@ -188,7 +202,9 @@ def build_generated_arithmetic(output_dir: str | os.PathLike, num_train: int, nu
     if tokenizer is None:
         texts = [t for r in records for t in (f"user\n{r['prompt']}", f"model\n{format_response(r['reasoning'], r['answer'])}")]
         tokenizer = train_tokenizer(texts, f"{root}/tokenizer.model", vocab_size)
-    build_sft_dataset(root, paths["train"], tokenizer, seq_len, eval_jsonl=paths["test"], packing=packing, seed=seed)
+    _build_splits(root, paths["train"], tokenizer, seq_len, eval_jsonl=paths["test"], eval_fraction=0.1, packing=packing,
+                  seed=seed)
+    finish(root)
 
 
 def _json_line(record: dict) -> str:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data_pipeline.marker import build_target, claim, finish
+from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
 from data_pipeline.sources import choose, load_splits, read_qa_rows
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, write_identifiers, write_split
 from data_pipeline.sudoku import DEFAULT_MIN_GIVENS, augment, generate_puzzle
 
 SEQ_LEN = 81
@@ -30,23 +31,27 @@ _CHAR_TO_DIGIT[ord(".")] = 0
 _CHAR_TO_DIGIT[ord("0") : ord("9") + 1] = np.arange(10)
 
 
-def _parse_grids(strings: list[str], path: Path, column: str) -> np.ndarray:
-    if any(len(s) != SEQ_LEN for s in strings):
-        raise ValueError(f"{path}: every '{column}' value must be {SEQ_LEN} characters")
+def _row_problem(q: str, a: str) -> str | None:
+    """What is wrong with one CSV row's puzzle `q` and answer `a`, or None."""
+    for column, grid in (("q", q), ("a", a)):
+        if len(grid) != SEQ_LEN:
+            return f"'{column}' has {len(grid)} characters, expected {SEQ_LEN}"
+        if not set(grid) <= set(".0123456789"):
+            return f"'{column}' may hold only '.' and '0'-'9'"
+    if "." in a or "0" in a:
+        return "the answer ('a') must be a complete grid"
+    return None
+
+
+def _parse_grids(strings: list[str]) -> np.ndarray:
     digits = _CHAR_TO_DIGIT[np.frombuffer("".join(strings).encode("ascii"), dtype=np.uint8)]
-    if np.any(digits == 255):
-        raise ValueError(f"{path}: '{column}' may hold only '.', '0'-'9'")
     return digits.reshape(len(strings), SEQ_LEN)
 
 
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """(puzzles, solutions) as [N, 81] uint8 digits from a source,q,a,rating CSV."""
-    rows = read_qa_rows(path)
-    puzzles = _parse_grids([q for q, _ in rows], path, "q")
-    solutions = _parse_grids([a for _, a in rows], path, "a")
-    if np.any(solutions == 0):
-        raise ValueError(f"{path}: answers ('a') must be complete grids")
-    return puzzles, solutions
+    rows = read_qa_rows(path, _row_problem)
+    return _parse_grids([q for q, _ in rows]), _parse_grids([a for _, a in rows])
 
 
 def _load_sources(
@@ -123,8 +128,12 @@ def build_sudoku_dataset(
     if num_aug < 0:
         raise ValueError(f"num_aug must be >= 0, got {num_aug}")
     output_dir = Path(output_dir)
+    build_target(str(output_dir), "build_sudoku")  # a folder that is not ours: refused before any work
     rng = np.random.default_rng(seed)
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, min_givens)
+    claim(str(output_dir), "build_sudoku", dict(generate=generate, source_csv=source_csv, test_size=test_size,
+                                                subsample_size=subsample_size, num_aug=num_aug, min_givens=min_givens,
+                                                seed=seed))
 
     train_puzzles, train_solutions = sources["train"]
     keep = choose(rng, len(train_puzzles), subsample_size)
@@ -135,9 +144,11 @@ def build_sudoku_dataset(
         arrays, metadata = _encode_split(puzzles, solutions, aug, rng, desc=f"encoding {split}")
         write_split(str(output_dir), split, arrays, metadata)
     write_identifiers(str(output_dir), ["<blank>"])
+    finish(str(output_dir))
     return output_dir
 
 
+@builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)

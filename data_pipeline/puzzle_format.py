@@ -16,15 +16,18 @@ local paths or fsspec URLs such as ``gs://bucket/prefix``.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from runtime.errors import EXIT_USER_ERROR, one_line
 from runtime.task import IGNORE_LABEL
 
 FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
@@ -34,6 +37,21 @@ BUILD_HINT = "python -m data_pipeline.build_sudoku --output-dir {root} --generat
 
 class DatasetError(ValueError):
     """A dataset is missing or malformed; the message names the path and the fix."""
+
+
+def builder_cli(main: Callable[..., None]) -> Callable[..., None]:
+    """A dataset builder's `main`: bad input (a missing or malformed source file, an output folder
+    that is not the builder's) is one `error:` line on stderr and exit 2, not a traceback."""
+
+    @functools.wraps(main)
+    def wrapped(argv: list[str] | None = None) -> None:
+        try:
+            main(argv)
+        except (ValueError, OSError) as e:  # DatasetError is a ValueError; FileNotFoundError an OSError
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapped
 
 
 @dataclass(frozen=True)
@@ -200,9 +218,10 @@ def read_split_metadata(root: str, split: str, filename: str, parse, hint: str, 
         if misfit and fs.exists(_join(base, split, misfit)):
             raise DatasetError(f"{_join(root, split)} holds {misfit}, not a {kind} split ({filename}); build one "
                                f"with `{hint.format(root='DIR')}`")
-        what = kind if not fs.exists(base) else f"split '{split}'"
-        if local:
-            fix = f"build it with `{hint.format(root=root)}`"
+        exists = fs.exists(base)
+        what = f"split '{split}'" if exists else kind
+        if local:  # a builder writes only into a new folder (or its own earlier build: data_pipeline/marker.py)
+            fix = f"build it with `{hint.format(root='NEW_DIR' if exists else root)}`"
         else:  # the builder writes locally; remote roots are uploaded copies
             fix = f"build it locally with `{hint.format(root='DIR')}` and copy DIR to {root}"
         raise DatasetError(f"{what} not found at {path}; {fix}, or point the data path at an existing dataset root")
@@ -220,13 +239,19 @@ def load_metadata(root: str, split: str) -> PuzzleDatasetMetadata:
     return read_split_metadata(root, split, "dataset.json", PuzzleDatasetMetadata.from_json, BUILD_HINT)
 
 
-def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: str) -> np.ndarray:
+def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: str, root: str) -> np.ndarray:
     if not fs.exists(path):
         raise DatasetError(f"missing array file {shown}; rebuild the dataset")
-    if local:
-        return np.load(path, mmap_mode="r")  # page in lazily, no copy up front
-    with fs.open(path, "rb") as f:
-        return np.load(io.BytesIO(f.read()))
+    try:
+        if local:
+            return np.load(path, mmap_mode="r")  # page in lazily, no copy up front
+        with fs.open(path, "rb") as f:
+            return np.load(io.BytesIO(f.read()))
+    except (ValueError, EOFError, OSError) as e:  # a truncated file: short header or data
+        from data_pipeline.marker import rebuild_hint
+
+        raise DatasetError(f"{shown} is truncated or not a .npy array ({' '.join(str(e).split())[:120]}); "
+                           f"{rebuild_hint(root)}") from e
 
 
 def load_split(root: str, split: str, set_name: str = "all") -> PuzzleSplit:
@@ -238,7 +263,7 @@ def load_split(root: str, split: str, set_name: str = "all") -> PuzzleSplit:
     raw = {}
     for name in FIELDS:
         file = f"{set_name}__{name}.npy"
-        raw[name] = _load_array(fs, local, _join(base, split, file), _join(root, split, file))
+        raw[name] = _load_array(fs, local, _join(base, split, file), _join(root, split, file), root)
     validate_arrays(raw, metadata, _join(root, split))
 
     puzzle_indices = np.array(raw["puzzle_indices"], dtype=np.int32)

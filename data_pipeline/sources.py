@@ -14,13 +14,28 @@ DEFAULT_TEST_FRACTION = 0.1  # held out when the source is not already split
 Pairs = tuple[np.ndarray, np.ndarray]
 
 
-def read_qa_rows(path: Path) -> list[tuple[str, str]]:
-    """The (q, a) strings of a source,q,a,rating CSV."""
-    with open(path, newline="") as f:
+def read_qa_rows(path: Path, check: Callable[[str, str], str | None] | None = None) -> list[tuple[str, str]]:
+    """The (q, a) strings of a source,q,a,rating CSV. `check(q, a)` returns what is wrong with a
+    row (or None); a bad row is a ValueError naming the file and its line."""
+    try:
+        f = open(path, newline="")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"source CSV {path} not found; pass an existing CSV file, or a folder holding "
+                                "train.csv and test.csv") from None
+    with f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or not {"q", "a"} <= set(reader.fieldnames):
             raise ValueError(f"{path}: expected a header with columns source,q,a,rating")
-        return [(row["q"], row["a"]) for row in reader]
+        rows = []
+        for row in reader:
+            q, a = row.get("q"), row.get("a")
+            problem = "too few columns (expected source,q,a,rating)" if q is None or a is None else check and check(q, a)
+            if problem:
+                raise ValueError(f"{path} line {reader.line_num}: {problem}; fix or remove that row")
+            rows.append((q, a))
+    if not rows:
+        raise ValueError(f"{path}: no rows after the header; pass a CSV with at least one puzzle")
+    return rows
 
 
 def choose(rng: np.random.Generator, n: int, k: int | None) -> np.ndarray:

@@ -49,6 +49,12 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """N processes on this machine, each with M fake CPU devices, joined as one JAX pod."""
+    for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
+        if value < 1:
+            raise pod.PodError(f"{flag} {value} is out of range: it must be >= 1")
+    if (args.timeout is not None and not args.timeout > 0) or not args.grace_period >= 0:
+        raise pod.PodError(f"--timeout {args.timeout} / --grace-period {args.grace_period}: the timeout must be > 0 "
+                           "seconds and the grace period >= 0")
     return run_local_pod(
         args.processes,
         args.devices_per_process,
@@ -81,7 +87,7 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace-period", type=float, default=60.0,
                    help="seconds between forwarding SIGTERM and SIGKILL on Ctrl-C/SIGTERM "
                         "(default: 60)")
-    p.set_defaults(func=cmd_local)
+    p.set_defaults(func=_user_errors(cmd_local))  # (defined below, with the pod commands)
 
 
 # --- TPU VM slice: every command is ONE `gcloud compute tpus tpu-vm ssh --worker=all` ---------

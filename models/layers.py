@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from runtime.errors import UserError
+
 # The one table of dtype names the configs use (arch.dtype, arch.param_dtype, arch.forward_dtype,
 # optim.state_dtype): every model and the optimizer resolve names through `dtype_from_name`.
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -17,6 +19,31 @@ def dtype_from_name(name: str):
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def check_dtype_names(arch, *fields: str) -> None:
+    """Each `arch.<field>` names a dtype of `_DTYPES`; else one UserError listing them."""
+    for name in fields:
+        value = getattr(arch, name)
+        if value not in _DTYPES:
+            raise UserError(f"arch.{name}={value!r} is not a dtype name; use one of {sorted(_DTYPES)}")
+
+
+def check_at_least(arch, low: int, *fields: str) -> None:
+    """Each `arch.<field>` is >= `low` (sizes, counts); else one UserError."""
+    for name in fields:
+        value = getattr(arch, name)
+        if value < low:
+            raise UserError(f"arch.{name}={value!r} is out of range: it must be >= {low}")
+
+
+def check_heads(arch, hidden: str = "hidden", heads: str = "heads") -> None:
+    """Attention splits `hidden` into `heads` equal parts (head_dim = hidden / heads)."""
+    h, n = getattr(arch, hidden), getattr(arch, heads)
+    if h % n:
+        divisors = [d for d in range(1, min(h, 64) + 1) if h % d == 0]  # the usual head counts
+        raise UserError(f"arch.{heads}={n} does not divide arch.{hidden}={h}; use heads in {divisors} (or change "
+                        f"arch.{hidden})")
 
 
 def dense_init(fan_in: int):

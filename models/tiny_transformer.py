@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models.layers import Attention, MlpBlock, dtype_from_name
+from models.layers import Attention, MlpBlock, check_at_least, check_dtype_names, check_heads, dtype_from_name
 from runtime.frozen import Freezable
 from runtime.registry import ModelFamily, register_model_family
 from runtime.task import IGNORE_LABEL, DataShape, Task
@@ -118,4 +118,10 @@ def build_task(arch: TinyTransformerConfig, shape: DataShape, **_: Any) -> Seque
     return SequenceTask(TinyTransformer(arch, vocab_size=shape.vocab_size, seq_len=shape.seq_len))
 
 
-register_model_family(ModelFamily("tiny_transformer", TinyTransformerConfig, build_task))
+def validate(arch: TinyTransformerConfig) -> None:
+    check_at_least(arch, 1, "hidden", "heads", "layers", "mlp_ratio")
+    check_heads(arch)
+    check_dtype_names(arch, "dtype")
+
+
+register_model_family(ModelFamily("tiny_transformer", TinyTransformerConfig, build_task, validate))

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -61,6 +61,8 @@ class DataConfig(Freezable):
     # training puzzles (--subsample-size / --generate), augmentations per puzzle (--num-aug),
     # held-out puzzles, Sudoku givens, maze side. With generate_if_missing, a missing local
     # `path` is built from these (demos, CI, scaled-down runs); on a pod, build it beforehand.
+    # Only into a folder that does not exist, is empty or holds an earlier generated build (its
+    # .podrunner-generated marker, data_pipeline/marker.py): any other folder is never written.
     generate_if_missing: bool = False
     generate_puzzles: int = 1000
     generate_test_puzzles: int = 200
@@ -131,7 +133,7 @@ class WandbConfig(Freezable):
 @dataclass
 class CheckpointConfig(Freezable):
     dir: Optional[str] = None  # local path or gs://bucket/prefix; None = <output_dir>/checkpoints
-    keep: int = 3  # newest N kept
+    keep: int = 3  # newest N kept (>= 1: older ones are deleted as new ones are saved)
     async_save: bool = True
     resume: bool = True  # resume from the latest complete step found in `dir`
 
@@ -151,19 +153,22 @@ class RunConfig(Freezable):
 @dataclass
 class TrainConfig(Freezable):
     # When things happen.
-    seed: int = 0
-    global_batch_size: int = 64
-    steps: Optional[int] = 200  # total optimizer steps; or give epochs (and steps=null)
+    # Ranges are checked by `validate` (_RULES below); cadences are in optimizer steps.
+    seed: int = 0  # >= 0
+    global_batch_size: int = 64  # >= 1
+    steps: Optional[int] = 200  # total optimizer steps (> 0); or give epochs (> 0) and steps=null
     epochs: Optional[float] = None
-    log_every: int = 20
-    eval_every: int = 100  # 0 = only at the end
-    checkpoint_every: int = 100  # 0 = only at the end
-    # The same cadences in epochs (the reference's eval_interval); when set they replace the above.
+    log_every: int = 20  # >= 1 (the last step is always logged)
+    eval_every: int = 100  # >= 0; 0 = only at the end
+    checkpoint_every: int = 100  # >= 0; 0 = only at the end
+    # The same cadences in epochs (the reference's eval_interval); when set they replace the
+    # above (>= 0; 0 = only at the end, as for the step forms).
     eval_every_epochs: Optional[float] = None
     checkpoint_every_epochs: Optional[float] = None
-    profile_start_step: Optional[int] = None  # jax.profiler trace window
-    profile_steps: int = 5
+    profile_start_step: Optional[int] = None  # jax.profiler trace window (>= 0; None = no trace)
+    profile_steps: int = 5  # >= 1
     # No step for this long (compile excluded) = a dead or hung worker: dump stacks, exit 4.
+    # >= 0; 0 = no watchdog.
     watchdog_timeout_s: float = 1800.0
     # A fresh run starts from these parameters instead of a random init: a directory written by
     # `python -m models.recursive_reasoning.import_reference` (params/, init_states/), local or
@@ -279,6 +284,101 @@ _CHOICES = {
 }
 
 
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low}"
+
+
+def _within(low: float, high: float, *, high_open: bool = False) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: low <= v < high if high_open else low <= v <= high), f"in [{low}, {high}{')' if high_open else ']'}"
+
+
+def _above(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > low), f"> {low}"
+
+
+# Ranges of the numeric settings (a null, where the schema allows one, is always fine), with what
+# the boundary value means. Checked before anything runs, so a nonsense number is one line rather
+# than a crash, a hang or a silently odd run (run.checkpoint.keep=0 would delete every checkpoint).
+_RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
+    "train.seed": (_at_least(0), ""),
+    "train.global_batch_size": (_at_least(1), ""),
+    "train.steps": (_above(0), "or steps=null with train.epochs > 0"),
+    "train.epochs": (_above(0), "or epochs=null with train.steps > 0"),
+    "train.log_every": (_at_least(1), "the last step is always logged"),
+    "train.eval_every": (_at_least(0), "0 = only at the end"),
+    "train.checkpoint_every": (_at_least(0), "0 = only at the end"),
+    "train.eval_every_epochs": (_at_least(0), "0 = only at the end; null = use train.eval_every"),
+    "train.checkpoint_every_epochs": (_at_least(0), "0 = only at the end; null = use train.checkpoint_every"),
+    "train.profile_start_step": (_at_least(0), "null = no trace"),
+    "train.profile_steps": (_at_least(1), ""),
+    "train.watchdog_timeout_s": (_at_least(0), "0 = no watchdog"),
+    "optim.lr": (_at_least(0), ""),
+    "optim.weight_decay": (_at_least(0), ""),
+    "optim.b1": (_within(0, 1, high_open=True), ""),
+    "optim.b2": (_within(0, 1, high_open=True), ""),
+    "optim.eps": (_above(0), ""),
+    "optim.warmup_steps": (_at_least(0), ""),
+    "optim.lr_min_ratio": (_within(0, 1), "1 = constant after warmup"),
+    "optim.grad_clip_norm": (_above(0), "null = no clipping"),
+    "optim.ema_rate": (_within(0, 1, high_open=True), "null = no EMA"),
+    "optim.puzzle_emb_lr": (_at_least(0), ""),
+    "optim.puzzle_emb_weight_decay": (_at_least(0), ""),
+    "run.checkpoint.keep": (_at_least(1), "how many of the newest checkpoints are kept"),
+    "data.eval_max_examples": (_at_least(1), "null = the whole eval set"),
+    "data.seq_len": (_at_least(2), ""),
+    "data.eval_generate_examples": (_at_least(0), "0 = no generation eval"),
+    "data.eval_max_new_tokens": (_at_least(1), ""),
+    "data.generate_puzzles": (_at_least(1), ""),
+    "data.generate_test_puzzles": (_at_least(1), ""),
+    "data.generate_num_aug": (_at_least(0), ""),
+    "data.generate_seed": (_at_least(0), ""),
+    "distributed.port": (_within(1, 65535), ""),
+    "distributed.num_processes": (_at_least(1), ""),
+    "distributed.process_id": (_at_least(0), ""),
+    "distributed.initialization_timeout_s": (_at_least(1), ""),
+    "distributed.heartbeat_timeout_s": (_at_least(1), ""),
+    "distributed.shutdown_timeout_s": (_at_least(1), ""),
+}
+
+
+def check_ranges(config: Config) -> None:
+    """Every `_RULES` setting within its range (each task of a mixture too); else one UserError."""
+    for key, ((ok, bound), meaning) in _RULES.items():
+        section, _, name = key.rpartition(".")
+        owners = {section: _get(config, section)}
+        if section == "data":
+            owners |= {f"data.tasks.{t}": task for t, task in config.data.tasks.items()}
+        for where, owner in owners.items():
+            value = getattr(owner, name, None)
+            if value is not None and not ok(value):
+                raise UserError(f"{where}.{name}={value!r} is out of range: it must be {bound}"
+                                f"{' (' + meaning + ')' if meaning else ''}")
+
+
+def _check_no_added_keys(node: DictConfig, where: str) -> None:
+    """Hydra's `+section.key=value` adds a key its schema lacks, and OmegaConf keeps it (an
+    attribute nothing reads): a misspelt setting would be silently ignored. Refuse it."""
+    import difflib
+
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        path = f"{where}.{key}" if where else str(key)
+        if known is not None and key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {where + '.' if where else ''}{close[0]}?" if close else f"settings: {sorted(known)}"
+            raise UserError(f"unknown config key {path}: {schema.__name__} has no such setting; {hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _check_no_added_keys(child, path)
+
+
+def _get(config: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        config = getattr(config, key)
+    return config
+
+
 def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optional[str] = None) -> Config:
     """Composed DictConfig -> frozen typed Config, or one-line UserError.
 
@@ -295,7 +395,10 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     schema.arch = OmegaConf.structured(OmegaConf.get_type(arch))
     try:
         merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
+        _check_no_added_keys(merged, "")
         config: Config = OmegaConf.to_object(merged)
+    except UserError:
+        raise
     except Exception as e:  # omegaconf's errors are multi-line; say it in one, naming the key
         key = getattr(e, "full_key", None)
         raise UserError(f"invalid config: {key + ': ' if key else ''}{one_line(e)}") from e
@@ -312,9 +415,25 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     t = config.train
     if (t.steps is None) == (t.epochs is None):
         raise UserError("set exactly one of train.steps and train.epochs (the other =null)")
-    for name in ("global_batch_size", "log_every"):
-        if getattr(t, name) <= 0:
-            raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
+    check_ranges(config)
+    _check_curriculum(config)
+    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
+    dataset_kind(config.data.name).validate(config.data)
+
+    group, _, variant = (experiment or "").rpartition("/")
+    if config.run.group is None:
+        config.run.group = group or (experiment or "default")
+    if config.run.name is None:
+        config.run.name = variant or "default"
+        if sweep_job:
+            config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
+    return freeze(config)
+
+
+def _check_curriculum(config: Config) -> None:
+    """Each ramp: both ends or neither, on an arch that has the value, a known shape, cycles >= 1."""
     for name in ("H_cycles", "L_cycles", "halt_exploration_prob"):
         ramp = getattr(config.curriculum, name)
         if (ramp.start is None) != (ramp.end is None):
@@ -329,19 +448,6 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
                             f"shape={ramp.shape!r} fraction={ramp.fraction}")
         if name != "halt_exploration_prob" and min(ramp.start, ramp.end) < 1:
             raise UserError(f"curriculum.{name} must stay >= 1 (start={ramp.start}, end={ramp.end})")
-    sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
-    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
-    dataset_kind(config.data.name).validate(config.data)
-
-    group, _, variant = (experiment or "").rpartition("/")
-    if config.run.group is None:
-        config.run.group = group or (experiment or "default")
-    if config.run.name is None:
-        config.run.name = variant or "default"
-        if sweep_job:
-            config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
-    return freeze(config)
 
 
 def to_dict(config: Config) -> dict[str, Any]:
@@ -411,9 +517,9 @@ def run_dirs(config: Config) -> tuple[str, str]:
 
 def _every(steps: int, epochs: Optional[float], steps_per_epoch: int, total_steps: int) -> int:
     """A cadence in steps: from epochs when given (at least 1 step), else steps; 0 = only at the end."""
-    if epochs is not None:
+    if epochs:
         return max(1, round(epochs * steps_per_epoch))
-    return steps or total_steps
+    return total_steps if epochs == 0 else steps or total_steps
 
 
 def ramp_value(ramp: RampConfig, step, total_steps: int):

@@ -24,6 +24,8 @@ from typing import Any, TextIO
 import numpy as np
 from tqdm import tqdm
 
+from runtime.errors import UserError, one_line
+
 JSONL_NAME = "metrics.jsonl"
 
 
@@ -121,22 +123,27 @@ class MetricsSinks:
         if wandb_mode != WandbMode.disabled:  # do not even call wandb.init (writes nothing)
             import wandb
 
-            self._run = wandb.init(
-                mode=wandb_mode.value,
-                project=wandb_project,
-                entity=wandb_entity,
-                group=group,
-                name=name,
-                id=run_id,  # chosen by the caller, identical on all workers and on resume
-                resume="allow",
-                dir=str(self.output_dir),
-                config=config,
-                tags=list(tags) or None,
-                # A run left open (e.g. by a crashed caller in the same process) is finished
-                # rather than silently returned with the wrong config ("return_previous").
-                reinit="finish_previous",
-                settings=wandb.Settings(**_WANDB_SETTINGS),
-            )
+            try:
+                self._run = wandb.init(
+                    mode=wandb_mode.value,
+                    project=wandb_project,
+                    entity=wandb_entity,
+                    group=group,
+                    name=name,
+                    id=run_id,  # chosen by the caller, identical on all workers and on resume
+                    resume="allow",
+                    dir=str(self.output_dir),
+                    config=config,
+                    tags=list(tags) or None,
+                    # A run left open (e.g. by a crashed caller in the same process) is finished
+                    # rather than silently returned with the wrong config ("return_previous").
+                    reinit="finish_previous",
+                    settings=wandb.Settings(**_WANDB_SETTINGS),
+                )
+            except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
+                self._jsonl.close()
+                raise UserError(f"W&B did not start the run ({one_line(e)[:200]}); check WANDB_API_KEY and "
+                                "run.wandb.entity / run.wandb.project, or use run.wandb.mode=offline") from e
 
         if not progress_bar:
             return

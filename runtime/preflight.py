@@ -104,7 +104,26 @@ def wandb_credentials_present(environ: Optional[dict[str, str]] = None) -> bool:
 def check_wandb(mode: str) -> None:
     if mode == "online" and not wandb_credentials_present():
         raise UserError(WANDB_MISSING)
+    if mode == "online":
+        check_wandb_key_shape(os.environ.get("WANDB_API_KEY", ""))
     # offline writes under the output directory (checked separately); disabled writes nothing.
+
+
+def check_wandb_key_shape(key: str) -> None:
+    """A WANDB_API_KEY that W&B itself would reject by its shape (wandb's own offline check:
+    length, characters, whitespace) is one line here, never the key itself; its validity with
+    the server is W&B's to say (runtime/metrics_sinks.py)."""
+    if not key:
+        return  # an identity token file or ~/.netrc entry: W&B checks those
+    try:
+        from wandb.sdk.lib.wbauth.validation import check_api_key
+    except ImportError:  # another wandb version: only the whitespace check below
+        def check_api_key(k: str) -> str | None:
+            return None
+    problem = "it has leading or trailing whitespace." if key != key.strip() else check_api_key(key)
+    if problem:
+        raise UserError(f"WANDB_API_KEY is malformed ({problem.rstrip('.')}); copy the key again from "
+                        "https://wandb.ai/authorize (or your W&B host's /authorize page), or use run.wandb.mode=offline")
 
 
 # --------------------------------------------------------------------------- local paths

@@ -38,7 +38,8 @@ class DatasetKind:
         raise NotImplementedError
 
     def ensure_built(self, data: Any) -> None:
-        """Build a generated set that is missing (local paths, `data.generate_if_missing`)."""
+        """Build a generated set that is missing (local paths, `data.generate_if_missing`), only
+        where data_pipeline/marker.py allows; raise `UserError` for a folder that is not one."""
 
     def preflight(self, data: Any, gcs: Any) -> None:
         """Check what the run will read (train and eval splits) before anything compiles;

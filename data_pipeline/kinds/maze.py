@@ -16,6 +16,7 @@ log = logging.getLogger("runtime")
 class MazeKind(PuzzleKind):
     name = "maze"
     can_generate = True
+    builder = "build_maze"
     mixable = True
 
     def build(self, data: Any) -> None:

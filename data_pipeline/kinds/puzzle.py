@@ -14,6 +14,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from data_pipeline.marker import build_note, run_build_target
 from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata, load_split
 from runtime.errors import UserError, one_line
 from runtime.preflight import check_buildable, check_npy_readable, os_reason, principal_in
@@ -41,6 +42,7 @@ class PuzzleKind(DatasetKind):
     generate their set implement `build` and `generated_shape`."""
 
     can_generate = False
+    builder = ""  # with can_generate: the data_pipeline module that builds the set (its marker's name)
     metadata_file = "dataset.json"
 
     # ------------------------------------------------------------------ hooks
@@ -75,12 +77,20 @@ class PuzzleKind(DatasetKind):
         if not self.can_generate or not data.generate_if_missing or data.path.startswith("gs://"):
             return
         if not self.is_built(data):
+            reason = self.build_target(data)
+            log.info("data.path=%s %s: building a generated %s set there (data.generate_if_missing=true)%s",
+                     data.path, reason, self.name, build_note(reason))
             self.build(data)
+
+    def build_target(self, data: Any) -> str:
+        """Why the run may build at data.path; UserError for a folder that is not a generated set."""
+        return run_build_target(data.path, self.builder, f"{data.train_split}/{self.metadata_file}")
 
     def preflight(self, data: Any, gcs: Any) -> None:
         root = str(data.path)
         remote = "://" in root
         if not remote and self.can_generate and data.generate_if_missing and not self.is_built(data):
+            self.build_target(data)  # never over a folder that is not a generated set
             check_buildable(root)  # the run builds it; only where it goes is checked
             return
         if root.startswith("gs://"):

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from data_pipeline.marker import build_note, run_build_target
 from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata, load_sft_split
 from runtime.errors import UserError, one_line
@@ -50,14 +51,21 @@ class SFTKind(DatasetKind):
             return
         from data_pipeline.build_sft import build_generated_arithmetic
 
-        log.info("building a generated arithmetic reasoning set at %s", data.path)
+        reason = self.build_target(data)
+        log.info("data.path=%s %s: building a generated arithmetic reasoning set there (data.generate_if_missing=true)%s",
+                 data.path, reason, build_note(reason))
         build_generated_arithmetic(data.path, data.generate_puzzles, data.generate_test_puzzles, data.seq_len,
                                    data.generate_seed)
+
+    def build_target(self, data: Any) -> str:
+        """Why the run may build at data.path; UserError for a folder that is not a generated set."""
+        return run_build_target(data.path, "build_sft", f"{data.train_split}/sft.json")
 
     def preflight(self, data: Any, gcs: Any) -> None:
         """Each split's sft.json parses (the arrays are checked on load)."""
         root = str(data.path)
         if "://" not in root and data.generate_if_missing and not self.is_built(data):
+            self.build_target(data)  # never over a folder that is not a generated set
             check_buildable(root)
             return
         if root.startswith("gs://"):

@@ -16,10 +16,10 @@ log = logging.getLogger("runtime")
 class SudokuKind(PuzzleKind):
     name = "sudoku"
     can_generate = True
+    builder = "build_sudoku"
     mixable = True  # may be a task of data.name=multitask
 
     def build(self, data: Any) -> None:
-        log.info("building a generated %s dataset at %s", self.name, data.path)
         build_sudoku.build_sudoku_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
                                           test_size=data.generate_test_puzzles, num_aug=data.generate_num_aug,
                                           min_givens=data.generate_min_givens, seed=data.generate_seed)

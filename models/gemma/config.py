@@ -35,6 +35,7 @@ from runtime.frozen import Freezable
 LORA_TARGETS = ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LOSSES = ("chunked", "plain")
+CHECKPOINT_FORMATS = ("auto", "hf", "kaggle")
 
 
 @dataclass
@@ -76,6 +77,10 @@ class GemmaConfig(Freezable):
     # Flax/Orbax checkpoint folder; local path or gs://. None = random init.
     checkpoint: Optional[str] = None
     checkpoint_format: str = "auto"  # auto | hf | kaggle
+
+    # Checked by models/gemma/task.py `validate`: sizes >= 1 (lora_rank >= 0), num_kv_heads divides
+    # num_heads (each kv head serves num_heads / num_kv_heads query heads; head_dim is free, not
+    # embed_dim / num_heads), dtype names, and the option strings above.
 
     @property
     def post_norms(self) -> bool:

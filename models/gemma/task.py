@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
-from models.gemma.config import GemmaConfig
+from models.gemma.config import CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
 from models.gemma.model import Gemma
-from models.layers import dtype_from_name
+from models.layers import check_at_least, check_dtype_names, dtype_from_name
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
 from runtime.task import DataShape, EvalContext, Evaluator, Task
@@ -174,4 +174,29 @@ def build_task(arch: GemmaConfig, shape: DataShape, **_: Any) -> GemmaTask:
     return GemmaTask(arch, packed=shape.packed)
 
 
-register_model_family(ModelFamily("gemma", GemmaConfig, build_task))
+def validate(arch: GemmaConfig) -> None:
+    check_at_least(arch, 1, "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim",
+                   "vocab_size", "global_every", "loss_chunk_size")
+    check_at_least(arch, 0, "lora_rank")
+    if arch.num_heads % arch.num_kv_heads:
+        divisors = [k for k in range(1, arch.num_heads + 1) if arch.num_heads % k == 0]
+        raise UserError(f"arch.num_kv_heads={arch.num_kv_heads} does not divide arch.num_heads={arch.num_heads} (each kv "
+                        f"head serves num_heads / num_kv_heads query heads); use num_kv_heads in {divisors}")
+    check_dtype_names(arch, "dtype", "param_dtype")
+    choices = {"version": (1, 2, 3), "remat": REMAT_POLICIES, "loss": LOSSES, "checkpoint_format": CHECKPOINT_FORMATS}
+    for name, allowed in choices.items():
+        if getattr(arch, name) not in allowed:
+            raise UserError(f"arch.{name}={getattr(arch, name)!r} is not one of {list(allowed)}")
+    unknown = sorted(set(arch.lora_targets) - set(LORA_TARGETS))
+    if unknown:
+        raise UserError(f"arch.lora_targets has {unknown}; choose from {list(LORA_TARGETS)}")
+    positive = {"sliding_window": arch.sliding_window, "query_pre_attn_scalar": arch.query_pre_attn_scalar,
+                "attn_logit_softcap": arch.attn_logit_softcap, "final_logit_softcap": arch.final_logit_softcap,
+                "rope_base_local": arch.rope_base_local, "rope_base_global": arch.rope_base_global,
+                "rope_scale_global": arch.rope_scale_global}
+    for name, value in positive.items():
+        if value is not None and not value > 0:
+            raise UserError(f"arch.{name}={value!r} is out of range: it must be > 0")
+
+
+register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate))

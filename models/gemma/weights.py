@@ -40,13 +40,13 @@ import numpy as np
 
 from flax.traverse_util import unflatten_dict
 
-from models.gemma.config import GemmaConfig
+from models.gemma.config import CHECKPOINT_FORMATS, GemmaConfig
 from models.layers import dtype_from_name
 from runtime.errors import UserError
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "hf", "kaggle")
+FORMATS = CHECKPOINT_FORMATS
 _KAGGLE_MARKERS = {"_METADATA", "checkpoint", "manifest.ocdbt", "_CHECKPOINT_METADATA"}
 _HF_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}

@@ -12,10 +12,11 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from models.layers import check_at_least, check_dtype_names, check_heads
 from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
 from models.recursive_reasoning.hrm import HRM, HRMConfig
 from models.recursive_reasoning.losses import LOSS_FNS, act_loss
-from models.recursive_reasoning.trm import TRM, TRMConfig
+from models.recursive_reasoning.trm import POS_ENCODINGS, TRM, TRMConfig
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
 from runtime.task import DataShape, Task
@@ -107,6 +108,20 @@ def build_task(arch: Any, shape: DataShape, *, init_states: Any = None, explorat
 def validate(arch: Any) -> None:
     if arch.loss_type not in LOSS_FNS:
         raise UserError(f"arch.loss_type={arch.loss_type!r} is not one of {sorted(LOSS_FNS)}")
+    if arch.pos_encodings not in POS_ENCODINGS:
+        raise UserError(f"arch.pos_encodings={arch.pos_encodings!r} is not one of {list(POS_ENCODINGS)}")
+    layers = ("H_layers", "L_layers") if isinstance(arch, HRMConfig) else ("L_layers",)
+    check_at_least(arch, 1, "hidden", "heads", *layers, "H_cycles", "L_cycles", "halt_max_steps")
+    check_at_least(arch, 0, "puzzle_emb_ndim", *(("puzzle_emb_len",) if isinstance(arch, TRMConfig) else ()))
+    check_heads(arch)
+    check_dtype_names(arch, "forward_dtype")
+    if not arch.expansion > 0 or not 0 <= arch.halt_exploration_prob <= 1:
+        raise UserError(f"arch.expansion={arch.expansion} must be > 0 and arch.halt_exploration_prob="
+                        f"{arch.halt_exploration_prob} in [0, 1]")
+    window = getattr(arch, "attention_window", None)
+    if window is not None and (window < 1 or window % 2 == 0 or arch.mlp_t):
+        raise UserError(f"arch.attention_window={window} must be a positive odd side length, with arch.mlp_t=false "
+                        "(the attention variant); or null for full attention")
 
 
 register_model_family(ModelFamily("trm", TRMConfig, build_task, validate))

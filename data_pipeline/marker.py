@@ -1,0 +1,125 @@
+"""The marker a dataset builder leaves in the folder it builds, and where a build may write.
+
+Every builder (build_sudoku, build_maze, build_arc, build_sft) first `claim`s its output folder:
+it builds only into a folder that does not exist, is empty, or holds its own marker (an earlier
+build of the same builder, finished or interrupted). Any other folder is someone's data: the
+build is refused with one line and nothing in it is touched. The marker, `.podrunner-generated`
+(JSON: builder, parameters, started, finished), also says how the set was made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import fsspec
+
+from data_pipeline.puzzle_format import DatasetError
+
+MARKER = ".podrunner-generated"
+# A run that builds its set (data.generate_if_missing) at a path that does not exist says so: the
+# set follows from data.generate_*, so a misspelt data.path costs a build, never other data.
+ABSENT = "does not exist"
+
+
+def build_note(reason: str) -> str:
+    """What a run adds to its "building at data.path" log line."""
+    return "; if you meant an existing dataset, fix data.path" if reason == ABSENT else ""
+
+
+def _fs(root: str):
+    fs, base = fsspec.core.url_to_fs(str(root))
+    return fs, base.rstrip("/")
+
+
+def read_marker(root: str) -> dict[str, Any] | None:
+    """The marker of `root` (None when there is none or it does not parse)."""
+    fs, base = _fs(root)
+    try:
+        with fs.open(f"{base}/{MARKER}", "r") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def build_target(root: str, builder: str, missing: str | None = None, inputs: Sequence[str | None] = ()) -> str:
+    """Why `builder` may write into `root` ("does not exist", "is empty", "holds an earlier build
+    of <builder>"), or a DatasetError naming the folder and the fix. `missing`: what a run found
+    lacking there (e.g. "train/dataset.json"), for its message; `inputs`: the build's own source
+    files, which may sit in `root` (an SFT set's JSONL and tokenizer)."""
+    fs, base = _fs(root)
+    if not fs.exists(base):
+        return ABSENT
+    if not fs.isdir(base):
+        raise DatasetError(f"{root} is a file, not a dataset folder; choose another path for the dataset")
+    own = {os.path.basename(str(p)) for p in inputs if p and os.path.dirname(os.path.abspath(str(p))) == os.path.abspath(base)}
+    entries = sorted(set(str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) - own)
+    if not entries:
+        return "is empty"
+    marker = read_marker(root)
+    if marker is not None and marker.get("builder") == builder:
+        state = "a finished" if marker.get("finished") else "an unfinished"
+        return f"holds {state} build of {builder} ({MARKER})"
+    owner = f"a {marker.get('builder')} build, not {builder}" if marker else f"no {MARKER} marker"
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    if missing:
+        raise DatasetError(f"{root} is not a complete dataset ({missing} is missing) and holds {owner} ({shown}), so "
+                           "nothing is written there; point data.path at the dataset's folder, or at a new path to "
+                           "build a fresh set there")
+    raise DatasetError(f"{root} already holds files ({shown}) and {owner}, so nothing is written there; choose a new "
+                       "output folder, or empty this one first")
+
+
+def run_build_target(root: str, builder: str, missing: str) -> str:
+    """`build_target` for a run (data.generate_if_missing): a UserError (exit 2) when `root` is a
+    folder a build must not write into."""
+    from runtime.errors import UserError
+
+    try:
+        return build_target(root, builder, missing)
+    except DatasetError as e:
+        raise UserError(str(e)) from e
+
+
+def claim(root: str, builder: str, parameters: Mapping[str, Any], inputs: Sequence[str | None] = ()) -> str:
+    """Check `root` may be built into (`build_target`), then write the marker (unfinished).
+    Returns the reason the folder could be used."""
+    reason = build_target(root, builder, inputs=inputs)
+    fs, base = _fs(root)
+    fs.makedirs(base, exist_ok=True)
+    _write(fs, base, {"builder": builder, "parameters": {k: _plain(v) for k, v in parameters.items()},
+                      "started": _now(), "finished": None})
+    return reason
+
+
+def finish(root: str) -> None:
+    """Mark the build in `root` finished (after its last file is written)."""
+    fs, base = _fs(root)
+    marker = read_marker(root) or {}
+    _write(fs, base, dict(marker, finished=_now()))
+
+
+def _write(fs, base: str, marker: dict) -> None:
+    with fs.open(f"{base}/{MARKER}", "w") as f:
+        json.dump(marker, f, indent=1)
+
+
+def _plain(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str, list)) else str(value)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def rebuild_hint(root: str) -> str:
+    """How to rebuild the set at `root`: from its marker when it has one."""
+    marker = read_marker(root)
+    if marker is None:
+        return ("rebuild the dataset with the data_pipeline builder that made it (python -m data_pipeline.build_<kind> "
+                "--output-dir NEW_DIR ...) or point data.path at an intact copy")
+    return (f"rebuild it: delete {root} and run python -m data_pipeline.{marker.get('builder')} with the parameters in "
+            f"{root}/{MARKER} (a run with data.generate_if_missing=true rebuilds a generated set itself)")
