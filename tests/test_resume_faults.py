@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, train, train_losses
-from test_bad_input import assert_user_error
+from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
+from test_bad_input import assert_user_error, free_port
 from test_train_loop import resumed_step
 
 # A failed restore abandons Orbax's other reads; their late "Exception ignored" reports must not
@@ -191,8 +193,6 @@ def test_quarantine_on_gcs_copies_everything_then_unlists_the_step(tmp_path):
 
 
 def test_storage_access_errors_are_not_corruption():
-    import json as json_lib
-
     from runtime.checkpointing import is_access_error
 
     assert is_access_error(PermissionError("denied"))
@@ -206,6 +206,59 @@ def test_storage_access_errors_are_not_corruption():
         assert is_access_error(wrapped)
     assert not is_access_error(ValueError("FAILED_PRECONDITION: ZSTD_decompressStream() failed"))
     assert not is_access_error(FileNotFoundError("Requested directory for restore does not exist"))
-    with pytest.raises(json_lib.JSONDecodeError) as bad_json:
-        json_lib.loads("{garbled")
+    with pytest.raises(json.JSONDecodeError) as bad_json:
+        json.loads("{garbled")
     assert not is_access_error(bad_json.value)
+
+
+POD_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], 2, int(os.environ["JAX_PROCESS_ID"]))
+from runtime.checkpointing import Checkpoints
+
+directory = sys.argv[1]
+sharding = NamedSharding(jax.make_mesh((4,), ("d",)), P("d"))
+ckpt = Checkpoints(directory, keep=5, async_save=False)
+for step in (1, 2):
+    ckpt.save(step, {"w": jax.device_put(jnp.arange(8192.0) + step, sharding)}, {"step": step})
+ckpt.wait()
+if jax.process_index() == 0:  # damage the array data only process 1 wrote, and reads back
+    for chunk in Path(directory, "2", "state").glob("ocdbt.process_1/d/*"):
+        chunk.write_bytes(b"")
+multihost_utils.sync_global_devices("damaged")
+step, state = ckpt.first_readable(lambda s: ckpt.restore_state(s, {"w": jax.ShapeDtypeStruct((8192,), jnp.float32, sharding=sharding)}))
+values = multihost_utils.process_allgather(state["w"], tiled=True)
+print("RESULT", json.dumps({"step": step, "steps": ckpt.all_steps(), "quarantined": ckpt.quarantined,
+                            "w_is_step_1": bool(np.array_equal(values, np.arange(8192.0) + 1))}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_processes_agree_when_only_one_sees_the_damage(tmp_path):
+    """2 processes: step 2's array data that only process 1 reads is damaged; process 0 quarantines
+    the step and both restore step 1."""
+    port, directory = free_port(), tmp_path / "ckpt"
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]  # files, not pipes: a full pipe would stall the pair
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-c", POD_SCRIPT, str(directory)], cwd=REPO, stdout=out,
+                                          stderr=subprocess.STDOUT, env=child_env(
+                                              2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i))))
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs
+    results = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) for out in outputs]
+    assert [r["step"] for r in results] == [1, 1] and [r["steps"] for r in results] == [[1], [1]]
+    assert results[0]["w_is_step_1"] and results[1]["w_is_step_1"]
+    (moved,) = quarantined(directory)
+    assert results[0]["quarantined"] == [[2, str(moved)]] and results[1]["quarantined"] == [[2, None]]
+    assert "unreadable on process 1" in outputs[0] and "process 1: checkpoint step 2" in outputs[1]
