@@ -173,9 +173,10 @@ def resumed_state(config: Config, steps, ckpt: Checkpoints, resumed: tuple[int, 
     return step, meta, state
 
 
-def schedule_change(config: Config, plan, meta: dict | None, step: int | None) -> dict | None:
+def schedule_change(config: Config, plan, meta: dict | None, step: int | None, *, announce: bool) -> dict | None:
     """How the lr schedule changed when the planned total steps differ from those of the run that
-    wrote the checkpoint (a relaunch with another train.steps or train.epochs); None if they do not."""
+    wrote the checkpoint (a relaunch with another train.steps or train.epochs), said in one line
+    if `announce`; None if they do not differ."""
     saved = (meta or {}).get("config", {})
     old_train, old_optim = saved.get("train", {}), saved.get("optim", {})
     if step is None or (old_train.get("steps") is None and old_train.get("epochs") is None):
@@ -190,9 +191,12 @@ def schedule_change(config: Config, plan, meta: dict | None, step: int | None) -
     new = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
     old = warmup_cosine(old_optim.get("lr", config.optim.lr), old_optim.get("lr_min_ratio", config.optim.lr_min_ratio),
                         old_total, min(old_optim.get("warmup_steps", config.optim.warmup_steps), old_total))
-    return {"setting": setting, "at_step": step, "total_steps_before": old_total, "total_steps": plan.total_steps,
-            "warmup_steps": plan.warmup_steps, "lr_next_step_before": float(old(step)), "lr_next_step": float(new(step)),
-            "lr_last_step": float(new(plan.total_steps - 1))}
+    change = {"setting": setting, "at_step": step, "total_steps_before": old_total, "total_steps": plan.total_steps,
+              "warmup_steps": plan.warmup_steps, "lr_next_step_before": float(old(step)), "lr_next_step": float(new(step)),
+              "lr_last_step": float(new(plan.total_steps - 1))}
+    if announce:
+        log_schedule_change(change)
+    return change
 
 
 def log_schedule_change(change: dict) -> None:
@@ -237,9 +241,7 @@ def run(config: Config) -> int:
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
     state, start_step, meta = initial_state(config, steps, ckpt, (start_step, meta), shape.examples)
-    change = schedule_change(config, plan, meta, start_step)
-    if change and info.is_primary:
-        log_schedule_change(change)
+    change = schedule_change(config, plan, meta, start_step, announce=info.is_primary)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
     run_id = meta["run_id"] if meta else new_run_id(config)
     position = int(meta["data_position"]["next_batch"]) if meta else 0
