@@ -6,19 +6,111 @@ Saves are asynchronous: the train loop goes on while the arrays are written. Orb
 a step to a temporary name and only then marks it complete (a rename locally, a
 commit_success file on GCS), and `latest_step` only ever sees complete steps, so a save cut
 off by a crash or an outage is never chosen for resume.
+
+A complete step can still be unreadable (a truncated or overwritten file, a missing item).
+`first_readable` finds the newest step every process can read; a corrupt one is moved aside
+to `<dir>/quarantined-<step>-<UTC time>` (never deleted; a name Orbax does not list) and the
+step before it is tried.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import re
+import sys
+import time
+from typing import Any, Callable, TypeVar
 
+import fsspec
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from runtime.errors import StorageError, UserError, one_line
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+QUARANTINE_PREFIX = "quarantined-"
+# Errors that say the storage could not be reached or read, not that the bytes are bad: such a
+# step is never quarantined (GCS / tensorstore status names; plain Python exception types below).
+_ACCESS_STATUS = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED")
+
+
+class CorruptStep(UserError):
+    """A complete step whose files cannot be read back (truncated, overwritten, missing)."""
+
+    def __init__(self, directory: str, step: int, problem: str):
+        self.step, self.problem = step, problem
+        super().__init__(f"checkpoint step {step} in {directory} is unreadable ({problem}); resume from an earlier "
+                         "step, or restore this one from a backup")
+
+
+def is_access_error(e: BaseException) -> bool:
+    """True when `e` (or its cause) is a failure to reach or read the storage, not bad content."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = getattr(e, "code", None)
+        if (isinstance(e, (PermissionError, ConnectionError, TimeoutError)) or _ACCESS_STATUS.search(str(e))
+                or (isinstance(code, int) and (code in (401, 403, 429) or 500 <= code < 600))):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def innermost(e: BaseException) -> str:
+    """The root cause's message, on one line (Orbax wraps tensorstore's precise one in pages of spec)."""
+    seen: set[int] = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _drop_reports_of_abandoned_reads() -> None:
+    """After a failed restore, Orbax's other reads of it are abandoned: tensorstore completes them
+    later on its threads (their asyncio loop already closed) and the ones not started are collected
+    as coroutines never awaited. Python reports each as "Exception ignored in ...", pages of
+    tracebacks after the one warning; from now on this process drops exactly those reports."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+        if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
+            previous(unraisable)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
+def move_step(source: str, target: str) -> None:
+    """Rename a step directory. Locally one atomic rename; on object stores (gs://) a copy of
+    every object, checked complete, before anything is deleted."""
+    if "://" not in source:
+        os.rename(source, target)
+        return
+    fs, _, (src,) = fsspec.get_fs_token_paths(source)
+    _, _, (dst,) = fsspec.get_fs_token_paths(target)
+    objects = fs.find(src, detail=True)
+    fs.copy(list(objects), [dst + path[len(src):] for path in objects])  # server-side copies, concurrent
+    fs.invalidate_cache()
+    copied = {path[len(dst):]: info["size"] for path, info in fs.find(dst, detail=True).items()}
+    if copied != {path[len(src):]: info["size"] for path, info in objects.items()}:
+        raise OSError(f"the copy to {target} is incomplete; {source} was left as it was")
+    # Orbax lists a GCS step by its commit_success.txt: deleted first, the step leaves the listing
+    # even if the rest of the deletion is cut off.
+    marker = f"{src}/commit_success.txt"
+    if marker in objects:
+        fs.rm(marker)
+    fs.rm(src, recursive=True)
+    fs.invalidate_cache()
 
 
 class Checkpoints:
@@ -37,6 +129,7 @@ class Checkpoints:
 
         self._pending: int | None = None  # saved asynchronously, not yet known to be committed
         self._confirmed: int | None = self.manager.latest_step()  # the newest step known to be committed
+        self.quarantined: list[tuple[int, str | None]] = []  # (step, where it was moved; None on processes > 0)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -61,16 +154,127 @@ class Checkpoints:
                             f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: restore "
                             "storage access and relaunch the same command to resume")
 
+    def _item(self, step: int, item: str) -> epath.Path:
+        return epath.Path(self.directory) / str(step) / item
+
+    def _unreadable(self, step: int, item: str, e: BaseException) -> UserError:
+        if is_access_error(e):
+            return UserError(f"cannot read checkpoint step {step} in {self.directory} ({one_line(e)[:300]}); check "
+                             "access to the storage and relaunch (nothing was changed)")
+        return CorruptStep(self.directory, step, f"{item}: {innermost(e)[:300]}")
+
     def read_meta(self, step: int) -> dict[str, Any]:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        """The step's metadata; CorruptStep if it cannot be read back.
+
+        Items are read with Orbax's handlers rather than through the manager, whose restore
+        ends in a barrier that a process that failed to read would never reach."""
+        try:
+            meta = ocp.JsonCheckpointHandler().restore(self._item(step, "meta"))
+            if not isinstance(meta, dict):
+                raise ValueError(f"expected a JSON object, found {type(meta).__name__}")
+            return meta
+        except Exception as e:
+            raise self._unreadable(step, "meta", e) from e
 
     def restore_state(self, step: int, abstract_state: Any) -> Any:
-        """Restore straight into the shardings carried by `abstract_state` (no gather on one host)."""
+        """Restore straight into the shardings carried by `abstract_state` (no gather on one host).
+
+        A state saved with another structure or other shapes is a UserError naming the config
+        (nothing is moved); one whose files cannot be read back is a CorruptStep."""
+        path, handler = self._item(step, "state"), ocp.StandardCheckpointHandler()
         try:
-            return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))).state
+            try:
+                saved = handler.metadata(path).tree
+            except Exception as e:
+                raise self._unreadable(step, "state", e) from e
+            mismatch = tree_mismatch(saved, abstract_state)
+            if mismatch:
+                raise UserError(f"checkpoint step {step} in {self.directory} does not fit this run's state ({mismatch}); "
+                                "resume with the config (and code) that wrote it, or use a new run.name to start fresh")
+            return self._restore(step, handler, path, abstract_state)
+        finally:
+            handler.close()
+
+    def _restore(self, step: int, handler, path: epath.Path, abstract_state: Any) -> Any:
+        try:
+            return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
         except Exception as e:
-            raise UserError(f"checkpoint step {step} in {self.directory} does not fit this run's state "
-                            f"({one_line(e)[:300]}); resume with the config that wrote it, or use a new run.name") from e
+            _drop_reports_of_abandoned_reads()
+            raise self._unreadable(step, "state", e) from e
+
+    def first_readable(self, read: Callable[[int], T]) -> tuple[int, T]:
+        """(step, read(step)) for the newest complete step that `read` succeeds on in every
+        process. A step that is corrupt on any process is quarantined and the one before it
+        tried; any other error is raised on every process."""
+        while (step := self.latest_step()) is not None:
+            try:
+                value, error = read(step), None
+            except UserError as e:
+                value, error = None, e
+            error = self._agree(step, error)
+            if error is None:
+                return step, value
+            if not isinstance(error, CorruptStep):
+                raise error
+            self.quarantine(step, error.problem)
+        raise self.nothing_left()
+
+    def _agree(self, step: int, error: UserError | None) -> UserError | None:
+        """Every process's outcome of reading `step` -> one decision for all: ok, corrupt (any
+        process could not read it) or an error to raise (anything else, on any process)."""
+        if jax.process_count() == 1:
+            return error
+        mine = 0 if error is None else 1 if isinstance(error, CorruptStep) else 2
+        outcomes = np.asarray(multihost_utils.process_allgather(np.array([mine], np.int32))).reshape(-1)
+        worst, where = int(outcomes.max()), int(outcomes.argmax())
+        if error is not None and jax.process_index() > 0:
+            log.warning("process %d: %s", jax.process_index(), error)
+        if worst == mine:
+            return error
+        if worst == 1:
+            return CorruptStep(self.directory, step, f"unreadable on process {where}, see its log")
+        return UserError(f"process {where} cannot use checkpoint step {step} in {self.directory} (its log says why); "
+                         "fix that and relaunch")
+
+    def quarantine(self, step: int, problem: str) -> None:
+        """Move `step` aside (process 0 only; every process then relists the steps)."""
+        source, target, failure = f"{self.directory}/{step}", None, ""
+        if jax.process_index() == 0:
+            target = self._quarantine_name(step)
+            try:
+                move_step(source, target)
+                log.warning("checkpoint step %d in %s is unreadable (%s); moved it to %s and trying the previous "
+                            "complete step", step, self.directory, problem, target)
+            except Exception as e:
+                failure = one_line(e)[:300] or type(e).__name__
+        if jax.process_count() > 1:  # also the barrier: nobody relists before the move is done
+            failed_on_0 = int(multihost_utils.broadcast_one_to_all(np.int32(bool(failure))))
+            failure = failure or ("it failed on process 0, see its log" if failed_on_0 else "")
+        if failure:
+            raise UserError(f"checkpoint step {step} in {self.directory} is unreadable ({problem}) and could not be moved "
+                            f"aside ({failure}); move {source} out of the way by hand and relaunch")
+        self.manager.reload()
+        self._confirmed = self.manager.latest_step()
+        self.quarantined.append((step, target))
+
+    def _quarantine_name(self, step: int) -> str:
+        base = f"{self.directory}/{QUARANTINE_PREFIX}{step}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        target, n = base, 1
+        while epath.Path(target).exists():
+            target, n = f"{base}-{n}", n + 1
+        return target
+
+    def quarantined_names(self) -> list[str]:
+        """Names of the steps moved aside in this directory, by this run or an earlier one."""
+        root = epath.Path(self.directory)
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(QUARANTINE_PREFIX)) if root.exists() else []
+
+    def nothing_left(self) -> UserError:
+        moved = [f"step {s} -> {t}" for s, t in self.quarantined if t] or self.quarantined_names()
+        return UserError(f"no readable checkpoint is left in {self.directory}: every complete step was unreadable and "
+                         f"was quarantined ({', '.join(moved) or 'on process 0'}); start fresh with a new run.name (or "
+                         "run.checkpoint.dir), or restore the steps from a backup (or rename one back to its step "
+                         "number) and relaunch")
 
     def wait(self) -> None:
         """Block until the in-flight async save is committed (StorageError if it failed)."""
@@ -83,3 +287,19 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def tree_mismatch(saved: Any, abstract: Any) -> str | None:
+    """The first difference between a saved state's tree (Orbax metadata) and this run's
+    abstract state, in arrays or shapes; None when they fit (dtypes are cast on restore)."""
+    saved_flat = ocp.tree.to_flat_dict(saved, sep=".")
+    wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract, keep_empty_nodes=True), sep=".")
+    for name in sorted(set(saved_flat) | set(wanted)):
+        if name not in saved_flat:
+            return f"{name} is not in the checkpoint"
+        if name not in wanted:
+            return f"the checkpoint has {name}, this run does not"
+        old, new = getattr(saved_flat[name], "shape", None), getattr(wanted[name], "shape", None)
+        if old is not None and new is not None and tuple(old) != tuple(new):
+            return f"{name} has shape {tuple(old)} in the checkpoint, {tuple(new)} in this run"
+    return None

@@ -547,6 +547,11 @@ def cycles_at(config: Config, step: int, total_steps: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def planned_steps(steps: Optional[int], epochs: Optional[float], steps_per_epoch: float) -> int:
+    """The run's total optimizer steps: train.steps, else train.epochs worth of steps (at least 1)."""
+    return steps if steps is not None else max(1, math.ceil(epochs * steps_per_epoch - 1e-9))
+
+
 def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int,
            epoch_examples: int | None = None) -> Plan:
     """All derived numbers, with the checks that need the machine (before any compile).
@@ -573,7 +578,7 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
             f"({t.global_batch_size}); lower train.global_batch_size or use a larger dataset"
         )
     steps_per_epoch = (epoch_examples or train_examples) / t.global_batch_size
-    total_steps = t.steps if t.steps is not None else max(1, math.ceil(t.epochs * steps_per_epoch - 1e-9))
+    total_steps = planned_steps(t.steps, t.epochs, steps_per_epoch)
     output_dir, checkpoint_dir = run_dirs(config)
     return Plan(
         num_processes=num_processes,

@@ -41,7 +41,11 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, resumed_from: int | None) -> dict[str, Any]:
+def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, resumed_from: int | None,
+                 schedule_change: dict[str, Any] | None = None, quarantined: list[tuple[int, str | None]] = ()) -> dict[str, Any]:
+    """`schedule_change`: the lr schedule before and after a resume with other planned total steps
+    (runtime.trainer.schedule_change); `quarantined`: (step, moved to) of unreadable checkpoint steps
+    moved aside before resuming."""
     devices = jax.devices()
     return {
         "run_id": run_id,
@@ -60,6 +64,8 @@ def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, r
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "resumed_from_step": resumed_from,
+        "schedule_change": schedule_change,
+        "quarantined_checkpoints": [{"step": step, "moved_to": target} for step, target in quarantined],
         "plan": plan,
         "config": config,
         "final_metrics": None,

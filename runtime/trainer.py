@@ -21,8 +21,8 @@ from jax.experimental import multihost_utils
 
 from runtime import manifest as manifest_lib
 from runtime.builder import plan_and_build
-from runtime.checkpointing import Checkpoints
-from runtime.config import Config, run_dirs, to_dict
+from runtime.checkpointing import Checkpoints, CorruptStep
+from runtime.config import Config, planned_steps, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import EXIT_FAILURE, UserError, one_line
 from runtime.evaluation import evaluate
@@ -33,6 +33,7 @@ from runtime.preflight import preflight
 from runtime.registry import dataset_kind
 from runtime.sharding import batch_sharding, describe
 from runtime.task import EvalContext
+from runtime.train_step import lr_schedule, warmup_cosine
 
 log = logging.getLogger("runtime")
 
@@ -139,13 +140,19 @@ def load_init_params(path: str, abstract_params: Any) -> Any:
                         "import with the same arch values and dataset sizes as this run") from e
 
 
-def initial_state(config: Config, steps, ckpt: Checkpoints, start_step: int | None):
-    """The resumed state, else one from imported or pretrained parameters, else a fresh init."""
+def initial_state(config: Config, steps, ckpt: Checkpoints, resumed: tuple[int | None, dict | None],
+                  train_examples: int) -> tuple[Any, int | None, dict | None]:
+    """(state, resumed step, its metadata): the resumed state (see resumed_state), else a new one."""
+    if resumed[0] is None:
+        return new_state(config, steps), None, None
+    step, meta, state = resumed_state(config, steps, ckpt, resumed, train_examples)
+    log.info("resumed from step %d of %s", step, ckpt.directory)
+    return state, step, meta
+
+
+def new_state(config: Config, steps):
+    """A state from imported or pretrained parameters, else a fresh init."""
     rng = jax.random.key_data(jax.random.key(config.train.seed))
-    if start_step is not None:
-        state = ckpt.restore_state(start_step, steps.abstract_state)
-        log.info("resumed from step %d of %s", start_step, ckpt.directory)
-        return state
     if config.train.init_params_from:
         log.info("parameters from %s", config.train.init_params_from)
         return steps.init_from(rng, load_init_params(config.train.init_params_from, steps.abstract_state.params))
@@ -156,17 +163,76 @@ def initial_state(config: Config, steps, ckpt: Checkpoints, start_step: int | No
     return steps.init(rng)
 
 
+def resumable_meta(config: Config, ckpt: Checkpoints, step: int, train_examples: int) -> dict:
+    """The step's metadata, checked against this run (a UserError naming the config if it does not fit)."""
+    meta = ckpt.read_meta(step)
+    if not {"run_id", "data_position"} <= meta.keys():
+        raise CorruptStep(ckpt.directory, step, "meta: no run_id or data_position")
+    check_resumable(meta, config, train_examples, ckpt.directory, step)
+    return meta
+
+
 def resume_point(config: Config, ckpt: Checkpoints, train_examples: int) -> tuple[int | None, dict | None]:
-    """(latest complete step, its metadata), after checking the checkpoint fits this run."""
-    start_step = ckpt.latest_step()
-    if start_step is None:
+    """(latest complete step, its metadata), after checking the checkpoint fits this run. A step
+    whose metadata cannot be read is quarantined and the one before it used."""
+    if ckpt.latest_step() is None:
+        if ckpt.quarantined_names():  # relaunched after every step was quarantined: never start over silently
+            raise ckpt.nothing_left()
         return None, None
     if not config.run.checkpoint.resume:
-        raise UserError(f"{ckpt.directory} already holds checkpoints (latest step {start_step}) and "
+        raise UserError(f"{ckpt.directory} already holds checkpoints (latest step {ckpt.latest_step()}) and "
                         "run.checkpoint.resume=false; pick a new run.name or run.checkpoint.dir so nothing is overwritten")
-    meta = ckpt.read_meta(start_step)
-    check_resumable(meta, config, train_examples, ckpt.directory, start_step)
-    return start_step, meta
+    return ckpt.first_readable(lambda step: resumable_meta(config, ckpt, step, train_examples))
+
+
+def resumed_state(config: Config, steps, ckpt: Checkpoints, resumed: tuple[int, dict],
+                  train_examples: int) -> tuple[int, dict, Any]:
+    """(step, meta, state) of the newest step whose state restores, starting at `resumed` (the
+    step the model was built for). A corrupt state is quarantined and the step before it tried,
+    its metadata read and checked again."""
+    built_step, built_meta = resumed
+
+    def read(step: int) -> tuple[dict, Any]:
+        meta = built_meta if step == built_step else resumable_meta(config, ckpt, step, train_examples)
+        if meta.get("init_states") != built_meta.get("init_states"):  # the model was built with built_step's
+            raise UserError(f"checkpoint step {step} in {ckpt.directory} holds other init states than step {built_step}, "
+                            f"which was unreadable and quarantined; relaunch the same command to resume from step {step}")
+        return meta, ckpt.restore_state(step, steps.abstract_state)
+
+    step, (meta, state) = ckpt.first_readable(read)
+    return step, meta, state
+
+
+def schedule_change(config: Config, plan, meta: dict | None, step: int | None, *, announce: bool) -> dict | None:
+    """How the lr schedule changed when the planned total steps differ from those of the run that
+    wrote the checkpoint (a relaunch with another train.steps or train.epochs), said in one line
+    if `announce`; None if they do not differ."""
+    saved = (meta or {}).get("config", {})
+    old_train, old_optim = saved.get("train", {}), saved.get("optim", {})
+    if step is None or (old_train.get("steps") is None and old_train.get("epochs") is None):
+        return None
+    old_total = planned_steps(old_train.get("steps"), old_train.get("epochs"), plan.epoch_examples / plan.global_batch_size)
+    if old_total == plan.total_steps:
+        return None
+    name = "steps" if config.train.steps is not None else "epochs"
+    setting = f"train.{name} changed from {old_train.get(name)} to {getattr(config.train, name)}"
+    if name == "epochs" or old_train.get(name) is None:
+        setting += f" ({old_total} -> {plan.total_steps} steps)"
+    new = lr_schedule(config.optim, plan.total_steps, plan.warmup_steps)
+    old = warmup_cosine(old_optim.get("lr", config.optim.lr), old_optim.get("lr_min_ratio", config.optim.lr_min_ratio),
+                        old_total, min(old_optim.get("warmup_steps", config.optim.warmup_steps), old_total))
+    change = {"setting": setting, "at_step": step, "total_steps_before": old_total, "total_steps": plan.total_steps,
+              "warmup_steps": plan.warmup_steps, "lr_next_step_before": float(old(step)), "lr_next_step": float(new(step)),
+              "lr_last_step": float(new(plan.total_steps - 1))}
+    if announce:
+        log_schedule_change(change)
+    return change
+
+
+def log_schedule_change(change: dict) -> None:
+    log.warning("%s at step %d: the cosine schedule now ends at step %d (lr at step %d: %.3g, was %.3g on the old "
+                "schedule; %.3g at the last step)", change["setting"], change["at_step"], change["total_steps"],
+                change["at_step"] + 1, change["lr_next_step"], change["lr_next_step_before"], change["lr_last_step"])
 
 
 def run_evaluators(config: Config, kind, steps, context: EvalContext) -> list:
@@ -205,7 +271,8 @@ def run(config: Config) -> int:
     evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
-    state = initial_state(config, steps, ckpt, start_step)
+    state, start_step, meta = initial_state(config, steps, ckpt, (start_step, meta), shape.examples)
+    change = schedule_change(config, plan, meta, start_step, announce=info.is_primary)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
     position = int(meta["data_position"]["next_batch"]) if meta else 0
 
@@ -214,7 +281,7 @@ def run(config: Config) -> int:
     config_dict = to_dict(config)
     sinks = open_sinks(config, plan, info, run_id, position, config_dict)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
-                                         resumed_from=start_step)
+                                         resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
     if info.is_primary:
         manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
 

@@ -1,0 +1,264 @@
+"""Resuming from damaged checkpoints: an unreadable latest step is quarantined (moved aside, never
+deleted) and the run resumes from the previous complete step with the losses of an uninterrupted
+run; a config that does not fit is refused and nothing is moved; a changed train.steps is logged
+and recorded in the manifest.
+
+One run of the shared reference config writes steps 20, 40 and 60 (module fixture); each test
+damages a copy of it and relaunches with the same overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
+from test_bad_input import assert_user_error, free_port
+from test_train_loop import resumed_step
+
+# A failed restore abandons Orbax's other reads; their late "Exception ignored" reports must not
+# reach stderr (runtime.checkpointing drops them): any that does fails the test.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+CKPT = Path("test") / "t" / "checkpoints"
+
+
+def overrides(sudoku_dir: Path, root: Path, *extra: str) -> list[str]:
+    return base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
+        "train.checkpoint_every=20", "run.checkpoint.keep=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(sudoku_dir, tmp_path_factory) -> Path:
+    """A finished reference run with checkpoints at steps 20, 40 and 60 (copy it before damaging it)."""
+    root = tmp_path_factory.mktemp("trained")
+    train(overrides(sudoku_dir, root))
+    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == ["20", "40", "60"]
+    return root
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    shutil.copytree(trained, root)
+    return root
+
+
+def files_under(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+
+
+def largest_array_file(step: Path) -> Path:
+    """The biggest chunk file of the step's state item (OCDBT data under state/ocdbt.process_*/d/)."""
+    return max((step / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+
+
+def truncate_array_file(step: Path) -> None:
+    path = largest_array_file(step)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def overwrite_array_file(step: Path) -> None:
+    path = largest_array_file(step)
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+def remove_state_item(step: Path) -> None:
+    shutil.rmtree(step / "state")
+
+
+def garble_meta(step: Path) -> None:
+    (step / "meta" / "metadata").write_text('{"step": 60, "run_id": "t-')
+
+
+def quarantined(ckpt: Path) -> list[Path]:
+    return sorted(p for p in ckpt.iterdir() if p.name.startswith("quarantined-"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", [truncate_array_file, remove_state_item, overwrite_array_file, garble_meta])
+def test_unreadable_latest_step_is_quarantined_and_the_previous_one_resumed(
+        damage, sudoku_dir, tmp_path, trained, reference_losses):
+    root = copy_run(trained, tmp_path)
+    damage(root / CKPT / "60")
+    damaged = files_under(root / CKPT / "60")
+
+    result = train(overrides(sudoku_dir, root))
+    assert resumed_step(result.log) == 40
+    warnings = [line for line in result.log.splitlines() if "is unreadable" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 60 in {root / CKPT} is unreadable ("), result.log
+    (moved,) = quarantined(root / CKPT)
+    assert moved.name.startswith("quarantined-60-") and f"moved it to {moved}" in warnings[0]
+    assert files_under(moved) == damaged  # kept as it was, every file
+    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == ["20", "40", "60"]  # 60 saved again
+    assert train_losses(root / "test" / "t") == pytest.approx(reference_losses, rel=1e-5)  # 41..60 retrained
+    manifest = json.loads((root / "test" / "t" / "run_manifest.json").read_text())
+    assert manifest["resumed_from_step"] == 40
+    assert manifest["quarantined_checkpoints"] == [{"step": 60, "moved_to": str(moved)}]
+
+
+@pytest.mark.slow
+def test_no_readable_step_left_is_one_line_and_keeps_everything(sudoku_dir, tmp_path, trained):
+    root = copy_run(trained, tmp_path)
+    ckpt = root / CKPT
+    truncate_array_file(ckpt / "60")  # found when restoring the state, after the model is built
+    garble_meta(ckpt / "40")  # found when reading the metadata again
+    remove_state_item(ckpt / "20")
+    before = {step: files_under(ckpt / step) for step in ("20", "40", "60")}
+
+    result = train(overrides(sudoku_dir, root), check=False)
+    error = assert_user_error(result, f"no readable checkpoint is left in {ckpt}", "new run.name", "backup")
+    moved = quarantined(ckpt)
+    assert [p.name.split("-")[1] for p in moved] == ["20", "40", "60"] and all(str(p) in error for p in moved)
+    assert {p.name.split("-")[1]: files_under(p) for p in moved} == before
+    assert not [p for p in ckpt.iterdir() if p.name.isdigit()]
+
+    again = train(overrides(sudoku_dir, root), check=False)  # relaunched: refused again, never started over
+    assert_user_error(again, f"no readable checkpoint is left in {ckpt}", moved[0].name)
+    assert quarantined(ckpt) == moved
+
+
+@pytest.mark.slow
+def test_config_mismatch_is_refused_and_nothing_is_moved(sudoku_dir, tmp_path, trained):
+    root = copy_run(trained, tmp_path)
+    ckpt = root / CKPT
+    before = files_under(ckpt)
+    result = train(overrides(sudoku_dir, root, "arch.hidden=48"), check=False)
+    assert_user_error(result, "arch.hidden=32", "48", "run.name")
+    assert files_under(ckpt) == before
+
+    # A state that does not fit although the saved config agrees (e.g. the model code changed):
+    # still a mismatch, not corruption.
+    meta_file = ckpt / "60" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["arch"]["hidden"] = 48
+    meta_file.write_text(json.dumps(meta))
+    before = files_under(ckpt)
+    result = train(overrides(sudoku_dir, root, "arch.hidden=48"), check=False)
+    assert_user_error(result, "checkpoint step 60", "does not fit this run's state", "shape (", "config")
+    assert files_under(ckpt) == before and not quarantined(ckpt)
+
+
+@pytest.mark.slow
+def test_changed_train_steps_is_logged_and_recorded(sudoku_dir, tmp_path, trained):
+    root = copy_run(trained, tmp_path)
+    result = train(overrides(sudoku_dir, root, "train.steps=70"))
+    assert resumed_step(result.log) == 60
+    lines = [line for line in result.log.splitlines() if "changed from" in line]
+    assert len(lines) == 1 and lines[0].startswith("train.steps changed from 60 to 70 at step 60: the cosine schedule "
+                                                   "now ends at step 70 (lr at step 61: "), result.log
+    out = root / "test" / "t"
+    change = json.loads((out / "run_manifest.json").read_text())["schedule_change"]
+    assert change["at_step"] == 60 and change["total_steps_before"] == 60 and change["total_steps"] == 70
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/lr" in r}
+    assert change["lr_next_step"] == pytest.approx(rows[61]["train/lr"], rel=1e-5)  # the lr step 61 trained with
+    assert change["lr_last_step"] == pytest.approx(rows[70]["train/lr"], rel=1e-5)
+    assert change["lr_next_step_before"] < change["lr_next_step"]  # the old schedule had reached its floor
+
+
+def test_quarantine_on_gcs_copies_everything_then_unlists_the_step(tmp_path):
+    """gs://: the step's objects are copied under the new name before any is deleted, and Orbax no
+    longer lists the step."""
+    import jax
+    import jax.numpy as jnp
+    from gcs_emulator import start_gcs_emulator
+    from google.cloud import storage
+
+    from runtime.checkpointing import Checkpoints
+
+    with start_gcs_emulator(tmp_path) as emu:
+        emu.apply_env()
+        emu.create_bucket("ckpts")
+        ckpt = Checkpoints("gs://ckpts/run", keep=5, async_save=False)
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.full((4, 8), step, jnp.float32)}, {"step": step})
+        ckpt.wait()
+        bucket = storage.Client().bucket("ckpts")
+        before = {b.name[len("run/2/"):]: b.size for b in bucket.list_blobs(prefix="run/2/")}
+
+        ckpt.quarantine(2, "test")
+        (step, moved), = ckpt.quarantined
+        assert step == 2 and moved.startswith("gs://ckpts/run/quarantined-2-")
+        prefix = moved[len("gs://ckpts/"):] + "/"
+        assert {b.name[len(prefix):]: b.size for b in bucket.list_blobs(prefix=prefix)} == before
+        assert not list(bucket.list_blobs(prefix="run/2/"))
+        assert ckpt.all_steps() == [1] and Checkpoints("gs://ckpts/run", keep=5, async_save=False).all_steps() == [1]
+        restored = ckpt.restore_state(1, {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)})
+        assert float(restored["w"][0, 0]) == 1.0
+        ckpt.close()
+
+
+def test_storage_access_errors_are_not_corruption():
+    from runtime.checkpointing import is_access_error
+
+    assert is_access_error(PermissionError("denied"))
+    assert is_access_error(ValueError('PERMISSION_DENIED: Error reading "x" in OCDBT database'))
+    try:
+        try:
+            raise ConnectionError("reset")
+        except ConnectionError as e:
+            raise RuntimeError("restore failed") from e
+    except RuntimeError as wrapped:
+        assert is_access_error(wrapped)
+    assert not is_access_error(ValueError("FAILED_PRECONDITION: ZSTD_decompressStream() failed"))
+    assert not is_access_error(FileNotFoundError("Requested directory for restore does not exist"))
+    with pytest.raises(json.JSONDecodeError) as bad_json:
+        json.loads("{garbled")
+    assert not is_access_error(bad_json.value)
+
+
+POD_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], 2, int(os.environ["JAX_PROCESS_ID"]))
+from runtime.checkpointing import Checkpoints
+
+directory = sys.argv[1]
+sharding = NamedSharding(jax.make_mesh((4,), ("d",)), P("d"))
+ckpt = Checkpoints(directory, keep=5, async_save=False)
+for step in (1, 2):
+    ckpt.save(step, {"w": jax.device_put(jnp.arange(8192.0) + step, sharding)}, {"step": step})
+ckpt.wait()
+if jax.process_index() == 0:  # damage the array data only process 1 wrote, and reads back
+    for chunk in Path(directory, "2", "state").glob("ocdbt.process_1/d/*"):
+        chunk.write_bytes(b"")
+multihost_utils.sync_global_devices("damaged")
+step, state = ckpt.first_readable(lambda s: ckpt.restore_state(s, {"w": jax.ShapeDtypeStruct((8192,), jnp.float32, sharding=sharding)}))
+values = multihost_utils.process_allgather(state["w"], tiled=True)
+print("RESULT", json.dumps({"step": step, "steps": ckpt.all_steps(), "quarantined": ckpt.quarantined,
+                            "w_is_step_1": bool(np.array_equal(values, np.arange(8192.0) + 1))}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_processes_agree_when_only_one_sees_the_damage(tmp_path):
+    """2 processes: step 2's array data that only process 1 reads is damaged; process 0 quarantines
+    the step and both restore step 1."""
+    port, directory = free_port(), tmp_path / "ckpt"
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]  # files, not pipes: a full pipe would stall the pair
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-c", POD_SCRIPT, str(directory)], cwd=REPO, stdout=out,
+                                          stderr=subprocess.STDOUT, env=child_env(
+                                              2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i))))
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], outputs
+    results = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) for out in outputs]
+    assert [r["step"] for r in results] == [1, 1] and [r["steps"] for r in results] == [[1], [1]]
+    assert results[0]["w_is_step_1"] and results[1]["w_is_step_1"]
+    (moved,) = quarantined(directory)
+    assert results[0]["quarantined"] == [[2, str(moved)]] and results[1]["quarantined"] == [[2, None]]
+    assert "unreadable on process 1" in outputs[0] and "process 1: checkpoint step 2" in outputs[1]
