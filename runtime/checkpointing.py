@@ -16,7 +16,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from runtime.errors import StorageError, UserError, one_line
+from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,17 @@ class Checkpoints:
         except Exception as e:
             raise self._failed(e) from e
 
+    @property
+    def last_complete(self) -> int | None:
+        """The newest step known to be committed (a save in flight is not)."""
+        return self._confirmed
+
     def _failed(self, e: BaseException) -> StorageError:
         last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
-        return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({one_line(e)[:200]}); "
-                            f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: restore "
-                            "storage access and relaunch the same command to resume")
+        fault = storage_fault(e)  # "no space left on device" rather than a tensorstore status dump
+        return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({fault or one_line(e)[:200]}); "
+                            f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: "
+                            f"{storage_fix(fault, self.directory)} and relaunch the same command to resume")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta

@@ -137,6 +137,14 @@ class CheckpointConfig(Freezable):
 
 
 @dataclass
+class LeaseConfig(Freezable):
+    """The run directory lease (runtime/lease.py): one writer per run directory."""
+
+    renew_every_s: float = 30.0  # the holder's heartbeat
+    stale_after_s: float = 90.0  # a lease not renewed for this long is taken over (a crashed holder)
+
+
+@dataclass
 class RunConfig(Freezable):
     # Where things go. group/name default to the +experiment=<group>/<variant> choice.
     group: Optional[str] = None
@@ -145,6 +153,7 @@ class RunConfig(Freezable):
     root: str = "outputs"  # local root for metrics.jsonl, W&B files, manifest
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
     progress_bar: bool = True
 
 
@@ -311,6 +320,10 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     for name in ("global_batch_size", "log_every"):
         if getattr(t, name) <= 0:
             raise UserError(f"train.{name} must be positive, got {getattr(t, name)}")
+    lease = config.run.lease
+    if not 0 < lease.renew_every_s < lease.stale_after_s:
+        raise UserError(f"run.lease needs 0 < renew_every_s < stale_after_s (got {lease.renew_every_s:g} and "
+                        f"{lease.stale_after_s:g}); a lease goes stale after a few missed renewals, e.g. 30 and 90")
     for name in ("H_cycles", "L_cycles", "halt_exploration_prob"):
         ramp = getattr(config.curriculum, name)
         if (ramp.start is None) != (ramp.end is None):

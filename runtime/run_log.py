@@ -1,0 +1,56 @@
+"""The run's log file: everything logged during the run, and the only place where the storage
+libraries' own reports go.
+
+Orbax and tensorstore report a failed save with a traceback from each of their threads (a
+full checkpoint disk printed ~600 lines); the run's one `error:` line already names the fault,
+the step and the fix. So while the run lives, their loggers write to `<output dir>/run.log`
+(process k > 0: `run.process<k>.log`) instead of the console; the run's own progress lines
+go to both. When the output directory itself is the one that failed (full, read-only), the
+file cannot take those lines either and they are dropped silently: the `error:` line still
+says what failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterator
+
+# Loggers of the libraries that write checkpoints (absl carries Orbax's messages).
+LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "etils")
+
+
+def run_log_path(output_dir: str, process_index: int) -> str:
+    name = "run.log" if process_index == 0 else f"run.process{process_index}.log"
+    return os.path.join(output_dir, name)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A file handler that never complains on the console: a log line that cannot be written
+    (the disk it is on is full) is dropped rather than printed as a 'Logging error' traceback."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
+@contextlib.contextmanager
+def library_logs_to(path: str) -> Iterator[None]:
+    """Log to `path`; the storage libraries' loggers only there. Restored afterwards."""
+    handler = _QuietFileHandler(path, delay=True, encoding="utf-8")  # no file until something is logged
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    libraries = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    saved = [(lg, lg.propagate) for lg in libraries]
+    root.addHandler(handler)
+    for lg in libraries:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        root.removeHandler(handler)
+        handler.close()
