@@ -10,21 +10,23 @@ on the holder's own host, a lease whose process is gone is taken over at once.
 The lease is a small JSON record, `<dir>/.lease.json` (holder's host, pid, run, run id, time
 of the last heartbeat, a random token that tells leases apart):
 
-* local paths: created atomically (written aside, then hard-linked into place: the name
-  appears whole or not at all); renewed by writing a temp file and renaming it over the
-  record; a stale record is taken over by renaming it aside (of two runs taking over at
-  once, one rename succeeds) and creating a new one.
+* local paths: created with O_CREAT|O_EXCL (only if absent); renewed by writing a temp file
+  and renaming it over the record (on a full disk: rewritten in place); a stale record is
+  taken over by renaming it aside (of two runs taking over at once, exactly one rename
+  succeeds), checking it is the record judged stale, and creating a new one.
 * gs://: an object written with a generation precondition: ifGenerationMatch=0 creates it
   only if absent; renewals and take-overs name the generation they read, so of two writers
   exactly one succeeds (google-cloud-storage, as preflight uses).
 
-Both the output directory (metrics.jsonl, manifest, W&B files) and the checkpoint directory
-(the durable one, on gs:// for pods; it may be shared by runs with different run.root) are
-leased, once when they are the same. Only process 0 holds the lease; `hold_run_lease` tells
-every process of a pod the outcome, so all of them stop with the same line when refused.
-If renewals fail (storage unreachable) or another run took over (this one stalled longer
-than the stale period), the heartbeat thread ends the process at once with one line and
-exit 6 rather than let two runs write on.
+Both directories are leased (once when they are the same): the output directory, which
+holds metrics.jsonl, the manifest and W&B files, and the checkpoint directory, the durable
+one (on gs:// for pods), which runs with different run.root values may share through
+run.checkpoint.dir. Only process 0 holds the lease, taken after preflight and before the
+checkpoint manager is opened; `hold_run_lease` tells every process of a pod the outcome
+(they wait for it), so all of them stop with the same line when refused. If renewals keep
+failing (storage unreachable) or another run took the lease over (this process was stalled
+longer than the stale period), the heartbeat thread ends the process at once with one line
+and exit 6 rather than let two runs write on; it notices within one renewal period.
 
 Hosts' clocks are compared (heartbeat times are wall-clock): keep them in sync (NTP).
 """

@@ -149,18 +149,8 @@ class MetricsSinks:
                     settings=wandb.Settings(**_WANDB_SETTINGS),
                 )
 
-        if not progress_bar:
-            return
-        # Off a TTY (CI, pod logs) every refresh would be a new log line: refresh rarely.
-        tty = sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            file=sys.stderr,
-            dynamic_ncols=tty,
-            mininterval=0.5 if tty else 60.0,
-            unit="step",
-        )
+        if progress_bar:
+            self._bar = _progress_bar(total_steps, start_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record metrics (keys already prefixed, e.g. "train/loss") for global `step`."""
@@ -235,6 +225,13 @@ class MetricsSinks:
         # `step` counts completed steps; never move the bar backwards.
         if step > self._bar.n:
             self._bar.update(step - self._bar.n)
+
+
+def _progress_bar(total_steps: int, start_step: int) -> tqdm:
+    # Off a TTY (CI, pod logs) every refresh would be a new log line: refresh rarely.
+    tty = sys.stderr.isatty()
+    return tqdm(total=total_steps, initial=start_step, file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.5 if tty else 60.0, unit="step")
 
 
 class LineFile:

@@ -30,6 +30,10 @@ class _QuietFileHandler(logging.FileHandler):
     """A file handler that never complains on the console: a log line that cannot be written
     (the disk it is on is full) is dropped rather than printed as a 'Logging error' traceback."""
 
+    def _open(self):
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)  # other workers of a pod: their own disk
+        return super()._open()
+
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         pass
 

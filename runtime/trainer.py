@@ -200,11 +200,10 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     sinks = open_sinks(config, plan, info, run_id, position, config_dict)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step)
-    if info.is_primary:
-        write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
-
     status, exit_code, final = "failed", EXIT_FAILURE, None
     try:
+        if info.is_primary:
+            write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
         if config.train.eval_only:
             final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
