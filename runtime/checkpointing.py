@@ -35,6 +35,7 @@ class Checkpoints:
             raise UserError(f"cannot open checkpoint directory {directory}: {one_line(e)[:300]}; check the path "
                             "(and for gs:// the bucket and your access to it)") from e
 
+        self.save_failed = False  # a save failed: this storage is not worth more writes in this run
         self._pending: int | None = None  # saved asynchronously, not yet known to be committed
         self._confirmed: int | None = self.manager.latest_step()  # the newest step known to be committed
 
@@ -61,6 +62,7 @@ class Checkpoints:
         return self._confirmed
 
     def _failed(self, e: BaseException) -> StorageError:
+        self.save_failed = True
         last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
         fault = storage_fault(e)  # "no space left on device" rather than a tensorstore status dump
         return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({fault or one_line(e)[:200]}); "

@@ -86,7 +86,7 @@ class LocalStore:
 
     def __init__(self, directory: str):
         self.where = directory
-        self.path = os.path.join(directory, LEASE_FILE)
+        self.path = os.path.join(os.path.abspath(directory), LEASE_FILE)
 
     def read(self) -> tuple[Optional[dict], Any]:
         try:
@@ -327,7 +327,7 @@ class Lease:
                     store.delete(version)
                 except Exception as e:  # noqa: BLE001
                     log.warning("could not remove the lease on %s (%s); it goes stale %gs after its last heartbeat",
-                                store.where, storage_fault(e) or one_line(e)[:200], self.stale_after_s)
+                                store.where, storage_fault(e) or type(e).__name__, self.stale_after_s)
         finally:
             if locked:
                 self._lock.release()

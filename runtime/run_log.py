@@ -2,7 +2,8 @@
 libraries' own reports go.
 
 Orbax and tensorstore report a failed save with a traceback from each of their threads (a
-full checkpoint disk printed ~600 lines); the run's one `error:` line already names the fault,
+full checkpoint disk printed ~600 lines), and gcsfs one per request whose retries ran out in
+a GCS outage; the run's one `error:` line already names the fault,
 the step and the fix. So while the run lives, their loggers write to `<output dir>/run.log`
 (process k > 0: `run.process<k>.log`) instead of the console; the run's own progress lines
 go to both. When the output directory itself is the one that failed (full, read-only), the
@@ -17,8 +18,10 @@ import logging
 import os
 from typing import Iterator
 
-# Loggers of the libraries that write checkpoints (absl carries Orbax's messages).
-LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "etils")
+# Loggers of the libraries that write checkpoints and manifests (absl carries Orbax's
+# messages; gcsfs logs a traceback when its retries run out; google-cloud-storage and urllib3
+# log retries).
+LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "etils", "gcsfs", "fsspec", "google", "urllib3")
 
 
 def run_log_path(output_dir: str, process_index: int) -> str:

@@ -1,5 +1,5 @@
-"""One training run: join -> preflight -> data -> plan and build -> state (fresh or resumed)
--> loop -> final save.
+"""One training run: join -> preflight -> lease -> data -> plan and build -> state (fresh or
+resumed) -> loop -> final save.
 
 `run(config)` returns the process exit code. Everything a user can get wrong is checked
 before the first compile (config, dataset, mesh, batch, checkpoint directory and its
@@ -228,7 +228,8 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         _best_effort(ckpt.close, "closing the checkpoint manager")
         try:
             if info.is_primary:
-                record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final)
+                record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final,
+                           beside_checkpoints=not ckpt.save_failed)
         finally:
             sinks.close(exit_code)
 
@@ -244,9 +245,12 @@ def write_manifest(manifest: dict, *directories: str) -> list[str]:
                              f"{storage_fix(fault, where)} and relaunch the same command to resume") from e
 
 
-def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, status: str, final: dict | None) -> None:
-    """The final manifest (output dir, beside the checkpoints, W&B). A failed run only tries to
-    write it (its own error is the one to report); a run that succeeded fails here with one line."""
+def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, status: str, final: dict | None,
+               beside_checkpoints: bool) -> None:
+    """The final manifest (output dir, beside the checkpoints unless their storage just failed:
+    a GCS outage would hold the exit for another round of client retries, W&B). A failed run
+    only tries to write it (its own error is the one to report); a run that succeeded fails
+    here with one line."""
     manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
     try:
         paths = write_manifest(manifest, plan.output_dir)
@@ -255,7 +259,8 @@ def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, sta
             raise
         log.warning("%s", e)
         paths = []
-    _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
+    if beside_checkpoints:
+        _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
     if paths:
         sinks.save_file(paths[0])
     if final:
