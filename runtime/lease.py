@@ -71,8 +71,16 @@ def _now() -> float:
     return time.time()
 
 
+def _age(record: dict[str, Any]) -> float:
+    """Seconds since the record's last heartbeat (a record edited by hand may hold anything)."""
+    try:
+        return _now() - float(record.get("heartbeat", 0))
+    except (TypeError, ValueError):
+        return float("inf")
+
+
 def describe(record: dict[str, Any]) -> str:
-    age = _now() - float(record.get("heartbeat", 0))
+    age = _age(record)
     run_id = record.get("run_id") or "not yet known"
     return (f"run {record.get('run', '?')} (id {run_id}) on host {record.get('host', '?')}, pid {record.get('pid', '?')}, "
             f"last heartbeat {age:.0f}s ago")
@@ -301,7 +309,7 @@ class Lease:
 
     def stale_reason(self, held: dict[str, Any]) -> Optional[str]:
         """Why a record found in place may be taken over, or None while its holder is live."""
-        age = _now() - float(held.get("heartbeat", 0))
+        age = _age(held)
         limit = _stale_after(held, self.stale_after_s)
         if age > limit:
             return f"its last heartbeat is {age:.0f}s old (stale after {limit:g}s)"
@@ -427,7 +435,9 @@ def _io(store, doing: str, action: Callable[[], Any]) -> Any:
 
 
 def lease_targets(config: Any, output_dir: str, checkpoint_dir: str) -> list[tuple[str, str, str]]:
-    """The run's output directory and its checkpoint directory (once when they are one)."""
+    """The run's output directory and its checkpoint directory (once when they are one): another
+    run may share either one alone (the same run.root and name with another run.checkpoint.dir,
+    or the same run.checkpoint.dir under another run.root)."""
     name = "run.name (or run.root)"
     targets = [(output_dir, "output directory", name)]
     if os.path.normpath(checkpoint_dir) != os.path.normpath(output_dir):

@@ -130,4 +130,4 @@ def test_full_output_directory_is_one_line_and_metrics_keep_whole_lines(sudoku_d
         steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
         assert steps == list(range(1, failed))
         assert last == max(s for s in range(10, failed, 10))
-        assert json.loads((out / "run_manifest.json").read_text())["status"] == "running"  # the old one, whole
+        assert json.loads((out / "run_manifest.json").read_text())["status"] in ("running", "failed")  # whole
