@@ -296,6 +296,8 @@ class Lease:
             held, seen = _io(store, "read the lease of", store.read)
             if held is None:
                 continue  # released meanwhile
+            if held.get("token") == self.record["token"]:
+                return seen  # a retried create of ours whose first attempt had gone through
             reason = self.stale_reason(held)
             if reason is None:
                 raise LeaseHeld(f"{what} {store.where} is in use by another run: {describe(held)}; wait for it to finish, "

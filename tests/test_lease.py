@@ -224,6 +224,8 @@ def test_gcs_lease_refuse_take_over_and_loss(bucket):
     first = Lease(targets, run="test/first", on_lost=lambda e: None).acquire()
     record_blob = bucket.blob(f"exp/t/{LEASE_FILE}")
     assert json.loads(record_blob.download_as_bytes())["run"] == "test/first"
+    first.set_run_id("r-2")  # a renewal, conditional on the generation it wrote
+    assert json.loads(record_blob.download_as_bytes())["run_id"] == "r-2"
     with pytest.raises(LeaseHeld, match="checkpoint directory gs://lease-bucket/exp/t is in use.*run test/first"):
         Lease(targets, run="test/second").acquire()
 
