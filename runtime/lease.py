@@ -463,9 +463,20 @@ def hold_run_lease(config: Any, is_primary: bool, process_count: int, output_dir
     if process_count > 1:
         shared = _shared_error(error)
         error = error if is_primary else shared
+        if error is not None:  # every process is here and stops: leave the job together, else
+            _leave_job()  # process 0's exit takes the coordination service down under the others
     if error is not None:
         raise error
     return lease
+
+
+def _leave_job() -> None:
+    import jax
+
+    try:
+        jax.distributed.shutdown()  # a barrier of all processes, then the service stops
+    except Exception as e:  # noqa: BLE001 - the refusal is what is reported
+        log.warning("leaving the JAX job failed: %s", one_line(e)[:200])
 
 
 def _shared_error(error: Optional[UserError]) -> Optional[UserError]:
