@@ -15,9 +15,13 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, base_overrides, read_jsonl, train
 from runtime.errors import StorageError
 from runtime.lease import LEASE_FILE, Lease, LeaseHeld
+from test_bad_input import assert_user_error
+from test_faults import finish, start_pod, wait_for_step
+from test_storage_faults import fill, small_disk
+from test_train_loop import launch, resumed_step
 
 OTHER_HOST = "another-host"
 
@@ -155,8 +159,6 @@ def test_failing_renewals_give_up_before_the_lease_could_go_stale(tmp_path):
 
 
 def test_renewal_on_a_full_disk_rewrites_the_record_in_place(tmp_path):
-    from test_storage_faults import fill, small_disk
-
     with small_disk(tmp_path / "disk", "64k") as disk:
         held = lease(disk).acquire()
         try:
@@ -249,10 +251,6 @@ def test_gcs_lease_refuse_take_over_and_loss(bucket):
 def test_second_run_on_a_run_directory_is_refused_and_a_stale_lease_taken_over(sudoku_dir, tmp_path):
     """Two launches on one run directory: the second is refused with one line before it compiles
     or writes anything; the first completes untouched. A lease left by a crash is taken over."""
-    from conftest import base_overrides, read_jsonl, train
-    from test_bad_input import assert_user_error
-    from test_faults import wait_for_step
-    from test_train_loop import launch, resumed_step
 
     steps = 100  # the first run must outlive the second's start (a second or two in this process)
     extra = ["train.checkpoint_every=25", "run.checkpoint.keep=2"]
@@ -281,8 +279,6 @@ def test_second_run_on_a_run_directory_is_refused_and_a_stale_lease_taken_over(s
 
 @pytest.mark.slow
 def test_every_process_of_a_pod_stops_with_the_refusal(sudoku_dir, tmp_path):
-    from conftest import base_overrides
-    from test_faults import finish, start_pod
 
     out = tmp_path / "test" / "t"
     out.mkdir(parents=True)

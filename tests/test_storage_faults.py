@@ -13,13 +13,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import base_overrides, read_jsonl, train
+from conftest import REPO, base_overrides, child_env, read_jsonl, train
 from runtime.errors import storage_fault
+from test_train_loop import resumed_step
 
 
 @contextlib.contextmanager
@@ -78,11 +80,6 @@ def test_storage_fault_names_the_fault():
 
 @pytest.mark.slow
 def test_full_checkpoint_disk_is_one_line_and_the_last_checkpoint_resumes(sudoku_dir, tmp_path):
-    import sys
-
-    from conftest import REPO, child_env
-    from test_train_loop import resumed_step
-
     disk = tmp_path / "disk"
     overrides = base_overrides(sudoku_dir, tmp_path, steps=2000) + [
         "train.checkpoint_every=10", "run.checkpoint.keep=100", f"run.checkpoint.dir={disk / 'ckpt'}"]
