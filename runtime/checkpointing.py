@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from runtime.errors import StorageError, UserError, one_line
+from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -127,6 +127,7 @@ class Checkpoints:
             raise UserError(f"cannot open checkpoint directory {directory}: {one_line(e)[:300]}; check the path "
                             "(and for gs:// the bucket and your access to it)") from e
 
+        self.save_failed = False  # a save failed: this storage is not worth more writes in this run
         self._pending: int | None = None  # saved asynchronously, not yet known to be committed
         self._confirmed: int | None = self.manager.latest_step()  # the newest step known to be committed
         self.quarantined: list[tuple[int, str | None]] = []  # (step, where it was moved; None on processes > 0)
@@ -148,11 +149,18 @@ class Checkpoints:
         except Exception as e:
             raise self._failed(e) from e
 
+    @property
+    def last_complete(self) -> int | None:
+        """The newest step known to be committed (a save in flight is not)."""
+        return self._confirmed
+
     def _failed(self, e: BaseException) -> StorageError:
+        self.save_failed = True
         last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
-        return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({one_line(e)[:200]}); "
-                            f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: restore "
-                            "storage access and relaunch the same command to resume")
+        fault = storage_fault(e)  # "no space left on device" rather than a tensorstore status dump
+        return StorageError(f"checkpoint save of step {self._pending} to {self.directory} failed ({fault or one_line(e)[:200]}); "
+                            f"the last complete checkpoint: {last}. Incomplete steps are never resumed from: "
+                            f"{storage_fix(fault, self.directory)} and relaunch the same command to resume")
 
     def _item(self, step: int, item: str) -> epath.Path:
         return epath.Path(self.directory) / str(step) / item

@@ -139,6 +139,14 @@ class CheckpointConfig(Freezable):
 
 
 @dataclass
+class LeaseConfig(Freezable):
+    """The run directory lease (runtime/lease.py): one writer per run directory."""
+
+    renew_every_s: float = 30.0  # the holder's heartbeat
+    stale_after_s: float = 90.0  # a lease not renewed for this long is taken over (a crashed holder)
+
+
+@dataclass
 class RunConfig(Freezable):
     # Where things go. group/name default to the +experiment=<group>/<variant> choice.
     group: Optional[str] = None
@@ -147,6 +155,7 @@ class RunConfig(Freezable):
     root: str = "outputs"  # local root for metrics.jsonl, W&B files, manifest
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
     progress_bar: bool = True
 
 
@@ -416,6 +425,10 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     if (t.steps is None) == (t.epochs is None):
         raise UserError("set exactly one of train.steps and train.epochs (the other =null)")
     check_ranges(config)
+    lease = config.run.lease
+    if not 0 < lease.renew_every_s < lease.stale_after_s:
+        raise UserError(f"run.lease needs 0 < renew_every_s < stale_after_s (got {lease.renew_every_s:g} and "
+                        f"{lease.stale_after_s:g}); a lease goes stale after a few missed renewals, e.g. 30 and 90")
     _check_curriculum(config)
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):

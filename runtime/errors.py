@@ -7,12 +7,14 @@ a checkpoint) raises `UserError` with one line that names the problem and the fi
 found before any long compile; 6 for a storage failure during the run).
 """
 
+import errno
+
 EXIT_FAILURE = 1  # anything else: a crash, or a check that found a problem (e.g. workers that differ)
 EXIT_USER_ERROR = 2  # bad input, said in one `error:` line
 EXIT_NONFINITE = 3  # the loss or the gradients became NaN/inf
 EXIT_HANG = 4  # the watchdog saw no step for train.watchdog_timeout_s
 EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in the chips' HBM
-EXIT_STORAGE = 6  # a checkpoint could not be written (outage, permissions) during the run
+EXIT_STORAGE = 6  # a checkpoint, metrics or manifest write failed (outage, full disk, permissions), or the run lost its lease
 EXIT_PEER_LOST = 7  # another process of the pod died, went silent or failed; this one stopped too (runtime/liveness.py)
 # Shell conventions, used by the launchers (experiments/local_pod.py, experiments/pod.py):
 EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
@@ -33,6 +35,39 @@ class StorageError(UserError):
     """A checkpoint save failed mid-run; the message names the last complete step."""
 
     exit_code = EXIT_STORAGE
+
+
+class OutputDirError(StorageError):
+    """A write to the output directory (metrics.jsonl, manifest, W&B files) failed mid-run."""
+
+
+# (errno, the phrase C++ libraries such as tensorstore print for it, what the error line says)
+_STORAGE_FAULTS = ((errno.ENOSPC, "No space left on device", "no space left on device"),
+                   (errno.EDQUOT, "Disk quota exceeded", "disk quota exceeded"),
+                   (errno.EACCES, "Permission denied", "permission denied"),
+                   (errno.EROFS, "Read-only file system", "read-only file system"))
+
+
+def storage_fault(exc: BaseException) -> str | None:
+    """"no space left on device" (or a quota, permission or read-only fault) when that is what
+    `exc` or its causes come down to, else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for code, phrase, name in _STORAGE_FAULTS:
+            if (isinstance(exc, OSError) and exc.errno == code) or phrase in str(exc):
+                return name
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def storage_fix(fault: str | None, where: str) -> str:
+    """What the operator does about `fault` on `where`."""
+    if fault in ("no space left on device", "disk quota exceeded"):
+        return f"free space on {where}"
+    if fault in ("permission denied", "read-only file system"):
+        return f"make {where} writable for this user"
+    return f"restore access to {where}"
 
 
 _OMEGACONF_TEMPLATES = ("$VALUE", "$KEY", "$FULL_KEY", "$OBJECT_TYPE", "$REF_TYPE")

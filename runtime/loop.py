@@ -20,7 +20,7 @@ from runtime import liveness
 from runtime.builder import curriculum_metrics
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, Plan
-from runtime.errors import EXIT_NONFINITE, one_line
+from runtime.errors import EXIT_NONFINITE, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, peak_flops_per_device
@@ -176,6 +176,8 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                 log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
                             "resume", done, plan.checkpoint_dir)
                 return 0, "preempted", run.train_metrics | run.eval_metrics
+    except UserError:
+        raise  # its one line is printed as the run's error
     except Exception as e:
         liveness.failing()  # a lost peer, if that is the cause, is named instead (and this process exits)
         log.error("training failed in step %d: %s", step + 1, one_line(e)[:500])

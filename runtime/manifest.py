@@ -8,6 +8,7 @@ directory and beside the checkpoints (so it survives with them on GCS), and goes
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -82,13 +83,28 @@ def finish(manifest: dict[str, Any], *, exit_code: int, status: str, final_metri
 
 
 def write(manifest: dict[str, Any], *directories: str) -> list[str]:
-    """Write run_manifest.json into each directory (local or gs://); returns the paths."""
+    """Write run_manifest.json into each directory (local or gs://); returns the paths. A local
+    file is replaced whole (temp file + rename): a failed write leaves the previous one."""
     paths = []
+    text = json.dumps(manifest, indent=2, default=str)
     for d in directories:
         path = f"{d.rstrip('/')}/run_manifest.json"
         fs, _, (p,) = fsspec.get_fs_token_paths(path)
         fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(p, "w") as f:
-            json.dump(manifest, f, indent=2, default=str)
+        if "://" in path:  # an object appears whole or not at all
+            fs.pipe_file(p, text.encode())
+        else:
+            _replace_local(p, text)
         paths.append(path)
     return paths
+
+
+def _replace_local(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

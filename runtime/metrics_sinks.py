@@ -8,25 +8,34 @@ Non-finite values: W&B gets the raw float (it stores NaN/Infinity itself). The J
 file must stay strict JSON, so there NaN, +inf and -inf are written as the strings
 ``"nan"``, ``"inf"`` and ``"-inf"``; ``float(value)`` turns them back into floats.
 A string (not null) is used so that NaN and +/-inf stay distinguishable.
+
+The JSONL file only ever holds whole lines: each row is one write of a complete line, a
+failed write (a full disk) is cut back to the last complete line, and a torn last line left
+by an older writer is dropped when the file is opened. A failed write is one line, exit 6
+(`OutputDirError`), naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from runtime.errors import UserError, one_line
+from runtime.errors import OutputDirError, UserError, one_line, storage_fault, storage_fix
 
 JSONL_NAME = "metrics.jsonl"
+log = logging.getLogger(__name__)
 
 
 class WandbMode(StrEnum):
@@ -109,54 +118,44 @@ class MetricsSinks:
         self.is_primary = is_primary
         self.output_dir = Path(output_dir)
         self._closed = False
-        self._jsonl: TextIO | None = None
+        self._jsonl: LineFile | None = None
         self._bar: tqdm | None = None
         self._run: Any = None  # wandb Run; imported lazily so non-primary never loads wandb
         self._postfix: dict[str, str] = {}
         if not is_primary:
             return
 
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file instead of losing earlier rows.
-        self._jsonl = open(self.output_dir / JSONL_NAME, "a", encoding="utf-8")
+        self._jsonl = LineFile(self.output_dir / JSONL_NAME)
 
         if wandb_mode != WandbMode.disabled:  # do not even call wandb.init (writes nothing)
             import wandb
 
             try:
-                self._run = wandb.init(
-                    mode=wandb_mode.value,
-                    project=wandb_project,
-                    entity=wandb_entity,
-                    group=group,
-                    name=name,
-                    id=run_id,  # chosen by the caller, identical on all workers and on resume
-                    resume="allow",
-                    dir=str(self.output_dir),
-                    config=config,
-                    tags=list(tags) or None,
-                    # A run left open (e.g. by a crashed caller in the same process) is finished
-                    # rather than silently returned with the wrong config ("return_previous").
-                    reinit="finish_previous",
-                    settings=wandb.Settings(**_WANDB_SETTINGS),
-                )
+                with _output_faults(f"W&B files under {self.output_dir / 'wandb'}"):
+                    self._run = wandb.init(
+                        mode=wandb_mode.value,
+                        project=wandb_project,
+                        entity=wandb_entity,
+                        group=group,
+                        name=name,
+                        id=run_id,  # chosen by the caller, identical on all workers and on resume
+                        resume="allow",
+                        dir=str(self.output_dir),
+                        config=config,
+                        tags=list(tags) or None,
+                        # A run left open (e.g. by a crashed caller in the same process) is finished
+                        # rather than silently returned with the wrong config ("return_previous").
+                        reinit="finish_previous",
+                        settings=wandb.Settings(**_WANDB_SETTINGS),
+                    )
             except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
                 self._jsonl.close()
                 raise UserError(f"W&B did not start the run ({one_line(e)[:200]}); check WANDB_API_KEY and "
                                 "run.wandb.entity / run.wandb.project, or use run.wandb.mode=offline") from e
 
-        if not progress_bar:
-            return
-        # Off a TTY (CI, pod logs) every refresh would be a new log line: refresh rarely.
-        tty = sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            file=sys.stderr,
-            dynamic_ncols=tty,
-            mininterval=0.5 if tty else 60.0,
-            unit="step",
-        )
+        if progress_bar:
+            self._bar = _progress_bar(total_steps, start_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record metrics (keys already prefixed, e.g. "train/loss") for global `step`."""
@@ -168,11 +167,11 @@ class MetricsSinks:
         row = {"step": int(step), "time": time.time()}
         row.update({key: json_safe(v) for key, v in values.items()})
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
-        self._jsonl.flush()  # a crash or preemption loses at most the current row
+        self._jsonl.append(json.dumps(row, allow_nan=False) + "\n", f"at step {int(step)}")
 
         if self._run is not None:
-            self._run.log(values, step=int(step))
+            with _output_faults(f"W&B files under {self.output_dir / 'wandb'} at step {int(step)}"):
+                self._run.log(values, step=int(step))
         if self._bar is not None:
             self._update_bar(int(step), values)
 
@@ -231,6 +230,78 @@ class MetricsSinks:
         # `step` counts completed steps; never move the bar backwards.
         if step > self._bar.n:
             self._bar.update(step - self._bar.n)
+
+
+def _progress_bar(total_steps: int, start_step: int) -> tqdm:
+    # Off a TTY (CI, pod logs) every refresh would be a new log line: refresh rarely.
+    tty = sys.stderr.isatty()
+    return tqdm(total=total_steps, initial=start_step, file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.5 if tty else 60.0, unit="step")
+
+
+class LineFile:
+    """An append-only text file that only ever holds whole lines (one writer: the run's lease)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        with _output_faults(str(self.path)):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._drop_torn_tail()
+
+    def _drop_torn_tail(self) -> None:
+        """Cut a last line without its newline (an old writer's crash) back to the line before."""
+        size = end = os.fstat(self._fd).st_size
+        with open(self.path, "rb") as f:
+            f.seek(max(0, size - 1))
+            if f.read(1) in (b"", b"\n"):
+                return
+            while end > 0:  # back to the last newline
+                start = max(0, end - 65536)
+                f.seek(start)
+                newline = f.read(end - start).rfind(b"\n")
+                end = start + newline + 1 if newline >= 0 else start
+                if newline >= 0:
+                    break
+        os.ftruncate(self._fd, end)
+        log.warning("dropped a torn last line of %s (%d bytes)", self.path, size - end)
+
+    def append(self, line: str, when: str) -> None:
+        """Write `line` (ending in a newline) whole, or not at all (OutputDirError)."""
+        data = memoryview(line.encode("utf-8"))
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]  # a short write (disk filling up) goes on
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, size)  # no torn line stays behind
+            except OSError:
+                pass
+            fault = storage_fault(e)
+            raise OutputDirError(f"cannot write {self.path} {when} ({fault or one_line(e)[:200]}); "
+                                 f"{storage_fix(fault, 'the output directory ' + str(self.path.parent))} and relaunch "
+                                 "the same command to resume") from e
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@contextlib.contextmanager
+def _output_faults(what: str) -> Iterator[None]:
+    """A write failure of the output directory (full, read-only, no permission) as one line."""
+    try:
+        yield
+    except OutputDirError:
+        raise
+    except Exception as e:
+        fault = storage_fault(e)
+        if fault is None:
+            raise
+        raise OutputDirError(f"cannot write {what} ({fault}); {storage_fix(fault, 'the output directory')} and "
+                             "relaunch the same command to resume") from e
 
 
 def _summary_value(value: Any) -> Any:

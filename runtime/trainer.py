@@ -1,5 +1,5 @@
-"""One training run: join -> preflight -> data -> plan and build -> state (fresh or resumed)
--> loop -> final save.
+"""One training run: join -> preflight -> lease -> data -> plan and build -> state (fresh or
+resumed) -> loop -> final save.
 
 `run(config)` returns the process exit code. Everything a user can get wrong is checked
 before the first compile (config, dataset, mesh, batch, checkpoint directory and its
@@ -24,13 +24,15 @@ from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints, CorruptStep
 from runtime.config import Config, planned_steps, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
-from runtime.errors import EXIT_FAILURE, UserError, one_line
+from runtime.errors import EXIT_FAILURE, OutputDirError, UserError, one_line, storage_fault, storage_fix
 from runtime.evaluation import evaluate
 from runtime.imported import load_imported_params, load_imported_states
+from runtime.lease import Lease, hold_run_lease
 from runtime.loop import LoopContext, train_loop
 from runtime.metrics_sinks import MetricsSinks
 from runtime.preflight import preflight
 from runtime.registry import dataset_kind
+from runtime.run_log import library_logs_to, run_log_path
 from runtime.sharding import batch_sharding, describe
 from runtime.task import EvalContext
 from runtime.train_step import lr_schedule, warmup_cosine
@@ -258,6 +260,17 @@ def run(config: Config) -> int:
     setup_logging(info.is_primary)
     output_dir, checkpoint_dir = run_dirs(config)
     preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
+    # Before anything is written to the run's directories: one run at a time writes there.
+    lease = hold_run_lease(config, info.is_primary, info.process_count, output_dir, checkpoint_dir)
+    try:
+        with library_logs_to(run_log_path(output_dir, info.process_index)):
+            return run_leased(config, info, checkpoint_dir, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None) -> int:
     kind = dataset_kind(config.data.name)
     ensure_dataset(config, info)
     train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
@@ -265,6 +278,8 @@ def run(config: Config) -> int:
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = resume_point(config, ckpt, shape.examples)
     run_id = choose_run_id(config, meta, ckpt.directory, start_step)
+    if lease is not None:
+        lease.set_run_id(run_id)
     init_states = read_init_states(config, meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
@@ -282,11 +297,10 @@ def run(config: Config) -> int:
     sinks = open_sinks(config, plan, info, run_id, position, config_dict)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
-    if info.is_primary:
-        manifest_lib.write(manifest, plan.output_dir, plan.checkpoint_dir)
-
     status, exit_code, final = "failed", EXIT_FAILURE, None
     try:
+        if info.is_primary:
+            write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
         if config.train.eval_only:
             final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
@@ -298,24 +312,60 @@ def run(config: Config) -> int:
         exit_code, status, final = train_loop(ctx, state, position)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         return exit_code
+    except OutputDirError as e:  # add where a relaunch resumes from
+        status, exit_code = "failed", e.exit_code
+        _best_effort(ckpt.wait, "committing the checkpoint in flight")
+        last = ckpt.last_complete
+        raise OutputDirError(f"{e}; the last complete checkpoint: {'none yet' if last is None else f'step {last}'}") from e
     except UserError as e:
         status, exit_code = "failed", e.exit_code
         raise
     finally:  # record how it ended; never let a second failure here hide the first
         feeder.close()
         _best_effort(ckpt.close, "closing the checkpoint manager")
-        if info.is_primary:
-            manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
-            paths = manifest_lib.write(manifest, plan.output_dir)
-            _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
-            sinks.save_file(paths[0])
-            if final:
-                sinks.set_summary(final)
-        sinks.close(exit_code)
+        try:
+            if info.is_primary:
+                record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final,
+                           beside_checkpoints=not ckpt.save_failed)
+        finally:
+            sinks.close(exit_code)
+
+
+def write_manifest(manifest: dict, *directories: str) -> list[str]:
+    """run_manifest.json into each directory; a failed write is one line (exit 6)."""
+    try:
+        return manifest_lib.write(manifest, *directories)
+    except Exception as e:
+        fault = storage_fault(e)
+        where = " and ".join(directories)
+        raise OutputDirError(f"cannot write run_manifest.json in {where} ({fault or one_line(e)[:200]}); "
+                             f"{storage_fix(fault, where)} and relaunch the same command to resume") from e
+
+
+def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, status: str, final: dict | None,
+               beside_checkpoints: bool) -> None:
+    """The final manifest (output dir, beside the checkpoints unless their storage just failed:
+    a GCS outage would hold the exit for another round of client retries, W&B). A failed run
+    only tries to write it (its own error is the one to report); a run that succeeded fails
+    here with one line."""
+    manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
+    try:
+        paths = write_manifest(manifest, plan.output_dir)
+    except OutputDirError as e:
+        if exit_code == 0:
+            raise
+        log.warning("%s", e)
+        paths = []
+    if beside_checkpoints:
+        _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
+    if paths:
+        sinks.save_file(paths[0])
+    if final:
+        sinks.set_summary(final)
 
 
 def _best_effort(action, what: str) -> None:
     try:
         action()
     except Exception as e:
-        log.warning("%s failed: %s", what, one_line(e)[:300])
+        log.warning("%s failed: %s", what, storage_fault(e) or one_line(e)[:300])

@@ -24,7 +24,8 @@ request: a deterministic crash in the middle of an operation; then
 long outages fail in ~1 s instead of 30 s-15 min), ``reset_gcs_client_caches()``
 and ``gcs_emulator_fixture()``. The launcher patches the emulator for crash-safe
 writes, ``Expect: 100-continue`` and a larger accept queue, and applies
-``gcs_emulator_patch`` (x-goog-generation); see docs/notes_gcs_emulator.md.
+``gcs_emulator_patch`` (x-goog-generation, ifGenerationMatch); see
+docs/notes_gcs_emulator.md.
 
 Environment (see ``docs/notes_gcs_emulator.md`` for the reasons):
 
@@ -111,7 +112,7 @@ if os.environ.get("GCS_EMULATOR_ATOMIC_WRITES", "1") == "1":
             f.write(content)
         os.replace(tmp, path)
     _st._FileStore.write_bytes = _atomic_write_bytes
-# x-goog-generation shim; must run before the server module builds its routes.
+# x-goog-generation and ifGenerationMatch; must run before the server module builds its routes.
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv.pop(1))))  # this tests/ folder
 import gcs_emulator_patch
 gcs_emulator_patch.apply()

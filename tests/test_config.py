@@ -55,6 +55,14 @@ def test_steps_or_epochs_exactly_one():
     assert plan.steps_per_epoch == 2000 / 64 and plan.total_steps == 79  # ceil(2.5 * 31.25)
 
 
+@pytest.mark.parametrize("overrides", [["run.lease.renew_every_s=0"], ["run.lease.stale_after_s=-1"],
+                                       ["run.lease.renew_every_s=60", "run.lease.stale_after_s=60"]])
+def test_lease_periods_must_leave_room_for_missed_renewals(overrides):
+    with pytest.raises(UserError, match="run.lease needs 0 < renew_every_s < stale_after_s"):
+        composed(*overrides)
+    assert composed().run.lease.renew_every_s == 30 and composed().run.lease.stale_after_s == 90
+
+
 def test_puzzle_epochs_count_one_augmented_copy_per_puzzle():
     """The reference's epoch: total_groups x mean_puzzle_examples examples, so the baseline's
     50k epochs of 1000 puzzles x 1000 augmentations at batch 6144 are ~8.1k steps, not 8.1M;

@@ -5,6 +5,7 @@ Starts three offline W&B runs in total (about 0.5 s for the first, much less aft
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -199,3 +200,28 @@ def test_rejects_non_scalar_metrics(tmp_path):
             sinks.log(0, {"train/loss": np.ones(3)})
         with pytest.raises(ValueError, match="reserved"):
             sinks.log(0, {"step": 1})
+
+
+def test_jsonl_holds_whole_lines_only(tmp_path, monkeypatch):
+    """A torn last line (an old writer's crash) is dropped on open; a row whose write fails
+    half-way (the disk filled up) is cut back, and the failure is one line (exit 6)."""
+    from runtime.errors import OutputDirError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / JSONL_NAME).write_text('{"step": 1}\n{"step": 2, "train/lo')
+    with make_sinks(out, mode="disabled") as sinks:
+        assert (out / JSONL_NAME).read_text() == '{"step": 1}\n'
+        sinks.log(2, {"train/loss": 1.0})
+        real_write = os.write
+
+        def short_then_full(fd, data):
+            if len(data) > 10:
+                return real_write(fd, bytes(data[:10]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "write", short_then_full)
+        with pytest.raises(OutputDirError, match=r"metrics.jsonl at step 3 \(no space left on device\); free space"):
+            sinks.log(3, {"train/loss": 0.5})
+        monkeypatch.undo()
+    assert [r["step"] for r in strict_json_lines(out / JSONL_NAME)] == [1, 2]

@@ -1,0 +1,78 @@
+"""The run's log file: everything logged during the run, and the only place where the storage
+libraries' own reports go.
+
+Orbax and tensorstore report a failed save with a traceback from each of their threads (a
+full checkpoint disk printed ~600 lines), tensorstore's late callbacks add unraisable
+"Event loop is closed" tracebacks, and gcsfs logs one per request whose retries ran out in a
+GCS outage; the run's one `error:` line already names the fault, the step and the fix. So
+while the run lives, their loggers (and `sys.unraisablehook`) write to `<output dir>/run.log`
+(process k > 0: `run.process<k>.log`) instead of the console; the run's own progress lines
+go to both. When the output directory itself is the one that failed (full, read-only), the
+file cannot take those lines either and they are dropped silently: the `error:` line still
+says what failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Iterator
+
+# Loggers of the libraries that write checkpoints and manifests (absl carries Orbax's
+# messages; asyncio reports Orbax's failed write tasks; gcsfs logs a traceback when its
+# retries run out; google-cloud-storage and urllib3 log retries).
+LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "etils", "asyncio", "gcsfs", "fsspec", "google", "urllib3")
+UNRAISABLE_LOGGER = "runtime.unraisable"  # exceptions Python can only print (sys.unraisablehook)
+
+
+def run_log_path(output_dir: str, process_index: int) -> str:
+    name = "run.log" if process_index == 0 else f"run.process{process_index}.log"
+    return os.path.join(output_dir, name)
+
+
+class _QuietFileHandler(logging.FileHandler):
+    """A file handler that never complains on the console: a log line that cannot be written
+    (the disk it is on is full) is dropped rather than printed as a 'Logging error' traceback."""
+
+    def _open(self):
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)  # other workers of a pod: their own disk
+        return super()._open()
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
+@contextlib.contextmanager
+def library_logs_to(path: str) -> Iterator[None]:
+    """Log to `path`; the storage libraries' loggers and unraisable exceptions only there.
+    Restored afterwards."""
+    handler = _QuietFileHandler(path, delay=True, encoding="utf-8")  # no file until something is logged
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    quiet = [logging.getLogger(name) for name in (*LIBRARY_LOGGERS, UNRAISABLE_LOGGER)]
+    saved = [(lg, lg.propagate) for lg in quiet]
+    root.addHandler(handler)
+    for lg in quiet:
+        lg.addHandler(handler)
+        lg.propagate = False
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _log_unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = unraisable_hook
+        for lg, propagate in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _log_unraisable(unraisable) -> None:
+    """After a failed save, tensorstore's last write callbacks land on Orbax's closed event loop
+    ("Event loop is closed", printed by Python as unraisable, dozens of tracebacks)."""
+    where = f" in {unraisable.object!r}" if unraisable.object is not None else ""
+    logging.getLogger(UNRAISABLE_LOGGER).warning("%s%s", unraisable.err_msg or "Exception ignored", where,
+                                                 exc_info=(unraisable.exc_type, unraisable.exc_value,
+                                                           unraisable.exc_traceback))

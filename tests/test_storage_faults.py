@@ -1,0 +1,131 @@
+"""A full disk mid-run: one `error:` line, exit 6, no traceback on the console, metrics.jsonl
+holding whole lines only, and the last complete checkpoint intact and resumable.
+
+The disks are small tmpfs mounts (root or CAP_SYS_ADMIN; skipped otherwise), filled from the
+test once the run has a complete checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, base_overrides, child_env, read_jsonl, train
+from runtime.errors import storage_fault
+from test_train_loop import resumed_step
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path`, unmounted afterwards (its contents are lost)."""
+    path.mkdir(parents=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                 capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command: cannot make a small disk to fill up")
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)  # busy: detach now, free when unused
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Take all but `leave` bytes of `disk`'s free space, in one allocation (no moment of a full
+    disk for writes that still fit)."""
+    with open(disk / "filler", "wb") as f:
+        for _ in range(20):
+            st = os.statvfs(disk)
+            try:
+                os.posix_fallocate(f.fileno(), 0, max(0, st.f_bavail * st.f_frsize - leave))
+                return
+            except OSError as e:  # the run wrote meanwhile: measure again
+                if e.errno != errno.ENOSPC:
+                    raise
+        raise AssertionError(f"could not fill {disk}")
+
+
+def console_of(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    return out + err
+
+
+def test_storage_fault_names_the_fault():
+    assert storage_fault(OSError(errno.ENOSPC, "No space left on device")) == "no space left on device"
+    assert storage_fault(OSError(errno.EROFS, "Read-only file system")) == "read-only file system"
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "x": Failed to write 33344 bytes to file 9: No space '
+                             "left on device [os_error_code='28']")
+    assert storage_fault(tensorstore) == "no space left on device"
+    try:
+        try:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        except OSError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as wrapped:
+        assert storage_fault(wrapped) == "permission denied"
+    assert storage_fault(ConnectionRefusedError("refused")) is None
+
+
+@pytest.mark.slow
+def test_full_checkpoint_disk_is_one_line_and_the_last_checkpoint_resumes(sudoku_dir, tmp_path):
+    disk = tmp_path / "disk"
+    overrides = base_overrides(sudoku_dir, tmp_path, steps=2000) + [
+        "train.checkpoint_every=10", "run.checkpoint.keep=100", f"run.checkpoint.dir={disk / 'ckpt'}"]
+    with small_disk(disk, "16M"):
+        proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *overrides], cwd=REPO, env=child_env(8),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not (disk / "ckpt" / "10").is_dir():  # step 10 committed (renamed into place)
+            assert proc.poll() is None and time.monotonic() < deadline, console_of(proc)[-3000:]
+            time.sleep(0.02)
+        fill(disk, leave=64 * 1024)  # a checkpoint (~600 KB) no longer fits
+        console = console_of(proc)
+        assert proc.returncode == 6, console[-3000:]
+        errors = [line for line in console.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and console.rstrip().endswith(errors[0]), console[-3000:]
+        assert re.search(r"checkpoint save of step \d+ to .*ckpt failed \(no space left on device\); the last complete "
+                         r"checkpoint: step \d+\. .*free space on", errors[0]), errors[0]
+        assert "Traceback" not in console and "orbax" not in console.lower(), console[-3000:]
+        assert len(console.splitlines()) < 60, console  # the plan and parameter table, then the one line
+        last = int(re.search(r"last complete checkpoint: step (\d+)", errors[0]).group(1))
+        shutil.copytree(disk / "ckpt", tmp_path / "ckpt")  # what an operator does: move to a bigger disk
+    detail = (tmp_path / "test" / "t" / "run.log").read_text()  # the libraries' reports, in the log file
+    assert "Traceback" in detail and "No space left on device" in detail
+
+    moved = [o for o in overrides if not o.startswith(("run.checkpoint.dir", "train.steps"))]
+    resumed = train(moved + [f"run.checkpoint.dir={tmp_path / 'ckpt'}", f"train.steps={last + 2}"])
+    assert resumed_step(resumed.log) == last
+
+
+@pytest.mark.slow
+def test_full_output_directory_is_one_line_and_metrics_keep_whole_lines(sudoku_dir, tmp_path):
+    disk = tmp_path / "disk"
+    with small_disk(disk, "32k"):
+        overrides = base_overrides(sudoku_dir, disk, steps=1000) + [
+            "train.checkpoint_every=10", f"run.checkpoint.dir={tmp_path / 'ckpt'}"]
+        result = train(overrides, check=False)
+        out = disk / "test" / "t"
+        assert result.code == 6 and "\n" not in result.error, (result.code, result.error, result.log[-3000:])
+        match = re.search(rf"cannot write {out / 'metrics.jsonl'} at step (\d+) \(no space left on device\); free "
+                          rf"space on the output directory {out} and relaunch .*the last complete checkpoint: step (\d+)$",
+                          result.error)
+        assert match, result.error
+        failed, last = int(match.group(1)), int(match.group(2))
+        text = (out / "metrics.jsonl").read_text()
+        assert text.endswith("\n")  # the failed row was cut back: whole lines only
+        steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+        assert steps == list(range(1, failed))
+        assert last == max(s for s in range(10, failed, 10))
+        assert json.loads((out / "run_manifest.json").read_text())["status"] in ("running", "failed")  # whole
