@@ -11,6 +11,7 @@ the script and launcher themselves run as subprocesses only where the command li
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -24,9 +25,10 @@ NOT_OURS = "holds no .podrunner-generated marker"
 
 
 def tree_hash(root: Path) -> dict[str, str]:
-    """sha256 of every file under `root`, by relative path."""
+    """sha256 of every file under `root`, by relative path; but the run's log files
+    (run.log, run.process<k>.log), to which every launch appends its library logs by design."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and not re.fullmatch(r"run(\.process\d+)?\.log", p.name)}
 
 
 @pytest.fixture(scope="module")
