@@ -217,15 +217,19 @@ def test_pod_exit_code_is_gclouds(pod):
     assert pod.gcloud_calls()[-1][-1] == f'rm -f "$HOME"/{secrets_file}'  # for a worker that never started
 
 
+def start_pod_launch(pod, *args: str) -> subprocess.Popen:
+    """`launch.py pod` in the background, in its own session (the test signals its group)."""
+    return subprocess.Popen([sys.executable, str(LAUNCH), "pod", *target("--repo-dir", "~/repo", "--log-dir", "logs", *args)],
+                            cwd=pod.tmp, env=pod.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
 def test_secrets_never_on_a_command_line_nor_in_a_file(pod):
     """The values reach python's environment on every worker and nothing else: no argv (gcloud's,
     the workers' shells', python's), no file (logs, gcloud's state, the workers' homes, the
     temporary directory), no environment on a worker but python's."""
     pod.env.update(HF_TOKEN=HF_SECRET, STUB_WAIT="1")
-    launcher = subprocess.Popen([sys.executable, str(LAUNCH), "pod", *target(
-        "--repo-dir", "~/repo", "--run-id", "s1", "--log-dir", "logs", "--forward-env", "HF_TOKEN")],
-        cwd=pod.tmp, env=pod.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+    launcher = start_pod_launch(pod, "--run-id", "s1", "--forward-env", "HF_TOKEN")
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
         wait_for(lambda: all(d.exists() for d in dumps), 60)
@@ -330,10 +334,7 @@ def files_holding(secret: bytes, root: Path) -> list[Path]:
 
 def test_ctrl_c_stops_the_run_on_every_worker(pod):
     pod.env["STUB_SLEEP"] = "60"
-    launcher = subprocess.Popen([sys.executable, str(LAUNCH), "pod", *target(
-        "--repo-dir", "~/repo", "--run-id", "int1", "--log-dir", "logs", "--interrupt-grace", "5")],
-        cwd=pod.tmp, env=pod.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+    launcher = start_pod_launch(pod, "--run-id", "int1", "--interrupt-grace", "5")
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
         wait_for(lambda: all(d.exists() for d in dumps))
