@@ -129,33 +129,30 @@ class MetricsSinks:
         self._jsonl = LineFile(self.output_dir / JSONL_NAME)
 
         if wandb_mode != WandbMode.disabled:  # do not even call wandb.init (writes nothing)
-            import wandb
-
-            try:
-                with _output_faults(f"W&B files under {self.output_dir / 'wandb'}"):
-                    self._run = wandb.init(
-                        mode=wandb_mode.value,
-                        project=wandb_project,
-                        entity=wandb_entity,
-                        group=group,
-                        name=name,
-                        id=run_id,  # chosen by the caller, identical on all workers and on resume
-                        resume="allow",
-                        dir=str(self.output_dir),
-                        config=config,
-                        tags=list(tags) or None,
-                        # A run left open (e.g. by a crashed caller in the same process) is finished
-                        # rather than silently returned with the wrong config ("return_previous").
-                        reinit="finish_previous",
-                        settings=wandb.Settings(**_WANDB_SETTINGS),
-                    )
-            except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
-                self._jsonl.close()
-                raise UserError(f"W&B did not start the run ({one_line(e)[:200]}); check WANDB_API_KEY and "
-                                "run.wandb.entity / run.wandb.project, or use run.wandb.mode=offline") from e
+            self._start_wandb(dict(mode=wandb_mode.value, project=wandb_project, entity=wandb_entity, group=group,
+                                   name=name, id=run_id, config=config, tags=list(tags) or None))
 
         if progress_bar:
             self._bar = _progress_bar(total_steps, start_step)
+
+    def _start_wandb(self, init: dict[str, Any]) -> None:
+        import wandb
+
+        try:
+            with _output_faults(f"W&B files under {self.output_dir / 'wandb'}"):
+                self._run = wandb.init(
+                    **init,  # id: chosen by the caller, identical on all workers and on resume
+                    resume="allow",
+                    dir=str(self.output_dir),
+                    # A run left open (e.g. by a crashed caller in the same process) is finished
+                    # rather than silently returned with the wrong config ("return_previous").
+                    reinit="finish_previous",
+                    settings=wandb.Settings(**_WANDB_SETTINGS),
+                )
+        except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
+            self._jsonl.close()
+            raise UserError(f"W&B did not start the run ({one_line(e)[:200]}); check WANDB_API_KEY and "
+                            "run.wandb.entity / run.wandb.project, or use run.wandb.mode=offline") from e
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record metrics (keys already prefixed, e.g. "train/loss") for global `step`."""
