@@ -134,11 +134,16 @@ def cmd_pod(args: argparse.Namespace) -> int:
     command line: one `gcloud ... scp --worker=all` copies them first as a 0600 file that each
     worker reads and removes before python starts; only their names are printed. Each worker's
     output goes to ~/podrunner-logs/<id>/worker-<hostname>.log there and streams back here, kept
-    in <log-dir>/<id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers."""
+    in <log-dir>/<id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers.
+    --ship: run this checkout's working tree (tracked files as they are now plus untracked files
+    that are not ignored) instead of the commit checked out on the workers: it is packed, copied
+    with one `gcloud ... scp --worker=all`, unpacked in ~/podrunner-shipped/<tree hash> and run
+    with the repo's .venv; the manifest records the tree hash and its diff from HEAD."""
     return pod.launch_pod(
         _target(args), args.overrides, repo_dir=args.repo_dir, run_id=args.run_id, log_dir=args.log_dir,
         env=dict(args.env), forward_env=args.forward_env, dry_run=args.dry_run,
-        interrupt_grace=args.interrupt_grace, leave_running=args.leave_running)
+        interrupt_grace=args.interrupt_grace, leave_running=args.leave_running,
+        ship=args.ship, ship_from=args.ship_from, ship_max_mb=args.ship_max_mb)
 
 
 def _add_pod(sub: argparse._SubParsersAction) -> None:
@@ -160,6 +165,13 @@ def _add_pod(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--leave-running", action="store_true",
                    help="on Ctrl-C, leave the workers' processes running")
+    p.add_argument("--ship", action="store_true",
+                   help="copy the local working tree (what `git ls-files` sees, uncommitted changes included) to "
+                        "every worker and run it there (default: the commit checked out on the workers)")
+    p.add_argument("--ship-from", type=Path, default=None, metavar="DIR",
+                   help="with --ship: the git work tree to ship (default: this checkout)")
+    p.add_argument("--ship-max-mb", type=float, default=pod.DEFAULT_MAX_MB,
+                   help="with --ship: refuse a tree larger than this many MB (default: %(default)s)")
     p.set_defaults(func=cmd_pod)
 
 

@@ -33,6 +33,12 @@ trainer prints the id it uses (`run id X (why)`); when that is not the launch's 
 says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and on the workers) are filed
 under the launch's id.
 
+Shipping (`pod --ship`, experiments/ship.py): the local working tree is packed, copied with one
+`scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker and
+run there with the repo's .venv (`shipped_steps`); PODRUNNER_SHIPPED_TREE carries the tree hash
+and its diff from HEAD to the run's manifest. Without it the workers run their checkout and the
+launcher warns when their commits differ.
+
 gcloud's `--worker=all` output is interleaved; the remote helpers of `setup` and `status` print
 one tagged line per worker (`podrunner-versions {json}`, `podrunner-status {json}`), found
 anywhere in a line so that a prefix added by gcloud does not matter.
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
+from experiments.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED
 
 DEFAULT_REPO_DIR = "~/podrunner"
@@ -63,6 +70,9 @@ DEFAULT_LOG_DIR = Path("outputs/launch-logs")
 SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
 SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home
 PROPOSED_RUN_ID_ENV = "PODRUNNER_RUN_ID"  # read by runtime/trainer.py: a fresh run's id
+SHIPPED_TREE_ENV = "PODRUNNER_SHIPPED_TREE"  # read by runtime/manifest.py: JSON of what --ship sent
+SHIP_DIR = "~/podrunner-shipped"  # + /<tree hash>: a shipped tree, unpacked once per worker
+REPO_ROOT = Path(__file__).resolve().parent.parent  # what --ship packs by default
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a directory name on the workers
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -155,13 +165,17 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
-                secrets_file: str | None = None) -> str:
+                secrets_file: str | None = None, ship: Pack | None = None) -> str:
     """Worker command: cd, activate, export, then `python pretrain_jax.py ...` tee'd to
     ~/podrunner-logs/<run_id>/worker-<hostname>.log. pipefail makes python's code the exit code.
     `secrets_file` (in the home directory, copied there by `send_secrets`): sourced in the
     subshell that execs python, so only python's environment holds the values; removed right
-    after, and by the EXIT trap if the command ends before."""
+    after, and by the EXIT trap if the command ends before. `ship`: run from the shipped tree
+    (`shipped_steps`) instead of the repo, and report its hash instead of the commit."""
     exports = ["PYTHONUNBUFFERED=1", f"{PROPOSED_RUN_ID_ENV}={shlex.quote(run_id)}"]
+    if ship:  # PYTHONPATH: a subprocess's python imports the shipped code too
+        exports += [f"{SHIPPED_TREE_ENV}={shlex.quote(json.dumps(ship.shipped_record(), sort_keys=True))}",
+                    'PYTHONPATH="$SHIP"']
     exports += [f"{k}={shlex.quote(v)}" for k, v in env.items()]
     rid = shlex.quote(run_id)
     train = " ".join(["python", "pretrain_jax.py", *map(shlex.quote, overrides)])
@@ -170,16 +184,65 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
         steps.append(f"SECRETS={remote_path('~/' + secrets_file)}; trap 'rm -f \"$SECRETS\"' EXIT")
         train = ('( { set -a && . "$SECRETS" && set +a && rm -f "$SECRETS"; } || '
                  + _fail("the secrets file did not arrive (gcloud scp)") + f"; exec {train}; )")
+    if ship:
+        steps += shipped_steps(repo_dir, ship)
+        version = f"tree={ship.tree_hash}"
+    else:
+        steps += [f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),
+                  ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)")]
+        version = "commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
     return "; ".join([
         *steps,
-        f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),
-        ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)"),
         "export " + " ".join(exports),
         f'LOG="$HOME"/podrunner-logs/{rid}/worker-"$(hostname)".log',
         'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
-        f'{{ echo "{START_TAG}host=$(hostname) commit=$(git rev-parse --short=12 HEAD 2>/dev/null '
-        f'|| echo unknown) launch_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
+        f'{{ echo "{START_TAG}host=$(hostname) {version} launch_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
     ])
+
+
+def ship_remote_name(pack: Pack) -> str:
+    """The pack's name in each worker's home while it is copied there."""
+    return f".podrunner-ship-{pack.tree_hash[:16]}.tar.gz"
+
+
+# Warns when the shipped pyproject.toml pins other packages than the repo's (whose .venv runs).
+_PINS_CHECK = r'''
+import sys
+def pins(path):
+    try:
+        import tomllib
+    except ImportError:  # python < 3.11: the whole file
+        return open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    project = data.get("project", {})
+    return project.get("dependencies"), project.get("optional-dependencies"), data.get("build-system")
+try:
+    same = pins(sys.argv[1]) == pins(sys.argv[2])
+except (OSError, ValueError):
+    same = False
+if not same:
+    print(f"podrunner: {sys.argv[3]}: WARNING: the shipped pyproject.toml pins other packages than the one in "
+          "--repo-dir; the run uses the .venv there (shipping installs nothing): run launch.py setup", file=sys.stderr)
+'''
+
+
+def shipped_steps(repo_dir: str, pack: Pack) -> list[str]:
+    """Worker steps for --ship: unpack the copied pack into ~/podrunner-shipped/<tree hash> unless
+    it is there already (into a temporary directory renamed into place, so a half-unpacked tree is
+    never used), link the repo's .venv into it (setup installs the packages; shipping code installs
+    nothing), cd there and activate; warn when pyproject.toml's pins differ from the repo's."""
+    repo = remote_path(repo_dir if repo_dir.startswith(("/", "~")) else "~/" + repo_dir)  # the link's target
+    unpack = 'T="$SHIP.tmp-$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf "$PACK" -C "$T" && { mv -T "$T" "$SHIP" || rm -rf "$T"; }'
+    return [
+        f"SHIP={remote_path(SHIP_DIR + '/' + pack.tree_hash)}; PACK={remote_path('~/' + ship_remote_name(pack))}",
+        f'{{ [ -d "$SHIP" ] || {{ {unpack}; }}; }} || ' + _fail("cannot unpack the shipped tree (gcloud scp)"),
+        'rm -f "$PACK"',
+        f'ln -sfn {repo}/.venv "$SHIP"/.venv || ' + _fail("cannot link the .venv of --repo-dir into the shipped tree"),
+        'cd "$SHIP" || ' + _fail("the shipped tree is missing"),
+        ". .venv/bin/activate || " + _fail("no .venv in the repo at --repo-dir (run launch.py setup)"),
+        f'python -c {shlex.quote(_PINS_CHECK)} pyproject.toml {repo}/pyproject.toml "$(hostname)"',
+    ]
 
 
 def remove_secrets_command(secrets_file: str) -> str:
@@ -552,28 +615,46 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                run_id: str | None = None, log_dir: Path = DEFAULT_LOG_DIR,
                env: Mapping[str, str] | None = None, forward_env: Iterable[str] = (),
                dry_run: bool = False, interrupt_grace: float = 30.0, leave_running: bool = False,
+               ship: bool | Pack = False, ship_from: Path | str | None = None,
+               ship_max_mb: float = DEFAULT_MAX_MB,
                environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> int:
     """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). With secrets,
     first copy them (`send_secrets`); if that fails, nothing is started and its code is returned.
-    Run ids and secrets: see the module docstring."""
+    `ship`: True packs the working tree of `ship_from` (default: this checkout) now; a Pack (e.g.
+    one a supervisor packed once for all its relaunches) is sent as it is; either is copied to
+    every worker and the run starts from it. Run ids and secrets: see the module docstring."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
     plain, secret = remote_env(env or {}, forward_env, environ)
-    secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
-    command = pod_command(repo_dir, run_id, overrides, plain, secrets_file)
-    shown = shown_commands(target, command, secret, secrets_file)
-    if dry_run:
-        stream.write(shown)
-        return 0
+    with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
+        pack = ship if isinstance(ship, Pack) else None
+        if ship is True:
+            try:
+                pack = pack_tree(ship_from or REPO_ROOT, tmp, max_mb=ship_max_mb)
+            except ShipError as e:
+                raise PodError(str(e)) from None
+        secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
+        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack)
+        shown = shown_commands(target, command, secret, secrets_file, pack)
+        if dry_run:
+            stream.write(shown)
+            return 0
+        run_dir = Path(log_dir) / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command.txt").write_text(shown)
+        how = ("fixed: a checkpoint of another run is refused" if fixed else
+               "proposed: a fresh run takes it, a resumed run keeps its checkpoint's")
+        _say(stream, f"run id {run_id} ({how}); output also in {run_dir / 'launch.log'}; on the workers in "
+                     f"~/podrunner-logs/{run_id}/worker-<hostname>.log")
+        return _run_pod(target, command, secret, secrets_file, pack, run_id, run_dir, stream=stream,
+                        interrupt_grace=interrupt_grace, leave_running=leave_running)
 
-    run_dir = Path(log_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "command.txt").write_text(shown)
-    how = ("fixed: a checkpoint of another run is refused" if fixed else
-           "proposed: a fresh run takes it, a resumed run keeps its checkpoint's")
-    _say(stream, f"run id {run_id} ({how}); output also in {run_dir / 'launch.log'}; on the workers in "
-                 f"~/podrunner-logs/{run_id}/worker-<hostname>.log")
+
+def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None,
+             pack: Pack | None, run_id: str, run_dir: Path, *, stream: TextIO, interrupt_grace: float,
+             leave_running: bool) -> int:
+    """Copy the secrets and the shipped tree, then run `command` on every worker (launch_pod)."""
     log_path, watch = run_dir / "launch.log", _PodWatch(stream, run_id, run_dir)
     try:
         if secrets_file:
@@ -583,6 +664,15 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
             if code != 0:
                 _say(stream, f"copying the secrets to the workers failed (gcloud exit code {code}); nothing was started")
                 _remove_secrets(target, secrets_file, stream, log_path)
+                return code
+        if pack:
+            _say(stream, f"shipping the working tree: {_pack_line(pack)}")
+            code = run_gcloud(gcloud_scp_argv(target, str(pack.path), ship_remote_name(pack)),
+                              stream=stream, log_path=log_path)
+            if code != 0:
+                _say(stream, f"copying the tree to the workers failed (gcloud exit code {code}); nothing was started")
+                if secrets_file:
+                    _remove_secrets(target, secrets_file, stream, log_path)
                 return code
         code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line)
     except KeyboardInterrupt:
@@ -606,12 +696,24 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
     return code
 
 
-def shown_commands(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None) -> str:
+def _pack_line(pack: Pack) -> str:
+    diff = pack.summary["diff_summary"]
+    base = (pack.summary["base_commit"] or "no commit")[:12]
+    return (f"{pack.files} files, {pack.size / 1024:.0f} KiB packed, tree {pack.tree_hash} (base {base}, "
+            f"{len(diff['changed'])} changed, {len(diff['untracked'])} untracked); on each worker in "
+            f"{SHIP_DIR}/{pack.tree_hash}, run with the repo's .venv")
+
+
+def shown_commands(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None,
+                   pack: Pack | None = None) -> str:
     """What `pod` runs, as printed by --dry-run and kept in command.txt: names, never values."""
     lines = []
     if secrets_file:
         lines += [f"# secrets {', '.join(secret)}: a 0600 file of KEY='value' lines, copied, never on a command line",
                   shlex.join(gcloud_scp_argv(target, "SECRETS-FILE", secrets_file))]
+    if pack:
+        lines += [f"# ship: {_pack_line(pack)}",
+                  shlex.join(gcloud_scp_argv(target, "PACK.tar.gz", ship_remote_name(pack)))]
     return "".join(line + "\n" for line in [*lines, shlex.join(gcloud_argv(target, command))])
 
 
@@ -636,11 +738,11 @@ def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path:
 
 
 class _PodWatch:
-    """Reads the pod's output as it streams: warns once when workers run different commits,
+    """Reads the pod's output as it streams: warns once when workers run different commits (or trees),
     remembers whether a worker found the TPU busy, and records the run id the trainer says it
     uses in <run_dir>/run_id (said here when it is not the launch's, i.e. a resumed run)."""
 
-    _START = re.compile(re.escape(START_TAG) + r"host=(\S+) commit=(\S+)")
+    _START = re.compile(re.escape(START_TAG) + r"host=(\S+) (?:commit|tree)=(\S+)")
     _BUSY = re.compile(r"TPU.*(already in use|busy)|libtpu_lockfile", re.IGNORECASE)
 
     def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None) -> None:

@@ -32,6 +32,18 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def shipped_tree() -> dict[str, Any] | None:
+    """What `launch.py pod --ship` sent (tree_hash, base_commit, diff_summary; experiments/ship.py),
+    None for a run of the checkout itself. A shipped tree has no .git: git_commit is None then."""
+    text = os.environ.get("PODRUNNER_SHIPPED_TREE")
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # a record, never a reason to stop the run
+        return {"unparsed": text[:1000]}
+
+
 def package_versions() -> dict[str, str | None]:
     versions = {}
     for name in PACKAGES:
@@ -56,6 +68,7 @@ def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, r
         "end_time": None,
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "shipped": shipped_tree(),
         "command": sys.argv,
         "python": platform.python_version(),
         "host": platform.node(),
