@@ -47,6 +47,7 @@ anywhere in a line so that a prefix added by gcloud does not matter.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import re
@@ -627,9 +628,10 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
     plain, secret = remote_env(env or {}, forward_env, environ)
-    with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
+    packing = ship is True  # a temporary directory only then: a Pack given is the caller's to delete
+    with (tempfile.TemporaryDirectory(prefix="podrunner-ship-") if packing else contextlib.nullcontext()) as tmp:
         pack = ship if isinstance(ship, Pack) else None
-        if ship is True:
+        if packing:
             try:
                 pack = pack_tree(ship_from or REPO_ROOT, tmp, max_mb=ship_max_mb)
             except ShipError as e:
