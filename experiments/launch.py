@@ -2,7 +2,7 @@
 
     python experiments/launch.py local --processes 2 --devices-per-process 4 -- model=trm run.name=x
     python experiments/launch.py setup  --tpu NAME --zone Z [--git-ref REF]
-    python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] -- +experiment=exp01/hidden256
+    python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] [--ship] -- +experiment=exp01/hidden256
     python experiments/launch.py status --tpu NAME --zone Z
     python experiments/launch.py stop   --tpu NAME --zone Z
     python experiments/launch.py list   [GROUP ...]                    # the programme: groups, variants, changes

@@ -197,7 +197,8 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
         "export " + " ".join(exports),
         f'LOG="$HOME"/podrunner-logs/{rid}/worker-"$(hostname)".log',
         'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
-        f'{{ echo "{START_TAG}host=$(hostname) {version} launch_id={run_id} log=$LOG"; {train}; }} 2>&1 | tee -a "$LOG"',
+        f'{{ echo "{START_TAG}host=$(hostname) {version} launch_id={run_id} log=$LOG"; {train}; }} 2>&1 '
+        '| tee -a "$LOG"',
     ])
 
 
@@ -234,7 +235,8 @@ def shipped_steps(repo_dir: str, pack: Pack) -> list[str]:
     never used), link the repo's .venv into it (setup installs the packages; shipping code installs
     nothing), cd there and activate; warn when pyproject.toml's pins differ from the repo's."""
     repo = remote_path(repo_dir if repo_dir.startswith(("/", "~")) else "~/" + repo_dir)  # the link's target
-    unpack = 'T="$SHIP.tmp-$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf "$PACK" -C "$T" && { mv -T "$T" "$SHIP" || rm -rf "$T"; }'
+    unpack = ('T="$SHIP.tmp-$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf "$PACK" -C "$T" && '
+              '{ mv -T "$T" "$SHIP" || rm -rf "$T"; }')
     return [
         f"SHIP={remote_path(SHIP_DIR + '/' + pack.tree_hash)}; PACK={remote_path('~/' + ship_remote_name(pack))}",
         f'{{ [ -d "$SHIP" ] || {{ {unpack}; }}; }} || ' + _fail("cannot unpack the shipped tree (gcloud scp)"),
