@@ -11,7 +11,8 @@ The loop, top to bottom (`supervise`):
        preempted (the trainer's "preempted (SIGTERM)" line, or the ssh dropped and the TPU is
                   no longer READY)                 -> back to 1 (not counted as a restart)
        hang (4), peer lost (7), anything else      -> `stop` stale processes, relaunch (a restart)
-       storage (6)                                 -> back off, relaunch (a restart)
+       storage (6), or the run directory's lease
+       still held by the run before (exit 2)       -> back off, relaunch (a restart)
        bad input (2), non-finite (3), no fit (5)   -> stop with that code
      and stop (exit 1) when restarts exceed --max-restarts, or when two restarts in a row ended
      at the same last step as the launch before them (no progress).
@@ -54,6 +55,9 @@ RESTART = {EXIT_HANG: "hang watchdog", EXIT_PEER_LOST: "worker lost", EXIT_STORA
 SSH_DROPPED = 255
 _PREEMPTED_LINE = re.compile(r"preempted \(SIGTERM\): checkpoint saved at step (\d+)")
 _STEP = re.compile(r"\bstep (\d+)\b")
+# runtime/lease.py's refusal (exit 2): after a hard preemption the dead run's lease is only stale
+# after run.lease.stale_after_s, so this "bad input" passes: back off and relaunch.
+_LEASE_HELD = "is in use by another run"
 
 
 @dataclass
@@ -267,11 +271,13 @@ class _Capture:
 
     def __init__(self, stream: TextIO) -> None:
         self.stream, self.last_step, self.preempted_at, self._buf = stream, None, None, ""
+        self.lease_held = False
 
     def write(self, text: str) -> None:
         self.stream.write(text)
         *lines, self._buf = (self._buf + text).split("\n")
         for line in lines:
+            self.lease_held = self.lease_held or _LEASE_HELD in line
             m = _PREEMPTED_LINE.search(line)
             if m:
                 self.preempted_at = int(m.group(1))
@@ -291,14 +297,16 @@ def classify(code: int, capture: _Capture, state_after: str | None) -> str:
         return "completed"
     if state_after not in (None, READY):
         return "preempted"  # the ssh dropped (or the workers died) because the TPU went away
-    if code in FATAL:
+    if code in FATAL and not (code == EXIT_USER_ERROR and capture.lease_held):
         return "fatal"
-    return "backoff" if code == EXIT_STORAGE else "restart"
+    return "backoff" if code == EXIT_STORAGE or capture.lease_held else "restart"
 
 
-def cause(code: int, outcome: str) -> str:
+def cause(code: int, outcome: str, capture: _Capture) -> str:
     if outcome in ("completed", "preempted"):
         return outcome
+    if capture.lease_held:
+        return "lease held"
     return FATAL.get(code) or RESTART.get(code) or f"exit {code}"
 
 
@@ -313,10 +321,10 @@ def launch_once(spec: Spec, sup: Supervision, run: Runner, hosts: int, ready_at:
     outcome = classify(code, capture, state_after)
     sup.data["host_seconds"] += (time.time() - ready_at) * hosts
     sup.data["launches"].append({"started": ready_at, "ended": time.time(), "code": code, "outcome": outcome,
-                                 "cause": cause(code, outcome), "last_step": capture.last_step,
+                                 "cause": cause(code, outcome, capture), "last_step": capture.last_step,
                                  "tpu_state_after": state_after})
     sup.save()
-    sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(cause(code, outcome)),
+    sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(cause(code, outcome, capture)),
               last_step=capture.last_step, tpu_state=state_after or READY)
     return outcome, code
 

@@ -37,6 +37,8 @@ n = int(open(count_file).read()) + 1 if os.path.exists(count_file) else 1
 open(count_file, "w").write(str(n))
 codes = [int(c) for c in os.environ.get("STUB_CODES", "0").split(",")]
 print(f"step {os.environ.get('STUB_STEP') or 10 * n}", flush=True)
+if os.environ.get("STUB_LEASE_HELD") == str(n):  # as runtime/lease.py refuses a busy run directory
+    print("error: the checkpoint directory /x is in use by another run: host h pid 1; wait", flush=True)
 while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(home, "go")):
     time.sleep(0.05)
 sys.exit(codes[min(n, len(codes)) - 1])
@@ -159,6 +161,14 @@ def test_max_restarts_and_storage_backoff(stub_plane):
     record = stub_plane.record()
     assert [launch["cause"] for launch in record["launches"]] == ["storage failure", "hang watchdog", "hang watchdog"]
     assert record["restarts"] == 3 and "reason=max-restarts" in result.stdout and "backoff" in stub_plane.events()
+
+
+def test_a_lease_still_held_is_waited_out_not_fatal(stub_plane):
+    result = stub_plane.supervise(stub_env={"STUB_CODES": "2,0", "STUB_LEASE_HELD": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert [launch["cause"] for launch in record["launches"]] == ["lease held", "completed"]
+    assert "backoff" in stub_plane.events()
 
 
 def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
