@@ -18,7 +18,9 @@ The loop, top to bottom (`supervise`):
      at the same last step as the launch before them (no progress).
 
 State: <log dir>/<run id>/supervision.json, rewritten after every change; a supervisor started
-again with the same run id carries on from it (restart count, history, pod time). Events: one
+again with the same run id carries on from it (restart count, history, pod time), and when the one
+before was killed mid-launch, first stops what still runs on the workers (they checkpoint).
+Stopping the supervisor (Ctrl-C, SIGTERM) stops the run too (`run_until_done`). Events: one
 `[supervise] <UTC time> <event> key=value ...` line each, on the console and appended to
 <log dir>/<run id>/supervise.log.
 
@@ -353,6 +355,7 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
     """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
     sup = Supervision(spec, stream or sys.stdout)
     resumed = bool(sup.data["launches"])
+    orphaned = sup.data["status"] == "running" and resumed  # the supervisor before was killed mid-run
     sup.data["status"] = "running"
     sup.save()
     sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
@@ -360,6 +363,10 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
     while True:
         hosts = ensure_ready(spec, sup, run, sleep)
         ready_at = time.time()
+        if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
+            orphaned = False
+            code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream)
+            sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
         if ensure_setup(spec, sup, hosts) != 0:
             outcome, code = "restart", EXIT_FAILURE
         else:
