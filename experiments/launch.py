@@ -258,6 +258,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(supervise.dry_run(spec))
         return 0
+    spec.state_mirror = supervise.state_mirror(args.overrides)[0]
     return supervise.run_until_done(spec)
 
 

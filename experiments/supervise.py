@@ -81,6 +81,7 @@ class Spec:
     max_poll_s: float = 300.0
     storage_backoff_s: float = 120.0
     stop_grace_s: float = 30.0
+    state_mirror: str | None = None  # gs://.../supervision.json beside the checkpoints (see state_mirror)
 
 
 # --- the gcloud commands ------------------------------------------------------------------------
@@ -142,7 +143,8 @@ class Supervision:
     def __init__(self, spec: Spec, stream: TextIO) -> None:
         self.dir = Path(spec.log_dir) / spec.run_id
         self.path, self.log_path, self.stream = self.dir / "supervision.json", self.dir / "supervise.log", stream
-        self.data = load(self.path) or {"run_id": spec.run_id, "tpu": spec.target.tpu, "zone": spec.target.zone,
+        self.mirror = spec.state_mirror
+        self.data = load(self.path) or self.load_mirror() or {"run_id": spec.run_id, "tpu": spec.target.tpu, "zone": spec.target.zone,
                                         "restarts": 0, "preemptions": 0, "host_seconds": 0.0,
                                         "status": "running", "launches": []}
 
@@ -151,6 +153,26 @@ class Supervision:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1) + "\n")
         os.replace(tmp, self.path)  # a supervisor killed mid-write leaves the previous record
+        if self.mirror:
+            try:
+                import fsspec
+
+                with fsspec.open(self.mirror, "w") as f:  # one object write: whole or not at all
+                    f.write(json.dumps(self.data, indent=1) + "\n")
+            except Exception as e:  # the local record stands; the next save tries again
+                self.event("state-mirror-failed", uri=self.mirror, detail=shlex.quote(" ".join(str(e).split())[:200]))
+
+    def load_mirror(self) -> dict | None:
+        """The record beside the checkpoints, when this machine has none (a supervisor moved here)."""
+        if not self.mirror:
+            return None
+        import fsspec
+
+        try:
+            with fsspec.open(self.mirror, "r") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
 
     def event(self, name: str, **fields) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -348,6 +370,27 @@ def finish(sup: Supervision, status: str, code: int, **fields) -> int:
     return code
 
 
+def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
+    """(<run.checkpoint.dir>/supervision.json when the checkpoints are on gs://, else None; why),
+    from the config the trainer composes (conf/ + the overrides)."""
+    from hydra import compose, initialize_config_dir
+
+    from runtime.config import register_schemas, run_dirs, validate
+
+    try:
+        register_schemas()
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
+                                   version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
+        checkpoints = run_dirs(validate(cfg, experiment))[1]
+    except Exception as e:  # the trainer reports a bad override itself, in one line
+        return None, f"the overrides do not compose here ({' '.join(str(e).split())[:200]})"
+    if not checkpoints.startswith("gs://"):
+        return None, f"checkpoints are local to the workers ({checkpoints})"
+    return checkpoints.rstrip("/") + "/supervision.json", "beside the checkpoints"
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_quiet,
@@ -359,7 +402,8 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
     sup.data["status"] = "running"
     sup.save()
     sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
-              restarts=sup.data["restarts"], launches=len(sup.data["launches"]))
+              restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
+              mirror=spec.state_mirror or "none")
     while True:
         hosts = ensure_ready(spec, sup, run, sleep)
         ready_at = time.time()

@@ -228,6 +228,29 @@ def test_dry_run_prints_the_commands_for_each_state(plane):
     assert not (plane.tmp / "gcloud.jsonl").exists()  # nothing was run
 
 
+def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
+    """A supervisor on another machine (no local record) carries on from the copy on gs://."""
+    import io
+
+    from experiments import supervise
+    from experiments.pod import Target
+    from gcs_emulator import start_gcs_emulator
+
+    assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path))[0] is None  # local checkpoints
+    overrides = base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://sup-bucket/ckpt/t"]
+    uri = supervise.state_mirror(overrides)[0]
+    assert uri == "gs://sup-bucket/ckpt/t/supervision.json"
+    with start_gcs_emulator(tmp_path) as emu:
+        emu.apply_env()
+        emu.create_bucket("sup-bucket")
+        spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, overrides, log_dir=tmp_path / "here", state_mirror=uri)
+        first = supervise.Supervision(spec, io.StringIO())
+        first.data["restarts"] = 3
+        first.save()
+        spec.log_dir = tmp_path / "elsewhere"
+        assert supervise.Supervision(spec, io.StringIO()).data["restarts"] == 3
+
+
 def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
     fake_tpu.enable(plane.root, {TPU: {"state": "CREATING", "describes": 0, "workers": []}})
     ssh = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", TPU, "--zone", ZONE, "--worker=all",
