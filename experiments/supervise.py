@@ -228,10 +228,21 @@ def queue_state(spec: Spec, run: Runner) -> str:
     return out.strip().splitlines()[-1].strip() if out.strip() else "UNKNOWN"
 
 
+class GiveUp(Exception):
+    """GCP refused a request in a way that waiting does not fix (a wrong flag, no permission)."""
+
+
+# A create that fails otherwise (stockout, quota, a network error) is retried with backoff.
+_REFUSED = ("INVALID_ARGUMENT", "PERMISSION_DENIED", "unrecognized arguments", "Invalid value")
+
+
 def act(sup: Supervision, run: Runner, argv: list[str], event: str) -> bool:
     code, out = run(argv)
+    detail = " ".join(out.split())[-300:]
     sup.event(event if code == 0 else event + "-failed", code=code,
-              **({} if code == 0 else {"detail": shlex.quote(" ".join(out.split())[-300:])}))
+              **({} if code == 0 else {"detail": shlex.quote(detail)}))
+    if code != 0 and any(phrase in out for phrase in _REFUSED):
+        raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {detail}; fix the supervise flags")
     return code == 0
 
 
@@ -405,7 +416,11 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
               restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
               mirror=spec.state_mirror or "none")
     while True:
-        hosts = ensure_ready(spec, sup, run, sleep)
+        try:
+            hosts = ensure_ready(spec, sup, run, sleep)
+        except GiveUp as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return finish(sup, "failed", EXIT_USER_ERROR, cause="gcloud-refused")
         ready_at = time.time()
         if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
             orphaned = False

@@ -145,6 +145,33 @@ def test_bad_input_stops_at_once(stub_plane):
     assert "failed" in stub_plane.events()[-1] and "cause='bad input'" in result.stdout
 
 
+def test_a_refused_create_stops_it_with_one_error_line(stub_plane):
+    args = stub_plane.args()
+    args[args.index("v4-16")] = "v4-bogus"
+    result = subprocess.run(args, env=stub_plane.env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0] and "Traceback" not in result.stderr
+    assert stub_plane.record()["status"] == "failed" and stub_plane.record()["launches"] == []
+
+
+def test_stopping_the_supervisor_stops_the_run(stub_plane):
+    proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
+    count = stub_plane.root / "worker-0" / "launches"
+    deadline = time.monotonic() + 60
+    while not count.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # systemctl stop
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    assert stub_plane.record()["status"] == "interrupted" and stub_plane.events()[-1] == "interrupted"
+    with fake_tpu.control(stub_plane.root) as state:
+        groups = state["tpus"][TPU]["workers"]
+    assert not any(fake_tpu.signal_trainers(g, 0) for g in groups), "a trainer still runs"
+
+
 def test_restarts_without_progress_stop_it(stub_plane):
     result = stub_plane.supervise(stub_env={"STUB_CODES": "7", "STUB_STEP": "5"})
     assert result.returncode == 1, result.stdout + result.stderr
