@@ -349,6 +349,8 @@ def launch_once(spec: Spec, sup: Supervision, run: Runner, hosts: int, ready_at:
     """Launch the run, record the launch; (outcome, exit code)."""
     capture = _Capture(sup.stream)
     sup.event("launch", run_id=spec.run_id, attempt=len(sup.data["launches"]) + 1)
+    sup.data["in_flight"] = True
+    sup.save()
     code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                           log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
                           interrupt_grace=spec.stop_grace_s, stream=capture)
@@ -358,6 +360,7 @@ def launch_once(spec: Spec, sup: Supervision, run: Runner, hosts: int, ready_at:
     sup.data["launches"].append({"started": ready_at, "ended": time.time(), "code": code, "outcome": outcome,
                                  "cause": cause(code, outcome, capture), "last_step": capture.last_step,
                                  "tpu_state_after": state_after})
+    sup.data["in_flight"] = False
     sup.save()
     sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(cause(code, outcome, capture)),
               last_step=capture.last_step, tpu_state=state_after or READY)
@@ -409,7 +412,7 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
     """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
     sup = Supervision(spec, stream or sys.stdout)
     resumed = bool(sup.data["launches"])
-    orphaned = sup.data["status"] == "running" and resumed  # the supervisor before was killed mid-run
+    orphaned = sup.data.get("in_flight", False)  # the supervisor before was killed mid-launch
     sup.data["status"] = "running"
     sup.save()
     sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,

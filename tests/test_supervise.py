@@ -324,4 +324,6 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
     assert [launch["outcome"] for launch in record["launches"]] == ["preempted", "preempted", "restart",
                                                                    "completed"], "".join(lines)[-4000:]
     assert record["launches"][2]["cause"] == "worker lost" and record["preemptions"] == 2 and record["restarts"] == 1
+    verbs = [c[4] for c in plane.gcloud_calls() if c[4] in ("create", "delete")]
+    assert verbs == ["create", "delete", "create", "delete", "create"]  # each preempted TPU re-created
     assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
