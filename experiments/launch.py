@@ -5,6 +5,9 @@
     python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] [--ship] -- +experiment=exp01/hidden256
     python experiments/launch.py status --tpu NAME --zone Z
     python experiments/launch.py stop   --tpu NAME --zone Z
+    python experiments/launch.py supervise --tpu NAME --zone Z --run-id ID --accelerator-type v4-64 \
+        --runtime-version V [--spot|--reserved] [--queued-resource QR] [--max-restarts N] -- overrides
+    python experiments/launch.py supervise --status --run-id ID      # the supervision history
     python experiments/launch.py list   [GROUP ...]                    # the programme: groups, variants, changes
     python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, one Hydra -m
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
@@ -232,6 +235,80 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_status)
 
 
+@_user_errors
+def cmd_supervise(args: argparse.Namespace) -> int:
+    """Keep one run going on a (preemptible) TPU VM slice until it completes: create the TPU when
+    it is missing (delete and re-create it when PREEMPTED/TERMINATED; --queued-resource: through
+    a queued resource), wait while it is CREATING or queued, set up the workers when their
+    versions differ, launch with the fixed --run-id (every launch resumes the checkpoint), and
+    relaunch after a preemption, a hang (4), a lost worker (7) or a storage failure (6). Stops on
+    bad input (2), a non-finite loss (3), a model that does not fit (5), more than --max-restarts
+    restarts, or two restarts in a row without progress. State: <log-dir>/<run-id>/supervision.json
+    (run it again to carry on), events: <log-dir>/<run-id>/supervise.log. Ctrl-C or SIGTERM stops
+    the supervisor AND the run (the workers checkpoint first). Exit code: 0 when the run completed,
+    the run's code when it failed for good, 1 when the supervisor gave up, 130 when stopped."""
+    from experiments import supervise
+
+    if args.status:
+        text = supervise.status_text(args.log_dir, args.run_id)
+        if text is None:
+            raise pod.PodError(f"no supervision record for run {args.run_id} under {args.log_dir}")
+        sys.stdout.write(text)
+        return 0
+    if not (args.tpu and args.zone):
+        raise pod.PodError("supervise needs --tpu NAME and --zone ZONE (or --status)")
+    if not (args.accelerator_type and args.runtime_version):
+        raise pod.PodError("supervise needs --accelerator-type and --runtime-version (to re-create the TPU)")
+    pod.resolve_run_id(args.run_id, args.overrides)  # a bad id is an error before any gcloud call
+    spec = supervise.Spec(
+        pod.Target(args.tpu, args.zone, args.project), args.run_id, args.overrides,
+        accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
+        queued_resource=args.queued_resource, max_restarts=args.max_restarts, repo_dir=args.repo_dir,
+        log_dir=args.log_dir, env=dict(args.env), forward_env=args.forward_env, poll_s=args.poll_seconds,
+        max_poll_s=max(args.poll_seconds, 300.0), storage_backoff_s=args.storage_backoff_seconds,
+        stop_grace_s=args.stop_grace)
+    if args.dry_run:
+        sys.stdout.write(supervise.dry_run(spec))
+        return 0
+    spec.state_mirror = supervise.state_mirror(args.overrides)[0]
+    return supervise.run_until_done(spec)
+
+
+def _add_supervise(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("supervise", help="keep a run going on a preemptible TPU until it completes",
+                       description=cmd_supervise.__doc__, epilog="Training-script overrides go after `--`.")
+    p.add_argument("--tpu", default=None, help="TPU VM name")
+    p.add_argument("--zone", default=None)
+    p.add_argument("--project", default=None)
+    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
+    p.add_argument("--run-id", required=True, help="the run's fixed id (the same one to carry on after a restart)")
+    p.add_argument("--accelerator-type", default=None, help="e.g. v4-64 (to create the TPU)")
+    p.add_argument("--runtime-version", default=None, help="TPU software version, e.g. tpu-ubuntu2204-base")
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
+    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
+                      help="create it in a reservation")
+    p.add_argument("--queued-resource", default=None, metavar="ID",
+                   help="create the TPU through this queued resource (waits while ACCEPTED/PROVISIONING)")
+    p.add_argument("--max-restarts", type=int, default=10,
+                   help="stop after this many restarts for failures (preemptions are not counted; default: %(default)s)")
+    p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
+                   help="local directory for <run-id>/supervision.json, supervise.log, launch.log (default: %(default)s)")
+    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable on every worker (repeatable)")
+    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                   help="send this local environment variable as a secret, like WANDB_API_KEY (repeatable)")
+    p.add_argument("--poll-seconds", type=float, default=30.0,
+                   help="first wait while the TPU is CREATING or queued; grows x1.5 to 300 s (default: %(default)s)")
+    p.add_argument("--storage-backoff-seconds", type=float, default=120.0,
+                   help="wait after a storage failure (exit 6) before relaunching (default: %(default)s)")
+    p.add_argument("--stop-grace", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default: %(default)s)")
+    p.add_argument("--status", action="store_true", help="print the run's supervision history and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the gcloud commands for each TPU state and exit")
+    p.set_defaults(func=cmd_supervise)
+
+
 # --- the experiment programme (experiments/programme.py, conf/experiment/<group>/) ---------------
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -360,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setup(sub)
     _add_stop(sub)
     _add_status(sub)
+    _add_supervise(sub)
     _add_list(sub)
     _add_sweep(sub)
     _add_analyze(sub)

@@ -1,0 +1,329 @@
+"""`launch.py supervise` against the fake TPU control plane (tests/fake_gcloud: gcloud + fake_tpu.py).
+
+Most tests run a stub trainer on the fake workers (cheap): the n-th launch on a worker exits with
+the n-th code of STUB_CODES (the last one repeats) after printing `step <10 n>` (or STUB_STEP, a
+fixed step: no progress). The end-to-end test runs the real pretrain_jax.py on 2 workers x 4 CPU
+devices through two preemptions and a dead worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, train_losses
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
+import fake_tpu  # noqa: E402
+
+LAUNCH = REPO / "experiments" / "launch.py"
+FAKE_GCLOUD_DIR = Path(__file__).resolve().parent / "fake_gcloud"
+TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
+
+STUB = """\
+import os, sys, time
+home = os.environ["HOME"]
+count_file = os.path.join(home, "launches")
+n = int(open(count_file).read()) + 1 if os.path.exists(count_file) else 1
+open(count_file, "w").write(str(n))
+codes = [int(c) for c in os.environ.get("STUB_CODES", "0").split(",")]
+print(f"step {os.environ.get('STUB_STEP') or 10 * n}", flush=True)
+if os.environ.get("STUB_LEASE_HELD") == str(n):  # as runtime/lease.py refuses a busy run directory
+    print("error: the checkpoint directory /x is in use by another run: host h pid 1; wait", flush=True)
+while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(home, "go")):
+    time.sleep(0.05)
+sys.exit(codes[min(n, len(codes)) - 1])
+"""
+
+
+def make_workers(root: Path, workers: int, trainer: str | None) -> None:
+    """Each worker's ~/repo: a .venv whose python is ours, and the stub trainer (or, when
+    `trainer` is None, the real repository's files, linked)."""
+    for i in range(workers):
+        repo = root / f"worker-{i}" / "repo"
+        (repo / ".venv" / "bin").mkdir(parents=True)
+        (repo / ".venv" / "bin" / "activate").write_text(f"export PATH={Path(sys.executable).parent}:$PATH\n")
+        (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        (repo / "setup_tpu.sh").write_text("echo setup ok\n")
+        if trainer is not None:
+            (repo / "pretrain_jax.py").write_text(trainer)
+            continue
+        for entry in REPO.iterdir():
+            if not entry.name.startswith(".") and entry.name not in ("setup_tpu.sh", "outputs"):
+                (repo / entry.name).symlink_to(entry)
+
+
+@pytest.fixture
+def plane(tmp_path: Path):
+    root = tmp_path / "workers"
+    root.mkdir()
+    fake_tpu.enable(root)
+    env = {k: v for k, v in child_env(4).items() if not k.startswith(("PODRUNNER_", "FAKE_GCLOUD_"))}
+    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
+               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
+               FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
+               PODRUNNER_TPU_DEVICES="~/fake-accel*")
+    started: list[subprocess.Popen] = []
+
+    class Plane:
+        def __init__(self) -> None:
+            self.root, self.env, self.tmp, self.log_dir = root, env, tmp_path, tmp_path / "logs"
+
+        def args(self, *extra: str, overrides: tuple[str, ...] = ()) -> list[str]:
+            return [sys.executable, str(LAUNCH), "supervise", "--tpu", TPU, "--zone", ZONE, "--run-id", RUN_ID,
+                    "--accelerator-type", "v4-16", "--runtime-version", "tpu-ubuntu2204-base", "--spot",
+                    "--repo-dir", "~/repo", "--log-dir", str(self.log_dir), "--poll-seconds", "0.05",
+                    "--storage-backoff-seconds", "0.1", "--stop-grace", "1", *extra, "--", *overrides]
+
+        def supervise(self, *extra: str, stub_env: dict | None = None, timeout: float = 60,
+                      overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+            return subprocess.run(self.args(*extra, overrides=overrides), cwd=tmp_path, env=dict(env, **(stub_env or {})),
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+        def start(self, *extra: str, stub_env: dict | None = None, overrides: tuple[str, ...] = ()) -> subprocess.Popen:
+            proc = subprocess.Popen(self.args(*extra, overrides=overrides), cwd=tmp_path,
+                                    env=dict(env, **(stub_env or {})), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            started.append(proc)
+            return proc
+
+        def record(self) -> dict:
+            return json.loads((self.log_dir / RUN_ID / "supervision.json").read_text())
+
+        def events(self) -> list[str]:
+            return [line.split()[2] for line in (self.log_dir / RUN_ID / "supervise.log").read_text().splitlines()]
+
+        def gcloud_calls(self) -> list[list[str]]:
+            return [json.loads(line) for line in (tmp_path / "gcloud.jsonl").read_text().splitlines()]
+
+    yield Plane()
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with fake_tpu.control(root) as state:  # whatever still runs on the fake workers
+        fake_tpu.kill_groups([g for tpu in state["tpus"].values() for g in tpu.get("workers", [])])
+
+
+@pytest.fixture
+def stub_plane(plane):
+    make_workers(plane.root, 2, STUB)
+    return plane
+
+
+def test_creates_the_tpu_waits_until_ready_and_completes(stub_plane):
+    result = stub_plane.supervise()
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = stub_plane.events()
+    assert events == ["start", "tpu-created", "waiting", "tpu-ready", "setup-skipped", "launch", "launch-ended",
+                      "completed"], events
+    create = next(c for c in stub_plane.gcloud_calls() if c[4] == "create")
+    assert create == ["gcloud", "compute", "tpus", "tpu-vm", "create", TPU, "--zone", ZONE, "--accelerator-type=v4-16",
+                      "--version=tpu-ubuntu2204-base", "--spot"]
+    record = stub_plane.record()
+    assert record["status"] == "completed" and record["restarts"] == 0 and record["launches"][0]["last_step"] == 10
+    lines = (stub_plane.log_dir / RUN_ID / "supervise.log").read_text().splitlines()
+    assert all(re.fullmatch(r"\[supervise\] \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ [a-z-]+( \S+=\S+)*", line)
+               for line in lines), lines
+    assert lines[-1] in result.stdout  # the console gets the same lines
+
+
+def test_bad_input_stops_at_once(stub_plane):
+    result = stub_plane.supervise(stub_env={"STUB_CODES": "2"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert record["status"] == "failed" and [launch["cause"] for launch in record["launches"]] == ["bad input"]
+    assert "failed" in stub_plane.events()[-1] and "cause='bad input'" in result.stdout
+
+
+def test_a_refused_create_stops_it_with_one_error_line(stub_plane):
+    args = stub_plane.args()
+    args[args.index("v4-16")] = "v4-bogus"
+    result = subprocess.run(args, env=stub_plane.env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0] and "Traceback" not in result.stderr
+    assert stub_plane.record()["status"] == "failed" and stub_plane.record()["launches"] == []
+
+
+def test_stopping_the_supervisor_stops_the_run(stub_plane):
+    proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
+    count = stub_plane.root / "worker-0" / "launches"
+    deadline = time.monotonic() + 60
+    while not count.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # systemctl stop
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    assert stub_plane.record()["status"] == "interrupted" and stub_plane.events()[-1] == "interrupted"
+    with fake_tpu.control(stub_plane.root) as state:
+        groups = state["tpus"][TPU]["workers"]
+    assert not any(fake_tpu.signal_trainers(g, 0) for g in groups), "a trainer still runs"
+
+
+def test_restarts_without_progress_stop_it(stub_plane):
+    result = stub_plane.supervise(stub_env={"STUB_CODES": "7", "STUB_STEP": "5"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert [launch["cause"] for launch in record["launches"]] == ["worker lost"] * 3
+    assert record["status"] == "gave-up" and "reason=no-progress" in result.stdout
+    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "stop" in c[-1] and "TRAINING" in c[-1]]
+    assert len(stops) == 2  # stale processes stopped before each relaunch
+
+
+def test_max_restarts_and_storage_backoff(stub_plane):
+    result = stub_plane.supervise("--max-restarts", "2", stub_env={"STUB_CODES": "6,4,4"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert [launch["cause"] for launch in record["launches"]] == ["storage failure", "hang watchdog", "hang watchdog"]
+    assert record["restarts"] == 3 and "reason=max-restarts" in result.stdout and "backoff" in stub_plane.events()
+
+
+def test_a_lease_still_held_is_waited_out_not_fatal(stub_plane):
+    result = stub_plane.supervise(stub_env={"STUB_CODES": "2,0", "STUB_LEASE_HELD": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert [launch["cause"] for launch in record["launches"]] == ["lease held", "completed"]
+    assert "backoff" in stub_plane.events()
+
+
+def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
+    first = stub_plane.start(stub_env={"STUB_CODES": "7,0", "STUB_WAIT_LAUNCH": "2"})
+    count = stub_plane.root / "worker-0" / "launches"
+    deadline = time.monotonic() + 60
+    while not (count.exists() and count.read_text() == "2") and time.monotonic() < deadline:
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)  # mid-launch: the second launch is still running on the workers
+    first.wait()
+    result = stub_plane.supervise(stub_env={"STUB_CODES": "7,0,0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert [launch["cause"] for launch in record["launches"]] == ["worker lost", "completed"]
+    assert record["restarts"] == 1 and "resumed=True" in result.stdout
+    events = stub_plane.events()
+    assert events.count("start") == 2 and events[events.index("tpu-ready", events.index("start", 1)) + 1] == \
+        "stopped-stale-processes"  # the orphaned launch was stopped (else it waits for ~/go forever)
+    status = subprocess.run([sys.executable, str(LAUNCH), "supervise", "--status", "--run-id", RUN_ID,
+                             "--log-dir", str(stub_plane.log_dir)], capture_output=True, text=True)
+    assert status.returncode == 0 and "completed; 2 launches, 1 restarts, 0 preemptions" in status.stdout
+    assert "worker lost" in status.stdout and "host-hours" in status.stdout
+
+
+def test_queued_resource_and_preemption(stub_plane):
+    stub_plane.env["FAKE_GCLOUD_QUEUE_POLLS"] = "2"
+    proc = stub_plane.start("--queued-resource", "qr-1", stub_env={"STUB_CODES": "0", "STUB_WAIT_LAUNCH": "1"})
+    count = stub_plane.root / "worker-1" / "launches"
+    deadline = time.monotonic() + 60
+    while not count.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    fake_tpu.preempt(stub_plane.root, TPU)  # the stub ignores SIGTERM's checkpoint: it just dies
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    record = stub_plane.record()
+    assert [launch["outcome"] for launch in record["launches"]] == ["preempted", "completed"], out
+    assert record["preemptions"] == 1 and record["restarts"] == 0
+    calls = [c[3:5] for c in stub_plane.gcloud_calls() if c[3] == "queued-resources" and c[4] != "describe"]
+    assert calls == [["queued-resources", "create"], ["queued-resources", "delete"], ["queued-resources", "create"]]
+    assert "queued-resource-created" in stub_plane.events()
+
+
+def test_dry_run_prints_the_commands_for_each_state(plane):
+    result = plane.supervise("--dry-run", "--queued-resource", "qr-1")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for state in ("# TPU missing:", "# TPU CREATING", "# TPU READY:", "# TPU PREEMPTED or TERMINATED:",
+                  "# TPU queued resource FAILED or SUSPENDED:"):
+        assert state in out, out
+    assert (f"gcloud compute tpus queued-resources create qr-1 --node-id={TPU} --zone {ZONE} --accelerator-type=v4-16 "
+            "--runtime-version=tpu-ubuntu2204-base --spot") in out
+    assert f"gcloud compute tpus queued-resources delete qr-1 --zone {ZONE} --quiet --force" in out
+    assert f"gcloud compute tpus tpu-vm describe {TPU} --zone {ZONE} --format=json" in out
+    assert f"run.id={RUN_ID}" in out
+    assert not (plane.tmp / "gcloud.jsonl").exists()  # nothing was run
+
+
+def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
+    """A supervisor on another machine (no local record) carries on from the copy on gs://."""
+    import io
+
+    from experiments import supervise
+    from experiments.pod import Target
+    from gcs_emulator import start_gcs_emulator
+
+    assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path))[0] is None  # local checkpoints
+    overrides = base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://sup-bucket/ckpt/t"]
+    uri = supervise.state_mirror(overrides)[0]
+    assert uri == "gs://sup-bucket/ckpt/t/supervision.json"
+    with start_gcs_emulator(tmp_path) as emu:
+        emu.apply_env()
+        emu.create_bucket("sup-bucket")
+        spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, overrides, log_dir=tmp_path / "here", state_mirror=uri)
+        first = supervise.Supervision(spec, io.StringIO())
+        first.data["restarts"] = 3
+        first.save()
+        spec.log_dir = tmp_path / "elsewhere"
+        assert supervise.Supervision(spec, io.StringIO()).data["restarts"] == 3
+
+
+def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
+    fake_tpu.enable(plane.root, {TPU: {"state": "CREATING", "describes": 0, "workers": []}})
+    ssh = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", TPU, "--zone", ZONE, "--worker=all",
+                          "--command", "true"], env=plane.env, capture_output=True, text=True)
+    assert ssh.returncode == 1 and "not READY" in ssh.stderr
+
+
+# --- end to end: the real trainer on 2 fake workers x 4 CPU devices -------------------------------
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(r.get("step", 0) >= step for r in read_jsonl(metrics)):
+            return
+        assert proc.poll() is None, "the supervisor ended early"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {timeout} s")
+
+
+@pytest.mark.slow
+def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
+    make_workers(plane.root, 2, None)
+    overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
+        "mesh=fsdp", "train.checkpoint_every=4", "distributed.initialization_timeout_s=60"]
+    out = plane.tmp / "test" / "t"
+    proc = plane.start(overrides=tuple(overrides))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        for step, fault in ((6, "preempt"), (20, "preempt"), (34, "kill")):
+            wait_for_step(out / "metrics.jsonl", step, proc)
+            if fault == "preempt":
+                assert fake_tpu.preempt(plane.root, TPU), "no trainer to preempt"
+            else:
+                assert fake_tpu.kill_worker(plane.root, TPU, 1), "no trainer to kill"
+            time.sleep(1)
+        proc.wait(timeout=150)
+    finally:
+        proc.kill()
+        reader.join(5)
+    assert proc.returncode == 0, "".join(lines)[-6000:]
+    record = plane.record()
+    assert [launch["outcome"] for launch in record["launches"]] == ["preempted", "preempted", "restart",
+                                                                   "completed"], "".join(lines)[-4000:]
+    assert record["launches"][2]["cause"] == "worker lost" and record["preemptions"] == 2 and record["restarts"] == 1
+    verbs = [c[4] for c in plane.gcloud_calls() if c[4] in ("create", "delete")]
+    assert verbs == ["create", "delete", "create", "delete", "create"]  # each preempted TPU re-created
+    assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
