@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -149,6 +150,16 @@ def cmd_pod(args: argparse.Namespace) -> int:
         ship=args.ship, ship_from=args.ship_from, ship_max_mb=args.ship_max_mb)
 
 
+def _add_ship_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ship", action="store_true",
+                   help="copy the local working tree (what `git ls-files` sees, uncommitted changes included) to "
+                        "every worker and run it there (default: the commit checked out on the workers)")
+    p.add_argument("--ship-from", type=Path, default=None, metavar="DIR",
+                   help="with --ship: the git work tree to ship (default: this checkout)")
+    p.add_argument("--ship-max-mb", type=float, default=pod.DEFAULT_MAX_MB,
+                   help="with --ship: refuse a tree larger than this many MB (default: %(default)s)")
+
+
 def _add_pod(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pod", help="run pretrain_jax.py on every worker of a TPU VM slice",
                        description=cmd_pod.__doc__, epilog="Training-script overrides go after `--`.")
@@ -168,13 +179,7 @@ def _add_pod(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--leave-running", action="store_true",
                    help="on Ctrl-C, leave the workers' processes running")
-    p.add_argument("--ship", action="store_true",
-                   help="copy the local working tree (what `git ls-files` sees, uncommitted changes included) to "
-                        "every worker and run it there (default: the commit checked out on the workers)")
-    p.add_argument("--ship-from", type=Path, default=None, metavar="DIR",
-                   help="with --ship: the git work tree to ship (default: this checkout)")
-    p.add_argument("--ship-max-mb", type=float, default=pod.DEFAULT_MAX_MB,
-                   help="with --ship: refuse a tree larger than this many MB (default: %(default)s)")
+    _add_ship_options(p)
     p.set_defaults(func=cmd_pod)
 
 
@@ -266,12 +271,18 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         queued_resource=args.queued_resource, max_restarts=args.max_restarts, repo_dir=args.repo_dir,
         log_dir=args.log_dir, env=dict(args.env), forward_env=args.forward_env, poll_s=args.poll_seconds,
         max_poll_s=max(args.poll_seconds, 300.0), storage_backoff_s=args.storage_backoff_seconds,
-        stop_grace_s=args.stop_grace)
-    if args.dry_run:
-        sys.stdout.write(supervise.dry_run(spec))
-        return 0
-    spec.state_mirror = supervise.state_mirror(args.overrides)[0]
-    return supervise.run_until_done(spec)
+        stop_grace_s=args.stop_grace, clone_url=args.clone_url)
+    with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
+        if args.ship:  # packed once: every relaunch runs the same tree, whatever is edited meanwhile
+            try:
+                spec.ship = pod.pack_tree(args.ship_from or pod.REPO_ROOT, tmp, max_mb=args.ship_max_mb)
+            except pod.ShipError as e:
+                raise pod.PodError(str(e)) from None
+        if args.dry_run:
+            sys.stdout.write(supervise.dry_run(spec))
+            return 0
+        spec.state_mirror = supervise.state_mirror(args.overrides)[0]
+        return supervise.run_until_done(spec)
 
 
 def _add_supervise(sub: argparse._SubParsersAction) -> None:
@@ -304,6 +315,10 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
                    help="wait after a storage failure (exit 6) before relaunching (default: %(default)s)")
     p.add_argument("--stop-grace", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default: %(default)s)")
+    p.add_argument("--clone-url", default=None, metavar="URL",
+                   help="setup clones the repo from URL into --repo-dir where it is missing: a TPU re-created after "
+                        "a preemption has fresh disks (default: none; the repo must already be there)")
+    _add_ship_options(p)
     p.add_argument("--status", action="store_true", help="print the run's supervision history and exit")
     p.add_argument("--dry-run", action="store_true", help="print the gcloud commands for each TPU state and exit")
     p.set_defaults(func=cmd_supervise)

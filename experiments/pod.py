@@ -270,9 +270,14 @@ print("podrunner-versions " + json.dumps(info), flush=True)
 '''
 
 
-def setup_command(repo_dir: str, git_ref: str | None = None) -> str:
-    """Worker command: [git fetch + checkout REF], bash setup_tpu.sh, then one versions line."""
-    steps = ["set -o pipefail", f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir")]
+def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
+    """Worker command: [git clone URL when the repo is missing (a re-created TPU has fresh disks)],
+    [git fetch + checkout REF], bash setup_tpu.sh, then one versions line."""
+    steps = ["set -o pipefail"]
+    if clone_url:
+        steps.append(f"{{ [ -d {remote_path(repo_dir)} ] || git clone --quiet {shlex.quote(clone_url)} "
+                     f"{remote_path(repo_dir)}; }} || " + _fail("git clone of --clone-url failed"))
+    steps.append(f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"))
     if git_ref:
         # A branch name means the fetched remote branch, not a stale local one.
         steps += ["git fetch --quiet --tags origin || " + _fail("git fetch failed"),
@@ -773,10 +778,10 @@ class _PodWatch:
 
 
 def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str | None = None,
-              dry_run: bool = False, stream: TextIO | None = None) -> int:
+              clone_url: str | None = None, dry_run: bool = False, stream: TextIO | None = None) -> int:
     """setup_tpu.sh on all workers, then a version check: non-zero if workers differ."""
     stream = stream or sys.stdout
-    argv = gcloud_argv(target, setup_command(repo_dir, git_ref))
+    argv = gcloud_argv(target, setup_command(repo_dir, git_ref, clone_url))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0

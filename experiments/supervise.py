@@ -82,6 +82,8 @@ class Spec:
     storage_backoff_s: float = 120.0
     stop_grace_s: float = 30.0
     state_mirror: str | None = None  # gs://.../supervision.json beside the checkpoints (see state_mirror)
+    ship: pod.Pack | None = None  # --ship: the working tree packed once, sent with every launch
+    clone_url: str | None = None  # setup clones the repo from here where it is missing (fresh disks)
 
 
 # --- the gcloud commands ------------------------------------------------------------------------
@@ -294,7 +296,7 @@ def ensure_setup(spec: Spec, sup: Supervision, hosts: int) -> int:
         sup.event("setup-skipped", reason="versions-match", workers=len(rows))
         return 0
     sup.event("setup-started", workers_answering=len(rows))
-    code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, stream=sup.stream)
+    code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, clone_url=spec.clone_url, stream=sup.stream)
     sup.event("setup-done" if code == 0 else "setup-failed", code=code)
     return code
 
@@ -353,7 +355,7 @@ def launch_once(spec: Spec, sup: Supervision, run: Runner, hosts: int, ready_at:
     sup.save()
     code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                           log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
-                          interrupt_grace=spec.stop_grace_s, stream=capture)
+                          interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=capture)
     state_after = tpu_state(spec, run)[0] if code != 0 else None
     outcome = classify(code, capture, state_after)
     sup.data["host_seconds"] += (time.time() - ready_at) * hosts
@@ -417,7 +419,7 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
     sup.save()
     sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
               restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
-              mirror=spec.state_mirror or "none")
+              mirror=spec.state_mirror or "none", shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
     while True:
         try:
             hosts = ensure_ready(spec, sup, run, sleep)
@@ -483,7 +485,7 @@ def dry_run(spec: Spec) -> str:
     ready = [shlex.join(describe_argv(spec)),
              "# versions check (setup is skipped when every worker matches):",
              shlex.join(pod.gcloud_argv(spec.target, versions_command(spec.repo_dir))),
-             "# otherwise setup:", shlex.join(pod.gcloud_argv(spec.target, pod.setup_command(spec.repo_dir))),
+             "# otherwise setup:", shlex.join(pod.gcloud_argv(spec.target, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
              "# the launch (every launch resumes the run's checkpoint):"]
     sections = {
         "missing": [shlex.join(describe_argv(spec)),
@@ -508,7 +510,7 @@ def dry_run(spec: Spec) -> str:
         if state == "READY":
             shown = io.StringIO()
             pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
-                           forward_env=spec.forward_env, dry_run=True, stream=shown)
+                           forward_env=spec.forward_env, ship=spec.ship or False, dry_run=True, stream=shown)
             out.append(shown.getvalue())
     return "\n".join(line.rstrip("\n") for line in out) + "\n"
 

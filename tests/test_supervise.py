@@ -255,6 +255,20 @@ def test_dry_run_prints_the_commands_for_each_state(plane):
     assert not (plane.tmp / "gcloud.jsonl").exists()  # nothing was run
 
 
+def test_dry_run_with_ship_and_clone_url(plane):
+    """--ship packs the tree once (its scp and unpack are in the launch); --clone-url makes setup
+    clone the repo where a re-created TPU's fresh disk lacks it."""
+    result = plane.supervise("--dry-run", "--ship", "--clone-url", "https://example.com/podrunner.git")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "git clone --quiet https://example.com/podrunner.git" in out
+    tree = re.search(r"# ship: \d+ files, .* tree ([0-9a-f]{64})", out)
+    assert tree, out
+    assert f"gcloud compute tpus tpu-vm scp PACK.tar.gz {TPU}:.podrunner-ship-{tree.group(1)[:16]}.tar.gz" in out
+    assert f"podrunner-shipped/{tree.group(1)}" in out
+    assert not (plane.tmp / "gcloud.jsonl").exists()
+
+
 def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
     """A supervisor on another machine (no local record) carries on from the copy on gs://."""
     import io
