@@ -311,6 +311,8 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
                           init_states=init_states, evaluators=evaluators)
         exit_code, status, final = train_loop(ctx, state, position)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
+        if status == "completed":
+            log.info("completed: step %d of %d, its checkpoint committed", plan.total_steps, plan.total_steps)
         return exit_code
     except OutputDirError as e:  # add where a relaunch resumes from
         status, exit_code = "failed", e.exit_code
