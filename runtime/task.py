@@ -104,8 +104,9 @@ class Task:
         """Host side: write `params` in the family's interchange format (`python -m runtime.export`)."""
         raise UserError(f"{type(self).__name__} has no export format")
 
-    def flops_per_example(self) -> float | None:
-        """Model FLOPs of one training example (forward and backward), where known."""
+    def flops_per_example(self, seq_len: int) -> float | None:
+        """Model FLOPs of one training example of `seq_len` tokens (forward and backward, one
+        train step), by formula (models/flops.py); None where unknown."""
         return None
 
 
