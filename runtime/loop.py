@@ -23,7 +23,7 @@ from runtime.config import Config, Plan
 from runtime.errors import EXIT_NONFINITE, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.metrics_sinks import MetricsSinks
-from runtime.perf import StepTimer, peak_flops_per_device
+from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
 from runtime.task import Evaluator
 from runtime.watchdog import Watchdog
@@ -85,10 +85,14 @@ class _Progress:
     def start_timer(self, position: int) -> None:
         ctx = self.ctx
         compiled = self.step_fn(position)
-        flops = (compiled.cost_analysis() or {}).get("flops")
-        log.info("%s FLOPs/step/device", flops)
+        xla_flops = (compiled.cost_analysis() or {}).get("flops")
+        flops = formula_flops_per_step(ctx.steps.at_step(position).task, ctx.seq_len, ctx.plan.global_batch_size,
+                                       jax.device_count())
+        # XLA counts a loop body once (TRM/HRM recursion, layer scans), so MFU uses the formula
+        log.info("model FLOPs/step/device: %s by formula (MFU, TFLOP/s); XLA's count with loop bodies once: %s",
+                 f"{flops:.4g}" if flops else "unknown", xla_flops)
         ctx.sinks.log(position, {"model/params": sum(x.size for x in jax.tree.leaves(self.state.params))}
-                      | compiled_memory(compiled))
+                      | ({"model/flops_per_step_per_device": flops} if flops else {}) | compiled_memory(compiled))
         self.timer = StepTimer(ctx.plan.global_batch_size, ctx.seq_len, flops, peak_flops_per_device(jax.devices()[0]))
         self.timer.lap(position)
 
