@@ -9,13 +9,17 @@ Rematerialisation is not counted (model FLOPs, not hardware FLOPs).
 
 XLA's `cost_analysis()` counts a loop body once whatever its trip count, so the compiler's
 figure for a step with loops (TRM/HRM recursion, Gemma's layer scan and chunked loss) is far
-below these. `analysis_mode()` (runtime/perf.py) traces the models without loops or remat, so that a compile
-made inside it can be checked against the formula (tests/test_flops.py, compile_only).
+below these. `analysis_mode()` (runtime/perf.py) traces the models without loops or remat, so
+that a compile made inside it can be checked against the formula (tests/test_flops.py,
+compile_only).
 """
 
 from __future__ import annotations
 
-from runtime.perf import analysis_mode, in_analysis  # noqa: F401 - the models' switch, kept in runtime
+from runtime.perf import analysis_mode, in_analysis  # the models' switch lives in runtime (no models import there)
+
+__all__ = ["analysis_mode", "in_analysis", "matmul", "swiglu", "attention_core", "trained", "frozen"]
+
 
 def matmul(m: float, k: float, n: float) -> float:
     """[m, k] @ [k, n]."""
