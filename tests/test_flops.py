@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from models.gemma.config import GemmaConfig
+from conftest import base_overrides, read_jsonl, train
 from models.flops import attention_core, trained
 from models.gemma.task import GemmaTask, gemma_flops_per_token
 from models.recursive_reasoning import HRMConfig, TRMConfig
@@ -136,3 +137,18 @@ def test_timer_reports_model_flops_rate():
     out = timer.lap(10)
     assert out["perf/tflops_per_sec_per_device"] == pytest.approx(2 * out["perf/steps_per_sec"])
     assert out["perf/mfu"] == pytest.approx(out["perf/steps_per_sec"] / 2)
+
+
+@pytest.mark.slow
+def test_run_logs_formula_flops_and_rate(sudoku_dir, tmp_path):
+    """A run's metrics carry the formula's FLOPs per step per device (global batch 16 over the
+    session's 8 CPU devices) and the TFLOP/s it gives; the log labels XLA's own count."""
+    trained_run = train(base_overrides(sudoku_dir, tmp_path, steps=4))
+    rows = read_jsonl(tmp_path / "test" / "t" / "metrics.jsonl")
+    per_step = next(r["model/flops_per_step_per_device"] for r in rows if "model/flops_per_step_per_device" in r)
+    task = build_tiny_task(TinyTransformerConfig(hidden=32, heads=2), DataShape(examples=1, vocab_size=11, seq_len=81))
+    assert per_step == pytest.approx(task.flops_per_example(81) * 16 / jax.device_count())
+    rates = [r for r in rows if "perf/tflops_per_sec_per_device" in r]
+    assert rates and all(r["perf/tflops_per_sec_per_device"] == pytest.approx(per_step * r["perf/steps_per_sec"] / 1e12)
+                         for r in rates)
+    assert "by formula" in trained_run.log and "XLA's count with loop bodies once" in trained_run.log
