@@ -9,14 +9,14 @@ Rematerialisation is not counted (model FLOPs, not hardware FLOPs).
 
 XLA's `cost_analysis()` counts a loop body once whatever its trip count, so the compiler's
 figure for a step with loops (TRM/HRM recursion, Gemma's layer scan and chunked loss) is far
-below these. `analysis_mode()` (runtime/perf.py) traces the models without loops or remat, so
+below these. `analysis_mode()` (runtime/task.py) traces the models without loops or remat, so
 that a compile made inside it can be checked against the formula (tests/test_flops.py,
 compile_only).
 """
 
 from __future__ import annotations
 
-from runtime.perf import analysis_mode, in_analysis  # the models' switch lives in runtime (no models import there)
+from runtime.task import analysis_mode, in_analysis  # the switch is part of the Task contract
 
 __all__ = ["analysis_mode", "in_analysis", "matmul", "swiglu", "attention_core", "trained", "frozen"]
 

@@ -7,23 +7,7 @@ import time
 
 import jax
 
-_ANALYSIS = [False]
-
-
-@contextlib.contextmanager
-def analysis_mode():
-    """Models traced inside run without loops (Python-unrolled), rematerialisation or chunked-loss
-    scans, so XLA's cost analysis (which counts a loop body once) sees every FLOP. For checking
-    the FLOP formulas only (`analysis_flops`): compile time grows with the loops' trip counts."""
-    _ANALYSIS.append(True)
-    try:
-        yield
-    finally:
-        _ANALYSIS.pop()
-
-
-def in_analysis() -> bool:
-    return _ANALYSIS[-1]
+from runtime.task import analysis_mode
 
 
 def analysis_flops(steps, state, batch) -> float:
@@ -37,6 +21,7 @@ def formula_flops_per_step(task, seq_len: int, global_batch: int, devices: int) 
     """The task's model FLOPs per example x the global batch, per device; None where unknown."""
     per_example = task.flops_per_example(seq_len) if task is not None else None
     return None if per_example is None else per_example * global_batch / devices
+
 
 # Peak dense bf16 FLOP/s per JAX device, by device_kind prefix (vendor datasheets).
 PEAK_BF16_FLOPS = (

@@ -1,5 +1,5 @@
 """Model FLOPs by formula (`Task.flops_per_example`, models/flops.py) against XLA's count of
-the real train step compiled on CPU with the loops unrolled (`runtime.perf.analysis_mode`).
+the real train step compiled on CPU with the loops unrolled (`runtime.task.analysis_mode`).
 
 XLA's cost analysis also counts elementwise work and the optimizer, which the formula leaves
 out, so the configs are sized for matmuls to dominate (hidden 128, 100+ tokens per row)
