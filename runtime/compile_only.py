@@ -6,7 +6,8 @@ device and host counts (so mesh and batch errors are the usual one line), lowers
 the train step with abstract state and batch, and prints per-chip memory, FLOPs and collective
 traffic. FLOPs: the model's by formula (`Task.flops_per_example`, what the run's MFU uses), XLA's
 count of the compiled step (which counts a loop body once: TRM/HRM recursion, Gemma's layer
-scan), and, when the step has loops, XLA's count of an analysis compile with them unrolled. Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
+scan), and, when the step has loops, XLA's count of an analysis compile with them unrolled.
+Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
 
 libtpu is loaded as a PJRT plugin only to describe the topology and compile; no TPU backend is
 initialised, so this works under JAX_PLATFORMS=cpu (as in the tests) and on a machine with none.

@@ -80,14 +80,19 @@ class _Progress:
                 t0 = time.perf_counter()
                 self.compiled[id(stage)] = stage.train.lower(self.state, self.first_batch).compile()
                 log.info("compiled train step in %.1fs", time.perf_counter() - t0)
+            if self.timer is not None:  # a curriculum stage with other cycle counts: other FLOPs per step
+                self.timer.flops_per_step = self.formula_flops(stage)
         return self.compiled[id(stage)]
+
+    def formula_flops(self, stage) -> float | None:
+        """Model FLOPs per step per device of `stage`'s task, by its formula."""
+        return formula_flops_per_step(stage.task, self.ctx.seq_len, self.ctx.plan.global_batch_size, jax.device_count())
 
     def start_timer(self, position: int) -> None:
         ctx = self.ctx
         compiled = self.step_fn(position)
         xla_flops = (compiled.cost_analysis() or {}).get("flops")
-        flops = formula_flops_per_step(ctx.steps.at_step(position).task, ctx.seq_len, ctx.plan.global_batch_size,
-                                       jax.device_count())
+        flops = self.formula_flops(ctx.steps.at_step(position))
         # XLA counts a loop body once (TRM/HRM recursion, layer scans), so MFU uses the formula
         log.info("model FLOPs/step/device: %s by formula (MFU, TFLOP/s); XLA's count with loop bodies once: %s",
                  f"{flops:.4g}" if flops else "unknown", xla_flops)

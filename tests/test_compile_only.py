@@ -77,7 +77,8 @@ def test_recursive_model_flops_formula_and_unrolled_compile(tmp_path):
                         "arch.L_layers=1", "train.global_batch_size=16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
-    formula, looped, unrolled = (float(rows[k].split()[0]) for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
+    formula, looped, unrolled = (float(rows[k].split()[0])
+                                 for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
     assert "model FLOPs by formula" in rows["flops_per_step"] and "each loop body once" in rows["xla_flops"]
     assert looped < 0.75 * formula and abs(formula - unrolled) <= 0.1 * unrolled, rows
 
