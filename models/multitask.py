@@ -143,6 +143,11 @@ class MultiTaskACT(Task):
             ids[t] = extra["puzzle_identifiers"]
         return total, (new_carry, sums, {"puzzle_identifiers": ids})
 
+    def flops_per_example(self, seq_len: int = 0) -> float:
+        """Each task's ACT step (the shared core at its sequence length) weighted by its rows of
+        the global batch."""
+        return sum(self.acts[t].flops_per_example() * s.batch_size for t, s in self.specs.items()) / self.global_batch
+
     def eval_sums(self, params, batch):
         """Each task's ACT eval sums. Rows without labels (padding: a task whose eval set ran out
         fills whole sub-batches with it) would add BCE(q_halt, 1) to ``q_halt_loss`` (they count

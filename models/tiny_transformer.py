@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models.flops import attention_core, matmul, swiglu, trained
 from models.layers import Attention, MlpBlock, check_at_least, check_dtype_names, check_heads, dtype_from_name
 from runtime.frozen import Freezable
 from runtime.registry import ModelFamily, register_model_family
@@ -104,6 +105,13 @@ class SequenceTask(Task):
     def eval_sums(self, params, batch):
         logits = self.model.apply({"params": params}, batch["inputs"])
         return sequence_loss(logits, batch["labels"])[1]
+
+    def flops_per_example(self, seq_len: int) -> float:
+        """Every matmul trains: 3x the forward's QKV/out projections, attention, MLP and head."""
+        cfg, t = self.model.cfg, seq_len
+        d = cfg.hidden
+        block = matmul(t, d, 4 * d) + attention_core(t, t, cfg.heads, d // cfg.heads) + swiglu(t, d, d * cfg.mlp_ratio)
+        return trained(cfg.layers * block + matmul(t, d, self.model.vocab_size))
 
     def summarize(self, sums: Mapping[str, Any], global_batch: int, training: bool) -> dict[str, float]:
         seqs = max(float(sums["sequences"]), 1.0)

@@ -4,7 +4,10 @@
 compile-only devices of that slice (`jax.experimental.topologies`), plans the run for their
 device and host counts (so mesh and batch errors are the usual one line), lowers and compiles
 the train step with abstract state and batch, and prints per-chip memory, FLOPs and collective
-traffic. Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
+traffic. FLOPs: the model's by formula (`Task.flops_per_example`, what the run's MFU uses), XLA's
+count of the compiled step (which counts a loop body once: TRM/HRM recursion, Gemma's layer
+scan), and, when the step has loops, XLA's count of an analysis compile with them unrolled.
+Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
 
 libtpu is loaded as a PJRT plugin only to describe the topology and compile; no TPU backend is
 initialised, so this works under JAX_PLATFORMS=cpu (as in the tests) and on a machine with none.
@@ -163,6 +166,33 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def report_flops(row, steps, global_batch: int, seq_len: int, compiled, batch) -> None:
+    """Model FLOPs per chip by the task's formula (what MFU uses), and XLA's: of the compiled step
+    (a loop body counts once) and, when the step has loops, of an analysis compile without them."""
+    from runtime.perf import analysis_flops, formula_flops_per_step
+
+    devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
+    formula = formula_flops_per_step(steps.task, seq_len, global_batch, devices)
+    if formula:
+        row("flops_per_step", f"{formula:.4g} per chip, {formula * devices:.4g} all chips: model FLOPs by formula")
+    else:
+        row("flops_per_step", "unknown: this model family has no FLOP formula")
+    xla = float((compiled.cost_analysis() or {}).get("flops", 0.0))
+    has_loops = re.search(r"\bwhile\(", compiled.as_text()) is not None
+    row("xla_flops", f"{xla:.4g} per chip: XLA's count of the compiled step"
+                     + (" (each loop body once)" if has_loops else " (no loops)"))
+    if has_loops:
+        t0 = time.perf_counter()
+        try:
+            unrolled = analysis_flops(steps, steps.abstract_state, batch)
+        except jax.errors.JaxRuntimeError as e:  # e.g. out of HBM without the loops' buffer reuse or remat
+            row("xla_flops_unrolled", f"unavailable: the analysis compile failed ({str(e).splitlines()[0][:120]})")
+            return
+        ratio = f"; formula / XLA = {formula / unrolled:.3f}" if formula and unrolled else ""
+        row("xla_flops_unrolled", f"{unrolled:.4g} per chip: XLA's count of an analysis compile with loops unrolled, "
+                                  f"no remat ({time.perf_counter() - t0:.1f} s){ratio}")
+
+
 def plan_for_topology(config: Config) -> int:
     """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
     from runtime.builder import plan_and_build
@@ -211,8 +241,7 @@ def plan_for_topology(config: Config) -> int:
         row(key, f"{_size(getattr(mem, f'{field}_size_in_bytes'))} per chip")
     row("total", f"{_size(total)} per chip of {gen.hbm_gib} GiB HBM ({100 * total / hbm:.1f}%): XLA's peak; "
                  f"arguments + outputs - aliased + temporaries = {_size(upper)}")
-    flops = float((compiled.cost_analysis() or {}).get("flops", 0.0))
-    row("flops_per_step", f"{flops:.4g} per chip, {flops * len(devices):.4g} all chips")
+    report_flops(row, steps, plan.global_batch_size, seq_len, compiled, batch)
     for kind, (ops, nbytes) in collective_bytes(compiled.as_text()).items():
         row(kind, f"{ops} ops, {_size(nbytes)} per chip per step")
     if total > hbm:

@@ -23,7 +23,7 @@ from runtime.config import Config, Plan
 from runtime.errors import EXIT_NONFINITE, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.metrics_sinks import MetricsSinks
-from runtime.perf import StepTimer, peak_flops_per_device
+from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
 from runtime.task import Evaluator
 from runtime.watchdog import Watchdog
@@ -80,15 +80,24 @@ class _Progress:
                 t0 = time.perf_counter()
                 self.compiled[id(stage)] = stage.train.lower(self.state, self.first_batch).compile()
                 log.info("compiled train step in %.1fs", time.perf_counter() - t0)
+            if self.timer is not None:  # a curriculum stage with other cycle counts: other FLOPs per step
+                self.timer.flops_per_step = self.formula_flops(stage)
         return self.compiled[id(stage)]
+
+    def formula_flops(self, stage) -> float | None:
+        """Model FLOPs per step per device of `stage`'s task, by its formula."""
+        return formula_flops_per_step(stage.task, self.ctx.seq_len, self.ctx.plan.global_batch_size, jax.device_count())
 
     def start_timer(self, position: int) -> None:
         ctx = self.ctx
         compiled = self.step_fn(position)
-        flops = (compiled.cost_analysis() or {}).get("flops")
-        log.info("%s FLOPs/step/device", flops)
+        xla_flops = (compiled.cost_analysis() or {}).get("flops")
+        flops = self.formula_flops(ctx.steps.at_step(position))
+        # XLA counts a loop body once (TRM/HRM recursion, layer scans), so MFU uses the formula
+        log.info("model FLOPs/step/device: %s by formula (MFU, TFLOP/s); XLA's count with loop bodies once: %s",
+                 f"{flops:.4g}" if flops else "unknown", xla_flops)
         ctx.sinks.log(position, {"model/params": sum(x.size for x in jax.tree.leaves(self.state.params))}
-                      | compiled_memory(compiled))
+                      | ({"model/flops_per_step_per_device": flops} if flops else {}) | compiled_memory(compiled))
         self.timer = StepTimer(ctx.plan.global_batch_size, ctx.seq_len, flops, peak_flops_per_device(jax.devices()[0]))
         self.timer.lap(position)
 

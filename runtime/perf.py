@@ -7,6 +7,22 @@ import time
 
 import jax
 
+from runtime.task import analysis_mode
+
+
+def analysis_flops(steps, state, batch) -> float:
+    """XLA's FLOPs per device of the train step compiled in `analysis_mode` (a fresh trace)."""
+    with analysis_mode():
+        compiled = steps.train_analysis().lower(state, batch).compile()
+    return float((compiled.cost_analysis() or {}).get("flops", 0.0))
+
+
+def formula_flops_per_step(task, seq_len: int, global_batch: int, devices: int) -> float | None:
+    """The task's model FLOPs per example x the global batch, per device; None where unknown."""
+    per_example = task.flops_per_example(seq_len) if task is not None else None
+    return None if per_example is None else per_example * global_batch / devices
+
+
 # Peak dense bf16 FLOP/s per JAX device, by device_kind prefix (vendor datasheets).
 PEAK_BF16_FLOPS = (
     ("TPU v4", 275e12),
@@ -32,8 +48,8 @@ def peak_flops_per_device(device: jax.Device) -> float | None:
 class StepTimer:
     """Steps/s, examples/s, tokens/s and MFU over the steps since the last lap.
 
-    `flops_per_step` is the compiled step's FLOPs per device (XLA cost analysis of the
-    partitioned program), so MFU = flops_per_step * steps/s / peak per device.
+    `flops_per_step` is the model FLOPs per device by the task's formula (`formula_flops_per_step`),
+    so MFU = flops_per_step * steps/s / peak per device, and TFLOP/s = flops_per_step * steps/s.
     """
 
     def __init__(self, global_batch: int, seq_len: int, flops_per_step: float | None, peak_flops: float | None):
@@ -61,6 +77,8 @@ class StepTimer:
         rate = steps / elapsed
         out = {"perf/steps_per_sec": rate, "perf/examples_per_sec": rate * self.global_batch,
                "perf/tokens_per_sec": rate * self.global_batch * self.seq_len}
+        if self.flops_per_step:
+            out["perf/tflops_per_sec_per_device"] = self.flops_per_step * rate / 1e12
         if self.flops_per_step and self.peak_flops:
             out["perf/mfu"] = self.flops_per_step * rate / self.peak_flops
         return out

@@ -8,6 +8,7 @@ the trainer.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -104,9 +105,29 @@ class Task:
         """Host side: write `params` in the family's interchange format (`python -m runtime.export`)."""
         raise UserError(f"{type(self).__name__} has no export format")
 
-    def flops_per_example(self) -> float | None:
-        """Model FLOPs of one training example (forward and backward), where known."""
+    def flops_per_example(self, seq_len: int) -> float | None:
+        """Model FLOPs of one training example of `seq_len` tokens (forward and backward, one
+        train step), by formula (models/flops.py); None where unknown."""
         return None
+
+
+_ANALYSIS = [False]
+
+
+@contextlib.contextmanager
+def analysis_mode():
+    """Models traced inside run without loops (Python-unrolled), rematerialisation or chunked-loss
+    scans, so XLA's cost analysis (which counts a loop body once) sees every FLOP. For checking
+    the FLOP formulas only (`runtime.perf.analysis_flops`): compile time grows with the loops' trip counts."""
+    _ANALYSIS.append(True)
+    try:
+        yield
+    finally:
+        _ANALYSIS.pop()
+
+
+def in_analysis() -> bool:
+    return _ANALYSIS[-1]
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,9 @@ class Steps:
     batch_shapes: dict[str, tuple[int, ...]] | None = None  # per-field global shapes when the task gives them
     # step -> the Steps in use at that optimizer step (a curriculum swaps cycle counts); self by default
     at_step: Callable[[int], "Steps"] | None = None
+    # () -> a fresh jit of the train step (same shardings), to lower in perf.analysis_mode: a
+    # new function object, so jit's trace cache cannot hand back the looped trace
+    train_analysis: Callable[[], Callable] | None = None
 
     def __post_init__(self):
         if self.at_step is None:
@@ -240,8 +243,9 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     with_rules = functools.partial(traced_with_rules, mesh)
 
     batch_specs = batch_shardings(mesh, task.batch_fields)
-    train = jax.jit(with_rules(train_step), in_shardings=(state_shardings, batch_specs),
-                    out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
+    jit_train = lambda fn: jax.jit(with_rules(fn), in_shardings=(state_shardings, batch_specs),  # noqa: E731
+                                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,))
+    train = jit_train(train_step)
     evaluate = jax.jit(with_rules(eval_step),
                        in_shardings=(state_shardings.params, state_shardings.ema_params, batch_specs),
                        out_shardings=replicated(mesh))
@@ -254,4 +258,4 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
                  state_shardings=state_shardings,
                  abstract_state=abstract_state, summarize=task.summarize,
                  batch_fields=dict(task.batch_fields), task=task,
-                 batch_shapes=shapes)
+                 batch_shapes=shapes, train_analysis=lambda: jit_train(lambda s, b: train_step(s, b)))

@@ -50,7 +50,7 @@ def test_default_config_fits(tmp_path, topology, devices, hosts, hbm):
         assert to_bytes(rows[key]) > 0, rows
     assert 0 < to_bytes(rows["aliased"]) <= to_bytes(rows["arguments"])  # the state is donated
     assert f"of {hbm} HBM" in rows["total"]
-    assert float(rows["flops_per_step"].split()[0]) > 0
+    assert float(rows["flops_per_step"].split()[0]) > 0 and "(no loops)" in rows["xla_flops"]
     ops, size = re.match(r"(\d+) ops, (.+) per chip", rows["all-reduce"]).groups()  # data parallel: gradient all-reduce
     assert int(ops) >= 1 and to_bytes(size) > 0
     assert proc.stdout.rstrip().splitlines()[-1].startswith("fits: ")
@@ -67,6 +67,20 @@ def test_oversize_model_does_not_fit(tmp_path):
     m = re.fullmatch(r"does not fit: ([\d.]+) GiB per chip > 15.75 GiB HBM of TPU v5e", last)
     assert m and float(m.group(1)) > 15.75, last
     assert to_bytes(table(proc.stdout)["arguments"]) > 20 * 2**30
+
+
+@pytest.mark.slow
+def test_recursive_model_flops_formula_and_unrolled_compile(tmp_path):
+    """TRM recurses under loops: XLA's count of the compiled step (each loop body once) is below
+    the formula; the analysis compile with the loops unrolled agrees with it within 10%."""
+    proc = compile_only(tmp_path, "v5e-8", "arch=trm_att", "arch.hidden=128", "arch.H_cycles=3", "arch.L_cycles=2",
+                        "arch.L_layers=1", "train.global_batch_size=16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    formula, looped, unrolled = (float(rows[k].split()[0])
+                                 for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
+    assert "model FLOPs by formula" in rows["flops_per_step"] and "each loop body once" in rows["xla_flops"]
+    assert looped < 0.75 * formula and abs(formula - unrolled) <= 0.1 * unrolled, rows
 
 
 def test_mesh_that_does_not_match_topology(tmp_path):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.flops import in_analysis
 from runtime.task import IGNORE_LABEL
 
 
@@ -82,8 +83,8 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.A
 def cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *, kind: str = "chunked",
                   chunk_size: int = 512, softcap: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Dispatch on `GemmaConfig.loss` ("chunked" | "plain")."""
-    if kind == "chunked":
+    if kind == "chunked" and not in_analysis():  # analysis: no loop, so every chunk counts
         return chunked_cross_entropy(hidden, embedding, labels, chunk_size=chunk_size, softcap=softcap)
-    if kind == "plain":
+    if kind in ("plain", "chunked"):
         return plain_cross_entropy(hidden, embedding, labels, softcap=softcap)
     raise ValueError(f"unknown loss kind {kind!r} (chunked | plain)")

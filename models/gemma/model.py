@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.flops import in_analysis
 from models.gemma import lora
 from models.gemma.config import REMAT_POLICIES, GemmaConfig
 from models.layers import dtype_from_name
@@ -228,7 +229,8 @@ class Gemma(nn.Module):
                  rope_table(positions, cfg.head_dim, cfg.rope_base_local, 1.0))
         is_global = jnp.asarray([cfg.is_global_layer(i) for i in range(cfg.num_layers)])
         layer_in = (is_global, None if cache is None else (cache["k"], cache["v"]))
-        if cfg.scan_layers or self.is_initializing():  # loop mode initialises through the scan: one layout
+        # loop mode initialises through the scan (one layout); FLOP analysis traces the Python loop
+        if (cfg.scan_layers and not in_analysis()) or self.is_initializing():
             x, new_cache = self._scanned(x, layer_in, positions, (masks, ropes))
         else:
             x, new_cache = self._looped(x, layer_in, positions, (masks, ropes))
@@ -257,7 +259,7 @@ class Gemma(nn.Module):
         def layer(p, x, li):
             return block.apply({"params": p}, x, li, positions, tables)
 
-        if cfg.remat != "none":
+        if cfg.remat != "none" and not in_analysis():
             layer = jax.checkpoint(layer, policy=_remat_policy(cfg))
         caches = []
         for i in range(cfg.num_layers):

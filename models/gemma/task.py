@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
+from models.flops import attention_core, frozen, matmul, trained
 from models.gemma.config import CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
@@ -66,6 +67,9 @@ class GemmaTask(Task):
         tokens = max(float(sums["tokens"]), 1.0)
         return {"loss": float(sums["loss_sum"]) / tokens, "token_accuracy": float(sums["correct"]) / tokens,
                 "target_tokens": float(sums["tokens"])}
+
+    def flops_per_example(self, seq_len: int) -> float:
+        return gemma_flops_per_token(self.cfg, seq_len) * seq_len
 
     def load_pretrained(self, abstract_params: Any, rng: jax.Array) -> Any:
         """Parameters from `arch.checkpoint` (HF safetensors or Kaggle Orbax), placed with the
@@ -165,6 +169,34 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
         return score(responses, answers)
 
     return metrics
+
+
+def _weight_flops(cfg: GemmaConfig, name: str, d_in: int, d_out: int) -> float:
+    """Per token, forward and backward, of one weight [d_in, d_out] and its LoRA adapters."""
+    if cfg.lora_rank <= 0:
+        return trained(matmul(1, d_in, d_out))
+    base = frozen(matmul(1, d_in, d_out))
+    if name in cfg.lora_targets:
+        base += trained(matmul(1, d_in, cfg.lora_rank) + matmul(1, cfg.lora_rank, d_out))
+    return base
+
+
+def gemma_flops_per_token(cfg: GemmaConfig, seq_len: int) -> float:
+    """Model FLOPs per token of a train step on `seq_len`-token rows: the weights' matmuls
+    (6 per weight with full fine-tuning; with LoRA 4 per frozen base weight plus 6 per adapter
+    weight), attention's QK^T and AV (a query against every position of the row on global
+    layers, min(window, seq_len) on sliding-window ones) and the tied LM head (frozen under LoRA)."""
+    d, hd = cfg.embed_dim, cfg.head_dim
+    weights = {"q_einsum": (d, cfg.num_heads * hd), "kv_einsum": (d, 2 * cfg.num_kv_heads * hd),
+               "attn_vec_einsum": (cfg.num_heads * hd, d), "gating_einsum": (d, 2 * cfg.hidden_dim),
+               "linear": (cfg.hidden_dim, d)}
+    layer = sum(_weight_flops(cfg, name, *dims) for name, dims in weights.items())
+    total = cfg.num_layers * layer
+    for i in range(cfg.num_layers):
+        keys = seq_len if cfg.is_global_layer(i) else min(cfg.sliding_window, seq_len)
+        total += trained(attention_core(1, keys, cfg.num_heads, hd))
+    head = matmul(1, d, cfg.vocab_size)
+    return total + (frozen(head) if cfg.lora_rank > 0 else trained(head))
 
 
 def build_task(arch: GemmaConfig, shape: DataShape, **_: Any) -> GemmaTask:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.flops import in_analysis
+
 RMS_EPS = 1e-5
 
 # Standard deviation of a standard normal truncated to [-2, 2]; dividing by it makes the
@@ -226,7 +228,7 @@ def make_net_fn(net_def: ReasoningNet, cos_sin: CosSin, mask: Mask = None, remat
     def fn(params, h, inj):
         return net_def.apply({"params": params}, h, inj, cos_sin, mask)
 
-    return jax.checkpoint(fn) if remat else fn
+    return jax.checkpoint(fn) if remat and not in_analysis() else fn
 
 
 def repeat(fn: Callable, n: int, x):
@@ -235,6 +237,10 @@ def repeat(fn: Callable, n: int, x):
         return x
     if n == 1:
         return fn(x)
+    if in_analysis():  # a loop body counts once in XLA's cost analysis: unroll to count every application
+        for _ in range(n):
+            x = fn(x)
+        return x
     out, _ = jax.lax.scan(lambda c, _: (fn(c), None), x, None, length=n)
     return out
 

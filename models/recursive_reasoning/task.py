@@ -12,9 +12,11 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from models.flops import attention_core, matmul, swiglu, trained
 from models.layers import check_at_least, check_dtype_names, check_heads
 from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
 from models.recursive_reasoning.hrm import HRM, HRMConfig
+from models.recursive_reasoning.layers import ReasoningNet, swiglu_width
 from models.recursive_reasoning.losses import LOSS_FNS, act_loss
 from models.recursive_reasoning.trm import POS_ENCODINGS, TRM, TRMConfig
 from runtime.errors import UserError
@@ -76,6 +78,46 @@ class ACTTask(Task):
         out |= {"token_accuracy": s["accuracy"] / count, "exact_accuracy": s["exact_accuracy"] / count,
                 "q_halt_accuracy": s["q_halt_accuracy"] / count, "steps": s["steps"] / count, "count": s["count"]}
         return out
+
+    def flops_per_example(self, seq_len: int = 0) -> float:
+        """Model FLOPs of one row's ACT step (one train step), by `act_step_flops`."""
+        return act_step_flops(self.model)
+
+
+def net_flops(net: ReasoningNet) -> float:
+    """Forward matmul FLOPs of one application of a reasoning network to one example.
+    Attention is dense (an attention_window mask saves no compute in this implementation)."""
+    t, d = net.total_len, net.hidden
+    block = swiglu(t, d, swiglu_width(d, net.expansion))
+    if net.mlp_t:  # the token-mixing SwiGLU runs over the sequence axis for every feature
+        block += swiglu(d, t, swiglu_width(t, net.expansion))
+    else:
+        block += matmul(t, d, 3 * d) + matmul(t, d, d) + attention_core(t, t, net.heads, d // net.heads)
+    return net.layers * block
+
+
+def act_step_flops(model: Any) -> float:
+    """Model FLOPs of one ACT step of one row in training (forward and backward).
+
+    TRM: H_cycles x (L_cycles + 1) network applications forward, of which only the last cycle's
+    L_cycles + 1 have a backward; HRM: H_cycles x (L_cycles L-net + 1 H-net) forward, of which
+    the last L- and H-updates have a backward. The heads (LM over the sequence, Q over one
+    position) train; with Q-continue (no_ACT_continue=False) a second inner call without
+    gradient runs for the bootstrapped target (its LM logits are unused, so not counted).
+    """
+    cfg = model.cfg
+    head_q = matmul(1, cfg.hidden, 2)
+    heads = matmul(model.seq_len, cfg.hidden, model.vocab_size) + head_q
+    if isinstance(model, HRM):
+        f_h, f_l = net_flops(model._net_def(cfg.H_layers)), net_flops(model._net_def(cfg.L_layers))
+        forward, with_grad = cfg.H_cycles * (cfg.L_cycles * f_l + f_h), f_l + f_h
+    else:
+        f_net = net_flops(model._net_def(cfg.L_layers))
+        forward, with_grad = cfg.H_cycles * (cfg.L_cycles + 1) * f_net, (cfg.L_cycles + 1) * f_net
+    total = forward - with_grad + trained(with_grad + heads)
+    if cfg.halt_max_steps > 1 and not cfg.no_ACT_continue:
+        total += forward + head_q
+    return total
 
 
 def init_state_vectors(init_states: Any) -> tuple | None:
