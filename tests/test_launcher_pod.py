@@ -52,7 +52,8 @@ if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
 for step in (1, 2, 3):
     print(f"step {step}", flush=True)
 time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
-while os.environ.get("STUB_WAIT") and not os.path.exists(os.path.join(home, "go")):
+deadline = time.monotonic() + 120  # never outlive a test that failed before saying "go"
+while os.environ.get("STUB_WAIT") and not os.path.exists(os.path.join(home, "go")) and time.monotonic() < deadline:
     time.sleep(0.05)  # until the test has looked at the running pod
 sys.exit(3 if os.environ.get("STUB_FAIL_WORKER") == worker else 0)
 """
@@ -244,6 +245,8 @@ def test_secrets_never_on_a_command_line_nor_in_a_file(pod):
             (home / "go").touch()
         out, _ = launcher.communicate(timeout=60)
     finally:
+        for home in pod.homes:  # the workers run in sessions of their own: let them end whatever happened
+            (home / "go").touch()
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 0, out
