@@ -224,8 +224,15 @@ def _add_stop(sub: argparse._SubParsersAction) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     """Per worker: is pretrain_jax.py alive (pid, elapsed), the last step (from the newest
     <repo>/outputs/**/metrics.jsonl, else the newest ~/podrunner-logs/*/worker-*.log), and
-    that log file. One ssh --worker=all."""
+    that log file. One ssh --worker=all. With --run-id of a supervised run, its supervision
+    history (restarts and causes, step progress, pod time) first, from <log-dir>/<run-id>."""
     _no_overrides(args)
+    if args.run_id and not args.dry_run:
+        from experiments import supervise
+
+        history = supervise.status_text(args.log_dir, args.run_id)
+        if history is not None:
+            sys.stdout.write(history)
     return pod.pod_status(_target(args), repo_dir=args.repo_dir, outputs=args.outputs, run_id=args.run_id,
                           dry_run=args.dry_run)
 
@@ -236,7 +243,10 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     _add_target(p)
     p.add_argument("--outputs", default="outputs",
                    help="run.root on the workers, relative to --repo-dir (default: %(default)s)")
-    p.add_argument("--run-id", default=None, help="look only at the worker logs of this launch (the id `pod` printed)")
+    p.add_argument("--run-id", default=None, help="look only at the worker logs of this launch (the id `pod` printed); "
+                                                   "a supervised run's history is shown too")
+    p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
+                   help="local directory of supervised runs' records (default: %(default)s)")
     p.set_defaults(func=cmd_status)
 
 

@@ -219,6 +219,9 @@ def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
                              "--log-dir", str(stub_plane.log_dir)], capture_output=True, text=True)
     assert status.returncode == 0 and "completed; 2 launches, 1 restarts, 0 preemptions" in status.stdout
     assert "worker lost" in status.stdout and "host-hours" in status.stdout
+    pod_status = subprocess.run([sys.executable, str(LAUNCH), "status", "--tpu", TPU, "--zone", ZONE, "--run-id", RUN_ID,
+                                 "--log-dir", str(stub_plane.log_dir)], env=stub_plane.env, capture_output=True, text=True)
+    assert "completed; 2 launches, 1 restarts" in pod_status.stdout, pod_status.stdout + pod_status.stderr
 
 
 def test_queued_resource_and_preemption(stub_plane):
