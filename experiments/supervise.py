@@ -96,20 +96,21 @@ def _tier(spec: Spec) -> list[str]:
     return [f"--{spec.tier}"] if spec.tier else []
 
 
+def _tpu_vm(spec: Spec, verb: str, *flags: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", verb, spec.target.tpu, *_at(spec.target), *flags]
+
+
 def describe_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "tpu-vm", "describe", t.tpu, *_at(t), "--format=json"]
+    return _tpu_vm(spec, "describe", "--format=json")
 
 
 def create_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "tpu-vm", "create", t.tpu, *_at(t),
-            f"--accelerator-type={spec.accelerator_type}", f"--version={spec.runtime_version}", *_tier(spec)]
+    return _tpu_vm(spec, "create", f"--accelerator-type={spec.accelerator_type}", f"--version={spec.runtime_version}",
+                   *_tier(spec))
 
 
 def delete_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "tpu-vm", "delete", t.tpu, *_at(t), "--quiet"]
+    return _tpu_vm(spec, "delete", "--quiet")
 
 
 def queued_describe_argv(spec: Spec) -> list[str]:
