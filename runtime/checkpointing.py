@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import time
 from typing import Any, Callable, TypeVar
 
@@ -30,6 +29,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
+from runtime.run_log import drop_unraisable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,23 +71,14 @@ def innermost(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _drop_reports_of_abandoned_reads() -> None:
+def _abandoned_read(unraisable) -> bool:
     """After a failed restore, Orbax's other reads of it are abandoned: tensorstore completes them
     later on its threads (their asyncio loop already closed) and the ones not started are collected
-    as coroutines never awaited. Python reports each as "Exception ignored in ...", pages of
-    tracebacks after the one warning; from now on this process drops exactly those reports."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_abandoned_reads", False):
-        return
-
-    def hook(unraisable) -> None:
-        code = getattr(unraisable.object, "cr_code", None)
-        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-        if not (closed_loop or (code is not None and "orbax" in code.co_filename)):
-            previous(unraisable)
-
-    hook.drops_abandoned_reads = True
-    sys.unraisablehook = hook
+    as coroutines never awaited. Python reports each as "Exception ignored in ...": pages of
+    tracebacks after the one warning, dropped (runtime/run_log.drop_unraisable)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    return closed_loop or (code is not None and "orbax" in code.co_filename)
 
 
 def move_step(source: str, target: str) -> None:
@@ -207,7 +198,7 @@ class Checkpoints:
         try:
             return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
         except Exception as e:
-            _drop_reports_of_abandoned_reads()
+            drop_unraisable(_abandoned_read)
             raise self._unreadable(step, "state", e) from e
 
     def first_readable(self, read: Callable[[int], T]) -> tuple[int, T]:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 # Loggers of the libraries that write checkpoints and manifests (absl carries Orbax's
 # messages; asyncio reports Orbax's failed write tasks; gcsfs logs a traceback when its
@@ -57,11 +57,11 @@ def library_logs_to(path: str) -> Iterator[None]:
     for lg in quiet:
         lg.addHandler(handler)
         lg.propagate = False
-    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _log_unraisable
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _Filtered.of(_log_unraisable)
     try:
         yield
     finally:
-        sys.unraisablehook = unraisable_hook
+        sys.unraisablehook = _Filtered.of(unraisable_hook) if _DROPPED else unraisable_hook
         for lg, propagate in saved:
             lg.removeHandler(handler)
             lg.propagate = propagate
@@ -76,3 +76,29 @@ def _log_unraisable(unraisable) -> None:
     logging.getLogger(UNRAISABLE_LOGGER).warning("%s%s", unraisable.err_msg or "Exception ignored", where,
                                                  exc_info=(unraisable.exc_type, unraisable.exc_value,
                                                            unraisable.exc_traceback))
+
+
+_DROPPED: list[Callable] = []  # unraisable reports nobody needs, dropped for the rest of the process
+
+
+def drop_unraisable(predicate: Callable) -> None:
+    """From now on, drop the unraisable reports `predicate` matches, during a run and after it
+    (e.g. runtime/checkpointing.py: the reads Orbax abandons after a failed restore)."""
+    if predicate not in _DROPPED:
+        _DROPPED.append(predicate)
+    sys.unraisablehook = _Filtered.of(sys.unraisablehook)
+
+
+class _Filtered:
+    """An unraisable hook that first drops what `_DROPPED` matches, then calls `hook`."""
+
+    def __init__(self, hook: Callable) -> None:
+        self.hook = hook
+
+    @classmethod
+    def of(cls, hook: Callable) -> "_Filtered":
+        return hook if isinstance(hook, cls) else cls(hook)
+
+    def __call__(self, unraisable) -> None:
+        if not any(drop(unraisable) for drop in _DROPPED):
+            self.hook(unraisable)

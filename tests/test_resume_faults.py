@@ -262,3 +262,25 @@ def test_processes_agree_when_only_one_sees_the_damage(tmp_path):
     (moved,) = quarantined(directory)
     assert results[0]["quarantined"] == [[2, str(moved)]] and results[1]["quarantined"] == [[2, None]]
     assert "unreadable on process 1" in outputs[0] and "process 1: checkpoint step 2" in outputs[1]
+
+
+def test_dropped_unraisable_reports_stay_dropped_after_the_run(tmp_path):
+    """A filter registered during a run (the reads Orbax abandons after a failed restore) still
+    drops those reports after the run's log file is closed: they are collected later."""
+    import sys
+    from types import SimpleNamespace
+
+    from runtime import run_log
+
+    marker = object()
+    seen, before = [], sys.unraisablehook
+    try:
+        sys.unraisablehook = seen.append
+        with run_log.library_logs_to(str(tmp_path / "run.log")):
+            run_log.drop_unraisable(lambda u: u.object is marker)
+        dropped, kept = SimpleNamespace(object=marker), SimpleNamespace(object=None)
+        sys.unraisablehook(dropped)
+        sys.unraisablehook(kept)
+    finally:
+        sys.unraisablehook = before
+    assert seen == [kept]
