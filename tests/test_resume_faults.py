@@ -278,7 +278,8 @@ def test_dropped_unraisable_reports_stay_dropped_after_the_run(tmp_path):
         sys.unraisablehook = seen.append
         with run_log.library_logs_to(str(tmp_path / "run.log")):
             run_log.drop_unraisable(lambda u: u.object is marker)
-        dropped, kept = SimpleNamespace(object=marker), SimpleNamespace(object=None)
+        report = dict(exc_type=RuntimeError, exc_value=RuntimeError("late"), exc_traceback=None, err_msg=None)
+        dropped, kept = SimpleNamespace(object=marker, **report), SimpleNamespace(object=None, **report)
         sys.unraisablehook(dropped)
         sys.unraisablehook(kept)
     finally:
