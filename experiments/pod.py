@@ -65,17 +65,16 @@ from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 from experiments.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED
+from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
 
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
 SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
 SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home
-PROPOSED_RUN_ID_ENV = "PODRUNNER_RUN_ID"  # read by runtime/trainer.py: a fresh run's id
 SHIPPED_TREE_ENV = "PODRUNNER_SHIPPED_TREE"  # read by runtime/manifest.py: JSON of what --ship sent
 SHIP_DIR = "~/podrunner-shipped"  # + /<tree hash>: a shipped tree, unpacked once per worker
 REPO_ROOT = Path(__file__).resolve().parent.parent  # what --ship packs by default
 
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # also a directory name on the workers
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
 STATUS_TAG = "podrunner-status "
@@ -135,7 +134,7 @@ def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, l
         raise PodError(f"--run-id {run_id} conflicts with the override run.id={given[-1]}; give one")
     fixed = bool(given) or run_id is not None
     run_id = given[-1] if given else (run_id or new_run_id())
-    if not _RUN_ID.fullmatch(run_id):
+    if not RUN_ID.fullmatch(run_id):
         raise PodError(f"run id {run_id!r}: use 1-64 letters, digits, '.', '_' or '-' (it names log "
                        "directories on the workers)")
     if given or not fixed:

@@ -56,7 +56,7 @@ FATAL = {EXIT_USER_ERROR: "bad input", EXIT_NONFINITE: "non-finite loss", EXIT_D
 RESTART = {EXIT_HANG: "hang watchdog", EXIT_PEER_LOST: "worker lost", EXIT_STORAGE: "storage failure"}
 SSH_DROPPED = 255
 _PREEMPTED_LINE = re.compile(r"preempted \(SIGTERM\): checkpoint saved at step (\d+)")
-_STEP = re.compile(r"\bstep (\d+)\b")
+_STEP = re.compile(r"(?<!ends at )(?<!lr at )\bstep (\d+)\b")  # not the schedule-change line's total or lr step
 # runtime/lease.py's refusal (exit 2): after a hard preemption the dead run's lease is only stale
 # after run.lease.stale_after_s, so this "bad input" passes: back off and relaunch.
 _LEASE_HELD = "is in use by another run"
@@ -218,7 +218,7 @@ def tpu_state(spec: Spec, run: Runner) -> tuple[str, int]:
     if code != 0:
         return (MISSING if "NOT_FOUND" in out or "not found" in out else "UNKNOWN"), 0
     try:
-        node = json.loads(out[out.index("{"):])
+        node = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
     except ValueError:
         return "UNKNOWN", 0
     return node.get("state", "UNKNOWN"), len(node.get("networkEndpoints") or [])
@@ -228,7 +228,7 @@ def queue_state(spec: Spec, run: Runner) -> str:
     code, out = run(queued_describe_argv(spec))
     if code != 0:
         return MISSING if "NOT_FOUND" in out or "not found" in out else "UNKNOWN"
-    return out.strip().splitlines()[-1].strip() if out.strip() else "UNKNOWN"
+    return out.strip().splitlines()[0].strip() if out.strip() else "UNKNOWN"  # stdout's line; stderr follows
 
 
 class GiveUp(Exception):
@@ -333,7 +333,7 @@ def classify(code: int, capture: _Capture, state_after: str | None) -> str:
         return "preempted"
     if code == 0:
         return "completed"
-    if state_after not in (None, READY):
+    if state_after not in (None, READY, "UNKNOWN"):  # UNKNOWN: the describe failed, the exit code decides
         return "preempted"  # the ssh dropped (or the workers died) because the TPU went away
     if code in FATAL and not (code == EXIT_USER_ERROR and capture.lease_held):
         return "fatal"

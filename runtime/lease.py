@@ -38,11 +38,11 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from runtime import liveness
 from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
 
 log = logging.getLogger(__name__)
@@ -250,10 +250,10 @@ def store_for(directory: str):
 
 
 def _exit_on_loss(error: StorageError) -> None:
-    """The default reaction to a lost lease: stop now (the main thread may be mid-write)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(error.exit_code)
+    """The default reaction to a lost lease: stop now (the main thread may be mid-write), through
+    the liveness channel, so that a pod's other processes say "stopped with exit code 6, its log
+    says why" and process 0 waits for them to go first."""
+    liveness.stop(str(error), error.exit_code)
 
 
 class Lease:

@@ -66,7 +66,6 @@ class Link:
     sock: socket.socket
     last_seen: float = field(default_factory=time.monotonic)
     state: object = None  # None: alive; _DEPARTED; or the exit code it failed with
-    failed_at: float = 0.0
     inbox: list[dict] = field(default_factory=list)
     _buffer: bytes = b""
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -32,6 +32,7 @@ from runtime.loop import LoopContext, train_loop
 from runtime.metrics_sinks import MetricsSinks
 from runtime.preflight import preflight
 from runtime.registry import dataset_kind
+from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
 from runtime.run_log import library_logs_to, run_log_path
 from runtime.sharding import batch_sharding, describe
 from runtime.task import EvalContext
@@ -59,10 +60,6 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
         kind.ensure_built(config.data)
 
 
-PROPOSED_RUN_ID_ENV = "PODRUNNER_RUN_ID"  # set by experiments/pod.py: a fresh run's id, never a resumed one's
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
 def new_run_id(config: Config) -> str:
     """A W&B-safe id agreed by all processes (process 0's random draw, broadcast)."""
     token = multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32))
@@ -88,7 +85,7 @@ def choose_run_id(config: Config, meta: dict | None, directory: str, step: int |
     elif config.run.id:
         run_id, why = config.run.id, "run.id"
     elif proposed:
-        if not _RUN_ID.fullmatch(proposed):
+        if not RUN_ID.fullmatch(proposed):
             raise UserError(f"{PROPOSED_RUN_ID_ENV}={proposed!r} is not a run id: use 1-64 letters, digits, '.', '_' "
                             f"or '-', or unset {PROPOSED_RUN_ID_ENV}")
         run_id, why = proposed, f"a fresh run: the launcher's {PROPOSED_RUN_ID_ENV}"
@@ -227,14 +224,10 @@ def schedule_change(config: Config, plan, meta: dict | None, step: int | None, *
               "warmup_steps": plan.warmup_steps, "lr_next_step_before": float(old(step)), "lr_next_step": float(new(step)),
               "lr_last_step": float(new(plan.total_steps - 1))}
     if announce:
-        log_schedule_change(change)
+        log.warning("%s at step %d: the cosine schedule now ends at step %d (lr at step %d: %.3g, was %.3g on the old "
+                    "schedule; %.3g at the last step)", setting, step, plan.total_steps, step + 1,
+                    change["lr_next_step"], change["lr_next_step_before"], change["lr_last_step"])
     return change
-
-
-def log_schedule_change(change: dict) -> None:
-    log.warning("%s at step %d: the cosine schedule now ends at step %d (lr at step %d: %.3g, was %.3g on the old "
-                "schedule; %.3g at the last step)", change["setting"], change["at_step"], change["total_steps"],
-                change["at_step"] + 1, change["lr_next_step"], change["lr_next_step_before"], change["lr_last_step"])
 
 
 def run_evaluators(config: Config, kind, steps, context: EvalContext) -> list:

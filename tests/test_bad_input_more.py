@@ -330,8 +330,8 @@ def test_builder_never_writes_into_a_folder_it_did_not_build(dataset_copy, capsy
 
 
 def test_boundary_values_keep_their_meaning():
-    """The smallest accepted values (_RULES) do what the schema says: cadence 0 (steps or epochs)
-    = only at the end, watchdog 0 = off, keep 1 = the newest checkpoint only."""
+    """The smallest accepted values (_RULES) are accepted, and cadence 0 (steps or epochs) means
+    only at the end."""
     from conftest import compose_config
     from runtime.config import derive
 

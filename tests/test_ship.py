@@ -201,7 +201,8 @@ def test_ship_refuses_a_huge_tree_before_any_gcloud(pod, project):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "not a git work tree" in r.stderr
 
 
-def test_a_supervisor_can_pass_one_pack_to_every_relaunch(pod, project, tmp_path):
+def test_launch_pod_accepts_a_prebuilt_pack(pod, project, tmp_path):
+    """The supervisor packs once and hands the same Pack to every launch."""
     import io
     from experiments.pod import Target, launch_pod
     pack = pack_tree(project, tmp_path)
