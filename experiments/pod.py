@@ -777,15 +777,24 @@ class _PodWatch:
 
 
 def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str | None = None,
-              clone_url: str | None = None, dry_run: bool = False, stream: TextIO | None = None) -> int:
-    """setup_tpu.sh on all workers, then a version check: non-zero if workers differ."""
+              clone_url: str | None = None, dry_run: bool = False, stream: TextIO | None = None,
+              on_versions: Callable[[dict], None] | None = None) -> int:
+    """setup_tpu.sh on all workers, then a version check: non-zero if workers differ.
+    `on_versions` gets each worker's versions row."""
     stream = stream or sys.stdout
     argv = gcloud_argv(target, setup_command(repo_dir, git_ref, clone_url))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0
     rows: list[dict] = []
-    code = run_gcloud(argv, stream=stream, on_line=lambda l: rows.append(r) if (r := _tagged(l, VERSIONS_TAG)) else None)
+
+    def take(line: str) -> None:
+        if (row := _tagged(line, VERSIONS_TAG)) is not None:
+            rows.append(row)
+            if on_versions:
+                on_versions(row)
+
+    code = run_gcloud(argv, stream=stream, on_line=take)
     if code != 0:
         _say(stream, f"setup failed on at least one worker (gcloud exit code {code})")
         return code

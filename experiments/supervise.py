@@ -11,7 +11,7 @@ The loop, top to bottom (`supervise`):
        preempted (the trainer's "preempted (SIGTERM)" line, or the ssh dropped and the TPU is
                   no longer READY)                 -> back to 1 (not counted as a restart)
        hang (4), peer lost (7), anything else      -> `stop` stale processes, relaunch (a restart)
-       storage (6), or the run directory's lease
+       storage (6), a failed setup, or the run directory's lease
        still held by the run before (exit 2)       -> back off, relaunch (a restart)
        bad input (2), non-finite (3), no fit (5)   -> stop with that code
      and stop (exit 1) when restarts exceed --max-restarts, or when two restarts in a row ended
@@ -288,18 +288,33 @@ def ensure_ready(spec: Spec, sup: Supervision, run: Runner, sleep: Callable[[flo
 # --- 2. setup -----------------------------------------------------------------------------------
 
 def ensure_setup(spec: Spec, sup: Supervision, hosts: int) -> int:
-    """0 when every worker already reports the same versions (setup skipped), else setup's code."""
+    """0 when every worker already reports the same versions (setup skipped), else setup's code.
+    The commit the workers first ran is recorded, and a later setup (a re-created TPU's fresh
+    clone would otherwise be at the remote's default HEAD) checks that commit out."""
     rows: list[dict] = []
     code = pod.run_gcloud(pod.gcloud_argv(spec.target, versions_command(spec.repo_dir)),
                           on_line=lambda l: rows.append(r) if (r := pod._tagged(l, pod.VERSIONS_TAG)) else None)
     if code == 0 and len(rows) == hosts and len({json.dumps({k: v for k, v in r.items() if k != "host"},
                                                             sort_keys=True) for r in rows}) == 1:
         sup.event("setup-skipped", reason="versions-match", workers=len(rows))
+        record_commit(sup, rows)
         return 0
-    sup.event("setup-started", workers_answering=len(rows))
-    code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, clone_url=spec.clone_url, stream=sup.stream)
+    git_ref = sup.data.get("commit")
+    sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned")
+    rows = []
+    code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, git_ref=git_ref, clone_url=spec.clone_url,
+                         stream=sup.stream, on_versions=rows.append)
     sup.event("setup-done" if code == 0 else "setup-failed", code=code)
+    if code == 0:
+        record_commit(sup, rows)
     return code
+
+
+def record_commit(sup: Supervision, rows: list[dict]) -> None:
+    """Keep the first commit every worker agreed on (the run's code for its whole life)."""
+    if "commit" not in sup.data and rows and rows[0].get("commit"):
+        sup.data["commit"] = rows[0]["commit"]
+        sup.save()
 
 
 # --- 3. the launch, 4. how it ended ------------------------------------------------------------
@@ -432,8 +447,8 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
             orphaned = False
             code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream)
             sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
-        if ensure_setup(spec, sup, hosts) != 0:
-            outcome, code = "restart", EXIT_FAILURE
+        if ensure_setup(spec, sup, hosts) != 0:  # a failing setup (a network blip) waits before the next try
+            outcome, code = "backoff", EXIT_FAILURE
         else:
             outcome, code = launch_once(spec, sup, run, hosts, ready_at)
         if outcome == "completed":
@@ -456,7 +471,7 @@ def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_qui
 
 
 def recover(spec: Spec, sup: Supervision, outcome: str, sleep: Callable[[float], None]) -> None:
-    """Before a relaunch: free the TPU of stale processes; after a storage failure, wait first."""
+    """Before a relaunch: free the TPU of stale processes; after a storage or setup failure, wait first."""
     if outcome == "backoff":
         sup.event("backoff", seconds=spec.storage_backoff_s)
         sleep(spec.storage_backoff_s)

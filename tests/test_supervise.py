@@ -295,6 +295,49 @@ def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
         assert supervise.Supervision(spec, io.StringIO()).data["restarts"] == 3
 
 
+def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, monkeypatch):
+    """The commit every worker first agreed on is recorded; a later setup (fresh disks of a
+    re-created TPU) checks it out rather than the remote's default HEAD; a failed setup waits
+    `storage_backoff_s` before the next try instead of spinning."""
+    import io
+
+    from experiments import pod, supervise
+    from experiments.pod import Target
+
+    row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2"}
+    answers = iter([[dict(row, host="w0"), dict(row, host="w1")],  # launch 1: versions agree
+                    [dict(row, host="w0")],                        # launch 2: worker 1 is a fresh disk
+                    [dict(row, host="w0")]])                       # launch 3: the same
+    setups: list[str | None] = []
+
+    def versions(argv, on_line):
+        for r in next(answers):
+            on_line(pod.VERSIONS_TAG + json.dumps(r))
+        return 0
+
+    def setup_pod(target, *, git_ref, on_versions, **_):
+        setups.append(git_ref)
+        if len(setups) == 1:
+            return 1  # the first setup fails (a network blip)
+        for host in ("w0", "w1"):
+            on_versions(dict(row, host=host, commit=git_ref))
+        return 0
+
+    outcomes = iter([("restart", 1), ("completed", 0)])
+    sleeps: list[float] = []
+    monkeypatch.setattr(pod, "run_gcloud", versions)
+    monkeypatch.setattr(pod, "setup_pod", setup_pod)
+    monkeypatch.setattr(pod, "stop_pod", lambda *a, **k: 0)
+    monkeypatch.setattr(supervise, "ensure_ready", lambda *a: 2)
+    monkeypatch.setattr(supervise, "launch_once", lambda *a: next(outcomes))
+    spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, [], log_dir=tmp_path, storage_backoff_s=7.0)
+    assert supervise.supervise(spec, stream=io.StringIO(), sleep=sleeps.append) == 0
+    assert setups == ["c0ffee", "c0ffee"]  # both setups after the first launch pin the recorded commit
+    assert sleeps == [7.0]  # after the failed setup only (the "restart" launch relaunches at once)
+    record = json.loads((tmp_path / RUN_ID / "supervision.json").read_text())
+    assert record["commit"] == "c0ffee"
+
+
 def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
     fake_tpu.enable(plane.root, {TPU: {"state": "CREATING", "describes": 0, "workers": []}})
     ssh = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", TPU, "--zone", ZONE, "--worker=all",
