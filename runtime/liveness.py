@@ -252,9 +252,37 @@ class _Lost(Exception):
         self.pid, self.host, self.what, self.why = pid, host, what, why
 
 
+_exit_hooks: list[Callable[[int], None]] = []
+
+
+def on_abrupt_exit(hook: Callable[[int], None]) -> Callable[[], None]:
+    """Have `hook(exit code)` run before this process ends through this module (a lost peer,
+    `stop`), where no `finally` runs: the trainer records how the run ended. Each hook gets
+    EXIT_HOOK_BUDGET_S in a daemon thread (a write to a dead bucket must not hold the exit);
+    errors are swallowed. Returns the function that removes it."""
+    _exit_hooks.append(hook)
+    return lambda: _exit_hooks.remove(hook) if hook in _exit_hooks else None
+
+
+EXIT_HOOK_BUDGET_S = 10.0
+
+
+def _run_exit_hooks(code: int) -> None:
+    for hook in list(_exit_hooks):
+        def call(hook=hook):
+            try:
+                hook(code)
+            except Exception:  # the exit line is already out; nothing to add
+                pass
+        worker = threading.Thread(target=call, name="abrupt-exit-hook", daemon=True)
+        worker.start()
+        worker.join(EXIT_HOOK_BUDGET_S)
+
+
 def _exit_peer_lost(line: str) -> None:
     print(f"error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    _run_exit_hooks(EXIT_PEER_LOST)
     os._exit(EXIT_PEER_LOST)  # not sys.exit: JAX's shutdown barrier would wait for the lost peer
 
 
@@ -424,6 +452,7 @@ def stop(line: str, code: int) -> None:
         return
     print(f"error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    _run_exit_hooks(code)
     leave(code)
     os._exit(code)
 

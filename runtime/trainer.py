@@ -19,12 +19,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from runtime import liveness
 from runtime import manifest as manifest_lib
 from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints, CorruptStep
 from runtime.config import Config, planned_steps, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
-from runtime.errors import EXIT_FAILURE, OutputDirError, UserError, one_line, storage_fault, storage_fix
+from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault, storage_fix
 from runtime.evaluation import evaluate
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
@@ -291,6 +292,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
     status, exit_code, final = "failed", EXIT_FAILURE, None
+    unhook = liveness.on_abrupt_exit(lambda code: record_abrupt_end(manifest, plan, code)) if info.is_primary else None
     try:
         if info.is_primary:
             write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
@@ -316,6 +318,10 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         status, exit_code = "failed", e.exit_code
         raise
     finally:  # record how it ended; never let a second failure here hide the first
+        if exit_code != 0:  # a lost peer, the likelier cause, is reported instead (the hook records it)
+            liveness.failing()
+        if unhook:
+            unhook()
         feeder.close()
         _best_effort(ckpt.close, "closing the checkpoint manager")
         try:
@@ -335,6 +341,14 @@ def write_manifest(manifest: dict, *directories: str) -> list[str]:
         where = " and ".join(directories)
         raise OutputDirError(f"cannot write run_manifest.json in {where} ({fault or one_line(e)[:200]}); "
                              f"{storage_fix(fault, where)} and relaunch the same command to resume") from e
+
+
+def record_abrupt_end(manifest: dict, plan, code: int) -> None:
+    """The output dir's manifest when the process ends without unwinding (a lost peer): it must
+    not stay "running". Not on a storage exit (a lost lease: the directory is another run's now)."""
+    if code != EXIT_STORAGE:
+        manifest_lib.write(manifest_lib.finish(manifest, exit_code=code, status="failed", final_metrics=None),
+                           plan.output_dir)
 
 
 def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, status: str, final: dict | None,

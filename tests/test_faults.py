@@ -3,6 +3,7 @@ never all join."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,6 +94,8 @@ def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
     for code, log, seconds in results:
         assert code == EXIT_PEER_LOST and seconds < 60, (code, seconds, log[-3000:])  # within 60 s: the promise
         assert_one_error_line(log, "error: process 2 (host ", ") stopped answering at step ", "connection closed")
+    manifest = json.loads((out / "run_manifest.json").read_text())  # process 0 recorded how it ended
+    assert (manifest["status"], manifest["exit_code"]) == ("failed", EXIT_PEER_LOST), manifest
     # Cut short mid-run (an async save may have been in flight): every step Orbax lists is complete.
     from runtime.checkpointing import Checkpoints
 
