@@ -161,8 +161,6 @@ def _parse_text(where: str, text: str, kind: Any) -> Any:
             return kind(text)
         except ValueError:
             raise UserError(f"{where}={text}: expected a {kind.__name__}") from None
-    if low in ("null", "none") and kind is not str:
-        return None
     return text
 
 
