@@ -1,11 +1,19 @@
-"""Import a PyTorch reference checkpoint (TRM or HRM ``state_dict``) into our params pytree.
+"""Import a reference PyTorch TRM/HRM checkpoint into our params pytree, in one command:
 
-    python -m models.recursive_reasoning.import_reference --state-dict step_XXXX.pt --model trm \\
-        --arch-overrides hidden=512 L_layers=2 mlp_t=true pos_encodings=none \\
-        --vocab-size 11 --seq-len 81 --num-puzzle-identifiers 1 --out /path/imported
+    python -m models.recursive_reasoning.import_reference \\
+        --checkpoint-dir "checkpoints/<project>/<run>" --out imported/run
 
-The reference (SamsungSAILMontreal/TinyRecursiveModels, sapientinc/HRM) saves the
-``state_dict`` of ``ACTLossHead(model)``, usually compiled, so keys read
+``--checkpoint-dir`` is the reference run's folder: the latest ``step_<N>`` state_dict in it
+(``--step N`` for another) is converted, and its ``all_config.yaml`` gives the model (arch.name)
+and the arch, its keys as the reference writes them (`reference_config.ARCH_KEYS` maps them onto
+ours; missing keys take the reference's defaults). The sizes come from the state_dict (vocab,
+puzzle ids, and the sequence length where a shape shows it) or the run's data path
+(``train/dataset.json``). A state_dict that contradicts its config (attention vs mlp_t blocks,
+positions, puzzle table, layer counts) is refused in one line. Without a saved config,
+``--state-dict FILE --model trm|hrm --arch-overrides k=v ...`` takes the arch from the reference's
+defaults plus the overrides.
+
+The reference saves the ``state_dict`` of ``ACTLossHead(model)``, usually compiled, so keys read
 ``_orig_mod.model.inner.<name>``; the prefixes ``_orig_mod.``, ``module.``, ``model.``,
 ``inner.`` are stripped wherever they lead. The name mapping and the layout changes are in
 ``docs/REFERENCE_IMPORT.md`` (and `_rule` below). In short: every ``CastedLinear`` weight is
@@ -14,27 +22,27 @@ head_dim]``, o_proj -> ``[heads, head_dim, embed]``, SwiGLU gate_up -> ``[in, 2,
 first); embeddings and the puzzle table are copied as they are.
 
 Checks (each failure is a `UserError` with one line naming the key): every reference key is
-consumed, every parameter of our model (built from the config + overrides) is filled, and
-every shape matches. Non-persistent rotary tables (``rotary_emb.cos_cached/sin_cached``), if
-present, are checked against ours and dropped. All values are stored as float32 (the
-reference keeps ``H_init``/``L_init`` in its forward dtype, usually bfloat16: upcast exactly).
+consumed, every parameter of our model is filled, and every shape matches. Non-persistent rotary
+tables (``rotary_emb.cos_cached/sin_cached``), if present, are checked against ours and dropped.
+All values are stored as float32 (the reference keeps ``H_init``/``L_init`` in its forward
+dtype, usually bfloat16: upcast exactly).
 
 Output layout (``--out DIR``)::
 
     DIR/params        Orbax StandardCheckpointer item: the *unboxed* params dict, float32,
                       exactly the tree ``nn.meta.unbox(init_params(model, ...))`` has
     DIR/init_states   Orbax StandardCheckpointer item: {"H_init": [hidden], "L_init": [hidden]}
-    DIR/import.json   model name, arch config, vocab/seq/puzzle sizes, source file, and whether
-                      the reference H_init/L_init equal our fixed ones (they never do in practice)
+    DIR/import.json   model name, arch config, sizes, source files, the pretrain_jax.py
+                      overrides for this arch, and whether H_init/L_init equal our fixed ones
 
 Restore with `load_imported` (or ``ocp.StandardCheckpointer().restore(DIR/params, abstract)``
 with an abstract tree from ``jax.eval_shape``, which also gives the arrays a sharding).
 
-H_init/L_init: ours are fixed vectors drawn from a constant key (``trm.initial_states``), not
-parameters; the reference draws them from the run's seed and stores them. An imported model
-reproduces the reference's forward only when its carry starts from the *imported* vectors
-(pass ``InnerCarry`` built by `imported_initial_carry` to ``model.apply``); ``act_step``'s
-reset still uses our fixed ones until the model can take them (see docs/REFERENCE_IMPORT.md).
+H_init/L_init: the reference draws them from the run's seed and stores them; ours default to
+fixed vectors from a constant key (``trm.initial_states``). The model `import_reference` returns
+carries the imported ones (its ``init_states`` field), so its ``initial_carry``/``reset_carry``
+(and ``act_step``, ``act_evaluate``) start from them; ``train.init_params_from=DIR`` does the
+same in the trainer.
 """
 
 from __future__ import annotations
@@ -45,18 +53,19 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from models.recursive_reasoning.reference_config import (CONFIG_FILE, arch_config, check_state_dict, dataset_seq_len,
+                                                         find_checkpoint, model_of, read_run_config, state_dict_sizes,
+                                                         trainer_overrides)
 from runtime.errors import UserError, one_line
 from runtime.imported import load_imported_params, load_imported_states
 
 PREFIXES = ("_orig_mod.", "module.", "model.", "inner.")
-
-# Reference config names accepted as aliases of ours in --arch-overrides.
-ALIASES = {"hidden_size": "hidden", "num_heads": "heads"}
 
 _LEVEL = r"(?P<level>[HL])_level\.layers\.(?P<i>\d+)\."
 
@@ -116,50 +125,21 @@ def normalize_state_dict(sd: Mapping[str, Any]) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------- model / config
 
 
-def _parse_value(field: str, text: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        low = text.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise UserError(f"--arch-overrides {field}={text}: expected true/false")
-    if isinstance(default, (int, float)):
-        try:
-            val = float(text) if isinstance(default, float) else int(text)
-        except ValueError:
-            raise UserError(f"--arch-overrides {field}={text}: expected a {type(default).__name__}") from None
-        return val
-    return text
-
-
 def build_config(model_name: str, overrides: Sequence[str] = ()):
-    """Our TRMConfig/HRMConfig with `k=v` overrides (our field names, or the reference's
-    ``hidden_size``/``num_heads``)."""
-    from models.recursive_reasoning import HRMConfig, TRMConfig
-
-    cls = {"trm": TRMConfig, "hrm": HRMConfig}.get(model_name)
-    if cls is None:
-        raise UserError(f"--model {model_name!r}: use trm or hrm")
-    base = cls()
-    names = {f.name for f in dataclasses.fields(cls)}
-    kw: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise UserError(f"--arch-overrides {item!r}: expected key=value")
-        k, v = item.split("=", 1)
-        k = ALIASES.get(k.strip(), k.strip())
-        if k not in names or k == "name":
-            raise UserError(f"--arch-overrides {k}: not a {cls.__name__} field; fields: {', '.join(sorted(names - {'name'}))}")
-        kw[k] = _parse_value(k, v.strip(), getattr(base, k))
-    return dataclasses.replace(base, **kw)
+    """Our TRMConfig/HRMConfig from the reference's defaults and `k=v` overrides (our field names
+    or the reference's), without a saved config."""
+    return arch_config(model_name, None, overrides)[0]
 
 
-def build_model(model_name: str, cfg, vocab_size: int, seq_len: int, num_puzzle_identifiers: int):
+def build_model(model_name: str, cfg, vocab_size: int, seq_len: int, num_puzzle_identifiers: int,
+                init_states: Any = None):
+    """Our TRM/HRM module; `init_states` ({"H_init", "L_init"} or None) seeds its carry."""
     from models.recursive_reasoning import HRM, TRM
+    from models.recursive_reasoning.task import init_state_vectors
 
     cls = TRM if model_name == "trm" else HRM
-    return cls(cfg, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers)
+    return cls(cfg, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+               init_states=init_state_vectors(init_states))
 
 
 def expected_params(model) -> dict[str, tuple[int, ...]]:
@@ -243,10 +223,7 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
                 fail(f"state_dict key {key!r} has shape {val.shape}, expected ({cfg.hidden},): {hint}")
             init_states[key] = np.asarray(val, np.float32)
             continue
-        if key.startswith("rotary_emb.") and key.endswith(("cos_cached", "sin_cached")):
-            if cfg.pos_encodings != "rope":
-                fail(f"state_dict key {key!r}: the checkpoint uses rope but our config has pos_encodings="
-                     f"{cfg.pos_encodings!r}; set --arch-overrides pos_encodings=rope")
+        if key.startswith("rotary_emb.") and key.endswith(("cos_cached", "sin_cached")) and cfg.pos_encodings == "rope":
             cos, sin = rope_cos_sin(model.total_len, cfg.hidden // cfg.heads, cfg.rope_theta)
             ours = np.asarray(cos if key.endswith("cos_cached") else sin)
             if val.shape != ours.shape:
@@ -293,17 +270,6 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
     return params, init_states, info
 
 
-def imported_initial_carry(model, init_states: Mapping[str, Any], batch_size: int):
-    """The inner carry the reference starts from: its own H_init/L_init broadcast."""
-    import jax.numpy as jnp
-
-    from models.recursive_reasoning.trm import InnerCarry
-
-    shape = (batch_size, model.total_len, model.cfg.hidden)
-    return InnerCarry(z_H=jnp.broadcast_to(jnp.asarray(init_states["H_init"], model.dtype), shape),
-                      z_L=jnp.broadcast_to(jnp.asarray(init_states["L_init"], model.dtype), shape))
-
-
 # ---------------------------------------------------------------- Orbax output
 
 
@@ -337,46 +303,105 @@ def load_imported(out_dir: str, abstract_params: Any = None) -> tuple[dict, dict
 # ---------------------------------------------------------------- CLI
 
 
-def import_reference(state_dict: str | Mapping[str, Any], model_name: str, arch_overrides: Sequence[str], vocab_size: int,
-                     seq_len: int, num_puzzle_identifiers: int, out: str | None = None, force: bool = False):
-    """Function form of the CLI. `state_dict` is a .pt path or an in-memory mapping.
-    Returns (model, params, init_states, info); writes `out` when given."""
-    cfg = build_config(model_name, arch_overrides)
-    model = build_model(model_name, cfg, vocab_size, seq_len, num_puzzle_identifiers)
-    sd = load_state_dict(state_dict) if isinstance(state_dict, str) else normalize_state_dict(state_dict)
+def _locate(checkpoint_dir: str | None, step: int | None, state_dict: Any, config: Any):
+    """(state_dict path or mapping, step or None, config path or mapping or None)."""
+    if (checkpoint_dir is None) == (state_dict is None):
+        raise UserError("pass the reference run's folder (--checkpoint-dir) or a state_dict file (--state-dict)")
+    if checkpoint_dir is not None:
+        state_dict, step = find_checkpoint(checkpoint_dir, step)
+    elif step is not None:
+        raise UserError("--step picks a checkpoint in --checkpoint-dir; with --state-dict pass that file")
+    if config is None and isinstance(state_dict, str):
+        beside = os.path.join(os.path.dirname(state_dict), CONFIG_FILE)
+        config = beside if os.path.isfile(beside) else None
+    return state_dict, step, config
+
+
+def _sizes(sd: Mapping[str, np.ndarray], cfg, given: Mapping[str, int | None], saved, config: Any) -> dict[str, int]:
+    """vocab / seq_len / puzzle ids: as given, else held by the state_dict, else (seq_len) the run's dataset.json."""
+    sizes = state_dict_sizes(sd, cfg)
+    sizes.update({k: v for k, v in given.items() if v is not None})
+    if sizes["seq_len"] is None:
+        sizes["seq_len"] = dataset_seq_len(saved, config if isinstance(config, str) else None)
+        if sizes["seq_len"] is None:
+            raise UserError("cannot tell the sequence length: no shape in the state_dict shows it and the run's "
+                            "data path (train/dataset.json) is not here; pass --seq-len (the dataset's seq_len)")
+    if sizes["vocab_size"] is None:
+        raise UserError("the state_dict has no embed_tokens.embedding_weight; not a reference TRM/HRM checkpoint?")
+    return sizes
+
+
+def import_reference(state_dict: str | Mapping[str, Any] | None = None, model_name: str | None = None,
+                     arch_overrides: Sequence[str] = (), vocab_size: int | None = None, seq_len: int | None = None,
+                     num_puzzle_identifiers: int | None = None, out: str | None = None, force: bool = False, *,
+                     checkpoint_dir: str | None = None, step: int | None = None, config: Any = None):
+    """Function form of the CLI: `checkpoint_dir` (the reference run's folder; `step` or the
+    latest) or `state_dict` (a file, or an in-memory mapping); `config` (an all_config.yaml
+    path or its contents; by default the one beside the state_dict). Sizes left None come from
+    the state_dict or the run's dataset.json.
+
+    Returns (model, params, init_states, info): `model` starts its carry from the imported
+    H_init/L_init. Writes `out` when given.
+    """
+    sd_source, step, config = _locate(checkpoint_dir, step, state_dict, config)
+    saved, label = None, CONFIG_FILE
+    if config is not None:
+        saved = read_run_config(config)
+        label = config if isinstance(config, str) else label
+        model_name = model_of(saved, label, model_name)
+    elif model_name is None:
+        raise UserError(f"no {CONFIG_FILE} beside the checkpoint: pass --config FILE, or --model trm|hrm with the "
+                        "run's arch as --arch-overrides")
+    cfg, source = arch_config(model_name, saved, arch_overrides, label)
+    sd = load_state_dict(sd_source) if isinstance(sd_source, str) else normalize_state_dict(sd_source)
+    check_state_dict(sd, model_name, cfg, source)
+    sizes = _sizes(sd, cfg, {"vocab_size": vocab_size, "seq_len": seq_len,
+                             "num_puzzle_identifiers": num_puzzle_identifiers}, saved, config)
+    model = build_model(model_name, cfg, sizes["vocab_size"], sizes["seq_len"], sizes["num_puzzle_identifiers"])
     params, init_states, info = convert_state_dict(sd, model)
+    model = build_model(model_name, cfg, sizes["vocab_size"], sizes["seq_len"], sizes["num_puzzle_identifiers"],
+                        init_states)
+    info.update(model=model_name, step=step, config=os.path.abspath(config) if isinstance(config, str) else None,
+                pretrain_overrides=trainer_overrides(model_name, cfg))
     if out is not None:
-        meta = {"model": model_name, "arch": dataclasses.asdict(cfg), "vocab_size": vocab_size, "seq_len": seq_len,
-                "num_puzzle_identifiers": num_puzzle_identifiers,
-                "source": os.path.abspath(state_dict) if isinstance(state_dict, str) else "<in-memory>", **info}
+        meta = {"arch": dataclasses.asdict(cfg), **sizes,
+                "source": os.path.abspath(sd_source) if isinstance(sd_source, str) else "<in-memory>", **info}
         save_imported(out, params, init_states, meta, force=force)
     return model, params, init_states, info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m models.recursive_reasoning.import_reference",
-                                 description="Convert a reference TRM/HRM PyTorch state_dict into an Orbax params checkpoint.")
-    ap.add_argument("--state-dict", required=True, help="the reference .pt file (a state_dict)")
-    ap.add_argument("--model", required=True, choices=("trm", "hrm"))
+                                 description="Convert a reference TRM/HRM PyTorch checkpoint into an Orbax params "
+                                             "checkpoint.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint-dir", help="the reference run's folder (checkpoints/<project>/<run>): its latest "
+                                              f"step_<N> and its {CONFIG_FILE}")
+    src.add_argument("--state-dict", help="one reference state_dict file (step_<N>)")
+    ap.add_argument("--step", type=int, help="with --checkpoint-dir: convert step_<N> instead of the latest")
+    ap.add_argument("--config", help=f"the run's {CONFIG_FILE} (default: the one beside the state_dict)")
+    ap.add_argument("--model", choices=("trm", "hrm"), help=f"needed only without a {CONFIG_FILE} (its arch.name says)")
     ap.add_argument("--arch-overrides", nargs="*", default=[], metavar="K=V",
-                    help="our TRMConfig/HRMConfig fields (hidden_size/num_heads accepted as aliases)")
-    ap.add_argument("--vocab-size", type=int, required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--num-puzzle-identifiers", type=int, required=True)
+                    help="our TRMConfig/HRMConfig fields or the reference's arch keys; one that contradicts the saved "
+                         "config is refused")
+    ap.add_argument("--vocab-size", type=int, help="default: the state_dict's")
+    ap.add_argument("--seq-len", type=int, help="default: from the state_dict's shapes or the run's dataset.json")
+    ap.add_argument("--num-puzzle-identifiers", type=int, help="default: the state_dict's")
     ap.add_argument("--out", required=True, help="output directory (params/, init_states/, import.json)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output")
     args = ap.parse_args(argv)
     try:
-        _, _, _, info = import_reference(args.state_dict, args.model, args.arch_overrides, args.vocab_size, args.seq_len,
-                                         args.num_puzzle_identifiers, out=args.out, force=args.force)
+        _, _, _, info = import_reference(args.state_dict, args.model, args.arch_overrides, args.vocab_size,
+                                         args.seq_len, args.num_puzzle_identifiers, out=args.out, force=args.force,
+                                         checkpoint_dir=args.checkpoint_dir, step=args.step, config=args.config)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    print(f"imported {info['keys_consumed']} keys -> {info['params']} params into {os.path.abspath(args.out)}")
-    if not info["init_states_equal_ours"]:
-        print("note: the checkpoint's H_init/L_init differ from our fixed ones (max |diff| "
-              f"{info['init_states_max_abs_diff']:.3g}); they are saved in init_states/ and must seed the carry "
-              "(see docs/REFERENCE_IMPORT.md)")
+    what = f"step {info['step']} " if info["step"] is not None else ""
+    print(f"imported {what}{info['model'].upper()} ({info['config'] or 'no saved config'}): {info['keys_consumed']} "
+          f"keys -> {info['params']} params into {os.path.abspath(args.out)}")
+    print("run it with: python pretrain_jax.py " + " ".join(info["pretrain_overrides"])
+          + " " + shlex.quote(f"train.init_params_from={os.path.abspath(args.out)}") + " data.path=DATA")
     return 0
 
 
