@@ -8,17 +8,21 @@ commit_success file on GCS), and `latest_step` only ever sees complete steps, so
 off by a crash or an outage is never chosen for resume.
 
 A complete step can still be unreadable (a truncated or overwritten file, a missing item).
-`first_readable` finds the newest step every process can read; a corrupt one is moved aside
-to `<dir>/quarantined-<step>-<UTC time>` (never deleted; a name Orbax does not list) and the
-step before it is tried.
+`first_readable` finds the newest step every process can read, trying steps newest first without
+moving anything; once one reads, the newer ones whose files showed damage are moved aside to
+`<dir>/quarantined-<step>-<UTC time>` (never deleted; a name Orbax does not list). A failure with
+no sign of damage (a code bug, a library that cannot read the format), no readable step at all, or
+two steps in a row failing the same way, moves nothing and stops with one error.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import time
+import zlib
 from typing import Any, Callable, TypeVar
 
 import fsspec
@@ -38,13 +42,21 @@ QUARANTINE_PREFIX = "quarantined-"
 # Errors that say the storage could not be reached or read, not that the bytes are bad: such a
 # step is never quarantined (GCS / tensorstore status names; plain Python exception types below).
 _ACCESS_STATUS = re.compile(r"PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED")
+# Signs that a step's files are damaged or missing: tensorstore's status for a truncated, garbled or
+# absent chunk, Python's for a missing file or bad JSON. Any other failure to read (a TypeError from
+# a code bug, a format this Orbax does not know) is no sign, and such a step is never moved.
+_DAMAGE_STATUS = re.compile(r"\b(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND)\b|\bError (reading|decoding|opening)\b")
+_DAMAGE_TYPES = (FileNotFoundError, EOFError, json.JSONDecodeError, UnicodeDecodeError)
 
 
 class CorruptStep(UserError):
-    """A complete step whose files cannot be read back (truncated, overwritten, missing)."""
+    """A complete step whose files cannot be read back (truncated, overwritten, missing).
 
-    def __init__(self, directory: str, step: int, problem: str):
-        self.step, self.problem = step, problem
+    kind: what failed, without the step's own details ("state: OUT_OF_RANGE"): two steps in a row
+    failing with the same kind point to a common cause rather than damage (Checkpoints.first_readable)."""
+
+    def __init__(self, directory: str, step: int, problem: str, kind: str | None = None):
+        self.step, self.problem, self.kind = step, problem, kind or problem
         super().__init__(f"checkpoint step {step} in {directory} is unreadable ({problem}); resume from an earlier "
                          "step, or restore this one from a backup")
 
@@ -60,6 +72,20 @@ def is_access_error(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def damage_sign(e: BaseException) -> str | None:
+    """What in `e` (or its causes) says the files are damaged or missing ("OUT_OF_RANGE",
+    "JSONDecodeError"); None when nothing does."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _DAMAGE_TYPES):
+            return type(e).__name__
+        if found := _DAMAGE_STATUS.search(str(e)):
+            return found.group(0)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def innermost(e: BaseException) -> str:
@@ -160,7 +186,12 @@ class Checkpoints:
         if is_access_error(e):
             return UserError(f"cannot read checkpoint step {step} in {self.directory} ({one_line(e)[:300]}); check "
                              "access to the storage and relaunch (nothing was changed)")
-        return CorruptStep(self.directory, step, f"{item}: {innermost(e)[:300]}")
+        problem, sign = f"{item}: {innermost(e)[:300]}", damage_sign(e)
+        if sign is None:
+            return UserError(f"cannot read checkpoint step {step} in {self.directory} ({problem}), and nothing says its "
+                             "files are damaged (more likely the code or a library version), so nothing was moved: fix "
+                             "that and relaunch, or if the step is damaged move it out of the way by hand")
+        return CorruptStep(self.directory, step, problem, kind=f"{item}: {sign}")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The step's metadata; CorruptStep if it cannot be read back.
@@ -169,11 +200,11 @@ class Checkpoints:
         ends in a barrier that a process that failed to read would never reach."""
         try:
             meta = ocp.JsonCheckpointHandler().restore(self._item(step, "meta"))
-            if not isinstance(meta, dict):
-                raise ValueError(f"expected a JSON object, found {type(meta).__name__}")
-            return meta
         except Exception as e:
             raise self._unreadable(step, "meta", e) from e
+        if not isinstance(meta, dict):
+            raise CorruptStep(self.directory, step, f"meta: expected a JSON object, found {type(meta).__name__}")
+        return meta
 
     def restore_state(self, step: int, abstract_state: Any) -> Any:
         """Restore straight into the shardings carried by `abstract_state` (no gather on one host).
@@ -202,36 +233,64 @@ class Checkpoints:
             raise self._unreadable(step, "state", e) from e
 
     def first_readable(self, read: Callable[[int], T]) -> tuple[int, T]:
-        """(step, read(step)) for the newest complete step that `read` succeeds on in every
-        process. A step that is corrupt on any process is quarantined and the one before it
-        tried; any other error is raised on every process."""
-        while (step := self.latest_step()) is not None:
+        """(step, read(step)) for the newest complete step that `read` succeeds on in every process.
+
+        Steps are tried newest first and nothing is moved while trying: once one reads, the newer
+        ones (each corrupt on some process: CorruptStep) are quarantined. When none reads, or two
+        in a row fail the same way (a common cause, such as the code or a library version, is
+        likelier than the same damage twice), nothing is moved and one error names the steps.
+        Any other error stops the search at once, on every process."""
+        failed: list[CorruptStep] = []
+        steps = sorted(self.all_steps(), reverse=True)
+        for step in steps:
             try:
                 value, error = read(step), None
             except UserError as e:
                 value, error = None, e
             error = self._agree(step, error)
             if error is None:
+                for corrupt in failed:
+                    self.quarantine(corrupt.step, corrupt.problem)
                 return step, value
             if not isinstance(error, CorruptStep):
                 raise error
-            self.quarantine(step, error.problem)
-        raise self.nothing_left()
+            failed.append(error)
+            if len(failed) > 1 and failed[-1].kind == failed[-2].kind:
+                raise self._none_readable(failed, same_way=True)
+            if step != steps[-1]:
+                log.warning("checkpoint step %d in %s cannot be read (%s); trying the step before it (nothing moved "
+                            "yet)", step, self.directory, error.problem)
+        raise self._none_readable(failed) if failed else self.nothing_left()
+
+    def _none_readable(self, failed: list[CorruptStep], *, same_way: bool = False) -> UserError:
+        steps, first = ", ".join(str(e.step) for e in failed), f"step {failed[0].step}: {failed[0].problem}"
+        if same_way:
+            return UserError(f"checkpoint steps {steps} in {self.directory} fail to read in the same way ({first}); a cause "
+                             "common to them (the code, or a library version that cannot read them) is likelier than the "
+                             "same damage twice, so nothing was moved: fix that and relaunch, or if the files are damaged "
+                             "move those steps out of the way by hand (or restore them from a backup)")
+        return UserError(f"no checkpoint step in {self.directory} can be read: steps {steps} ({first}; the others in the "
+                         "log); nothing was moved: restore them from a backup, or move them out of the way by hand, or "
+                         "start fresh with a new run.name (or run.checkpoint.dir)")
 
     def _agree(self, step: int, error: UserError | None) -> UserError | None:
         """Every process's outcome of reading `step` -> one decision for all: ok, corrupt (any
-        process could not read it) or an error to raise (anything else, on any process)."""
+        process could not read it; its kind is then every process's, so all compare kinds alike)
+        or an error to raise (anything else, on any process)."""
         if jax.process_count() == 1:
             return error
         mine = 0 if error is None else 1 if isinstance(error, CorruptStep) else 2
-        outcomes = np.asarray(multihost_utils.process_allgather(np.array([mine], np.int32))).reshape(-1)
+        kind = zlib.crc32(error.kind.encode()) & 0x7FFFFFFF if isinstance(error, CorruptStep) else 0
+        gathered = np.asarray(multihost_utils.process_allgather(np.array([mine, kind], np.int32))).reshape(-1, 2)
+        outcomes, kinds = gathered[:, 0], ",".join(str(k) for k in gathered[:, 1])
         worst, where = int(outcomes.max()), int(outcomes.argmax())
         if error is not None and jax.process_index() > 0:
             log.warning("process %d: %s", jax.process_index(), error)
+        if worst == 1:
+            problem = error.problem if isinstance(error, CorruptStep) else f"unreadable on process {where}, see its log"
+            return CorruptStep(self.directory, step, problem, kind=kinds)
         if worst == mine:
             return error
-        if worst == 1:
-            return CorruptStep(self.directory, step, f"unreadable on process {where}, see its log")
         return UserError(f"process {where} cannot use checkpoint step {step} in {self.directory} (its log says why); "
                          "fix that and relaunch")
 
@@ -242,8 +301,8 @@ class Checkpoints:
             target = self._quarantine_name(step)
             try:
                 move_step(source, target)
-                log.warning("checkpoint step %d in %s is unreadable (%s); moved it to %s and trying the previous "
-                            "complete step", step, self.directory, problem, target)
+                log.warning("checkpoint step %d in %s is unreadable (%s); moved it to %s", step, self.directory,
+                            problem, target)
             except Exception as e:
                 failure = one_line(e)[:300] or type(e).__name__
         if jax.process_count() > 1:  # also the barrier: nobody relists before the move is done

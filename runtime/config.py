@@ -27,7 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runtime.errors import UserError, one_line
 from runtime.registry import arch_schemas, dataset_kind, family_of
 from runtime.frozen import Freezable, freeze
-from runtime.metrics_sinks import WandbMode
+from runtime.metrics_sinks import WandbConsole, WandbMode
 from runtime.optimizers import OPTIMIZERS
 
 
@@ -128,6 +128,10 @@ class WandbConfig(Freezable):
     project: str = "podrunner"
     entity: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    # Process 0's run only: host and accelerator utilisation charts (W&B's system monitor), and
+    # its stdout/stderr in the run's Logs (wrap | off; see runtime.metrics_sinks.WandbConsole).
+    system_metrics: bool = True
+    console: WandbConsole = WandbConsole.wrap
 
 
 @dataclass
@@ -347,6 +351,8 @@ _RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
     "distributed.initialization_timeout_s": (_at_least(1), ""),
     "distributed.heartbeat_timeout_s": (_at_least(1), ""),
     "distributed.shutdown_timeout_s": (_at_least(1), ""),
+    "distributed.liveness_port": (_within(1, 65535), "null = the coordinator's port + 1"),
+    "distributed.liveness_timeout_s": (_above(0), ""),
 }
 
 
@@ -429,6 +435,11 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     if not 0 < lease.renew_every_s < lease.stale_after_s:
         raise UserError(f"run.lease needs 0 < renew_every_s < stale_after_s (got {lease.renew_every_s:g} and "
                         f"{lease.stale_after_s:g}); a lease goes stale after a few missed renewals, e.g. 30 and 90")
+    dist = config.distributed
+    if dist.liveness_timeout_s > dist.heartbeat_timeout_s / 2:
+        raise UserError(f"distributed.liveness_timeout_s={dist.liveness_timeout_s:g} must be at most half of "
+                        f"distributed.heartbeat_timeout_s={dist.heartbeat_timeout_s}, so a lost worker is named before "
+                        "JAX's own heartbeat check aborts the process")
     _check_curriculum(config)
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):

@@ -44,6 +44,12 @@ def shipped_tree() -> dict[str, Any] | None:
         return {"unparsed": text[:1000]}
 
 
+def source_commit(manifest: dict[str, Any]) -> str | None:
+    """The commit the run's code came from: the checkout's HEAD, else the base commit of a shipped
+    tree (which may differ from it: its diff_summary and tree_hash are in manifest["shipped"])."""
+    return manifest["git_commit"] or (manifest["shipped"] or {}).get("base_commit")
+
+
 def package_versions() -> dict[str, str | None]:
     versions = {}
     for name in PACKAGES:

@@ -56,20 +56,47 @@ HEADLINE_NAMES = {
     "examples_per_s": "ex/s",
 }
 
-# W&B settings: we run our own progress bar and JSONL, so W&B must not capture the
-# console (it would record every bar refresh and, in "redirect" mode, dup the stderr
-# fd). No system-metrics subprocess (wandb-symon) and no cloud-metadata/git probing:
-# they cost start-up time on every run and in CPU tests, and the run manifest saved
-# with save_file() is the record of what ran. quiet keeps the banner to a few lines
-# (warnings, errors and the run URL still print).
-_WANDB_SETTINGS = dict(
-    console="off",
-    quiet=True,
-    x_disable_stats=True,
-    x_disable_machine_info=True,
-    disable_git=True,
-    save_code=False,
-)
+
+class WandbConsole(StrEnum):
+    """run.wandb.console: what W&B records of process 0's stdout/stderr (the run's Logs tab, output.log)."""
+
+    # sys.stdout/sys.stderr's write() is wrapped; the text still reaches the terminal unchanged.
+    # Not "redirect": that dup2()s fds 1 and 2 onto a pipe read by a W&B thread, which would catch
+    # XLA's C++ logs too but puts every byte of the process (and its children) behind that thread.
+    wrap = "wrap"
+    off = "off"
+
+
+def wandb_settings(*, system_metrics: bool, console: str, git_commit: str | None) -> dict[str, Any]:
+    """wandb.Settings for process 0's run.
+
+    system_metrics: W&B's system monitor (host CPU/memory/disk/network and accelerator utilisation
+    charts) and the machine description; wandb-core samples only with both x_disable_* flags off.
+    No start-up cost we could measure (offline wandb.init in 5 fresh processes, with and without).
+
+    console: the progress bar (_progress_bar) writes to stderr too. Each redraw starts with a
+    carriage return, which W&B's console emulator folds, so output.log (the Logs tab) holds one bar
+    line per stretch between log lines, not one per refresh; the .wandb transaction log keeps a
+    record per redraw, at most one a minute off a TTY. The bar is closed (ending its line) before
+    the run finishes, and our `error:` line is printed after that: wrapping only adds a callback to
+    write(), so the line reaches stderr as before (not output.log: the run has finished by then).
+
+    git_commit: the commit the code came from (runtime.manifest.source_commit), given rather than
+    probed: a tree shipped with `launch.py pod --ship` has no .git, and the working directory may
+    be another repository. W&B's own git probing stays off.
+
+    quiet keeps the banner to a few lines (warnings, errors and the run URL still print); the run
+    manifest saved with save_file() is the full record of what ran, so no code snapshot.
+    """
+    return dict(
+        console=WandbConsole(console).value,
+        quiet=True,
+        x_disable_stats=not system_metrics,
+        x_disable_machine_info=not system_metrics,
+        disable_git=True,
+        git_commit=git_commit,
+        save_code=False,
+    )
 
 
 def to_python_scalar(value: Any) -> bool | int | float:
@@ -111,6 +138,9 @@ class MetricsSinks:
         start_step: int = 0,
         tags: Iterable[str] = (),
         progress_bar: bool = True,
+        system_metrics: bool = True,
+        console: str = WandbConsole.wrap,
+        git_commit: str | None = None,
     ) -> None:
         if wandb_mode not in set(WandbMode):
             raise ValueError(f"wandb_mode must be one of {[m.value for m in WandbMode]}, got {wandb_mode!r}")
@@ -130,12 +160,13 @@ class MetricsSinks:
 
         if wandb_mode != WandbMode.disabled:  # do not even call wandb.init (writes nothing)
             self._start_wandb(dict(mode=wandb_mode.value, project=wandb_project, entity=wandb_entity, group=group,
-                                   name=name, id=run_id, config=config, tags=list(tags) or None))
+                                   name=name, id=run_id, config=config, tags=list(tags) or None),
+                             wandb_settings(system_metrics=system_metrics, console=console, git_commit=git_commit))
 
         if progress_bar:
             self._bar = _progress_bar(total_steps, start_step)
 
-    def _start_wandb(self, init: dict[str, Any]) -> None:
+    def _start_wandb(self, init: dict[str, Any], settings: dict[str, Any]) -> None:
         import wandb
 
         try:
@@ -147,7 +178,7 @@ class MetricsSinks:
                     # A run left open (e.g. by a crashed caller in the same process) is finished
                     # rather than silently returned with the wrong config ("return_previous").
                     reinit="finish_previous",
-                    settings=wandb.Settings(**_WANDB_SETTINGS),
+                    settings=wandb.Settings(**settings),
                 )
         except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
             self._jsonl.close()

@@ -188,18 +188,18 @@ def resume_point(config: Config, ckpt: Checkpoints, train_examples: int) -> tupl
 def resumed_state(config: Config, steps, ckpt: Checkpoints, resumed: tuple[int, dict],
                   train_examples: int) -> tuple[int, dict, Any]:
     """(step, meta, state) of the newest step whose state restores, starting at `resumed` (the
-    step the model was built for). A corrupt state is quarantined and the step before it tried,
-    its metadata read and checked again."""
+    step the model was built for). A corrupt state is quarantined and the step before it used
+    (see Checkpoints.first_readable), its metadata read and checked again."""
     built_step, built_meta = resumed
 
     def read(step: int) -> tuple[dict, Any]:
         meta = built_meta if step == built_step else resumable_meta(config, ckpt, step, train_examples)
-        if meta.get("init_states") != built_meta.get("init_states"):  # the model was built with built_step's
-            raise UserError(f"checkpoint step {step} in {ckpt.directory} holds other init states than step {built_step}, "
-                            f"which was unreadable and quarantined; relaunch the same command to resume from step {step}")
         return meta, ckpt.restore_state(step, steps.abstract_state)
 
     step, (meta, state) = ckpt.first_readable(read)
+    if meta.get("init_states") != built_meta.get("init_states"):  # the model was built with built_step's
+        raise UserError(f"checkpoint step {step} in {ckpt.directory} holds other init states than step {built_step}, "
+                        f"which was unreadable and quarantined; relaunch the same command to resume from step {step}")
     return step, meta, state
 
 
@@ -240,12 +240,14 @@ def run_evaluators(config: Config, kind, steps, context: EvalContext) -> list:
     return evaluators
 
 
-def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: int, config_dict: dict) -> MetricsSinks:
-    return MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=config.run.wandb.mode,
-                        wandb_project=config.run.wandb.project, wandb_entity=config.run.wandb.entity,
-                        group=config.run.group, name=config.run.name, run_id=run_id, config=config_dict,
-                        total_steps=plan.total_steps, start_step=position, tags=list(config.run.wandb.tags),
-                        progress_bar=config.run.progress_bar)
+def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: int, config_dict: dict,
+               git_commit: str | None) -> MetricsSinks:
+    wb = config.run.wandb
+    return MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=wb.mode,
+                        wandb_project=wb.project, wandb_entity=wb.entity, group=config.run.group, name=config.run.name,
+                        run_id=run_id, config=config_dict, total_steps=plan.total_steps, start_step=position,
+                        tags=list(wb.tags), progress_bar=config.run.progress_bar, system_metrics=wb.system_metrics,
+                        console=wb.console, git_commit=git_commit)
 
 
 def run(config: Config) -> int:
@@ -288,9 +290,9 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     feeder, eval_feeder = (kind.make_feeder(split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed,
                                             prefetch=prefetch) for split, prefetch in ((train_split, True), (eval_split, False)))
     config_dict = to_dict(config)
-    sinks = open_sinks(config, plan, info, run_id, position, config_dict)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
+    sinks = open_sinks(config, plan, info, run_id, position, config_dict, manifest_lib.source_commit(manifest))
     status, exit_code, final = "failed", EXIT_FAILURE, None
     unhook = liveness.on_abrupt_exit(lambda code: record_abrupt_end(manifest, plan, code)) if info.is_primary else None
     try:

@@ -101,6 +101,11 @@ CONFIG_CASES = {
     "generate_puzzles=0": (["data.generate_puzzles=0"], ["data.generate_puzzles=0"]),
     "port=0": (["distributed.port=0"], ["distributed.port=0", "[1, 65535]"]),
     "init timeout=0": (["distributed.initialization_timeout_s=0"], ["distributed.initialization_timeout_s=0"]),
+    "liveness port=0": (["distributed.liveness_port=0"], ["distributed.liveness_port=0", "[1, 65535]"]),
+    "liveness port>65535": (["distributed.liveness_port=70000"], ["distributed.liveness_port=70000", "[1, 65535]"]),
+    "liveness timeout=0": (["distributed.liveness_timeout_s=0"], ["distributed.liveness_timeout_s=0.0", "> 0"]),
+    "liveness timeout>heartbeat/2": (["distributed.liveness_timeout_s=60"], [
+        "distributed.liveness_timeout_s=60 must be at most half of distributed.heartbeat_timeout_s=100"]),
     # registries and option names
     "unknown data.name": (["data.name=sudokuu"], ["data.name='sudokuu'", "sudoku"]),
     "unknown optimizer": (["optim.name=adamx"], ["optim.name='adamx'", "adamw"]),

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax scalars only; never probe for a TPU
 
@@ -37,7 +39,7 @@ def _isolated_wandb_env(monkeypatch, tmp_path_factory):
 
 
 def make_sinks(output_dir, *, mode="offline", is_primary=True, start_step=0, config=None,
-               total_steps=10):
+               total_steps=10, **options):
     return MetricsSinks(
         is_primary=is_primary,
         output_dir=output_dir,
@@ -51,6 +53,7 @@ def make_sinks(output_dir, *, mode="offline", is_primary=True, start_step=0, con
         total_steps=total_steps,
         start_step=start_step,
         tags=["test"],
+        **options,
     )
 
 
@@ -154,6 +157,43 @@ def test_resume_appends_and_keeps_run_id(tmp_path):
     assert [h["train/loss"] for r in runs for h in r.history] == [
         1.0 / (s + 1) for s in range(total)]
     assert [r.exit_code for r in runs] == [1, 0]
+
+
+def test_system_metrics_console_and_commit(tmp_path):
+    """Process 0's run carries W&B's system metrics, the console (our log lines as written, and
+    nothing once the run is closed: the `error:` line comes after) and the code's commit; each
+    part off when configured off."""
+    commit = "0123abcd" * 5
+    log = logging.getLogger("runtime.test_console")
+    handler = logging.StreamHandler()  # sys.stderr, as the trainer's logging.basicConfig
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        for name, options in [("on", dict(git_commit=commit)), ("off", dict(system_metrics=False, console="off"))]:
+            sinks = make_sinks(tmp_path / name, **options)
+            for step in range(3):
+                sinks.log(step, {"train/loss": 1.0 / (step + 1)})
+                log.info("%s: log line at step %d", name, step)
+            print(f"{name}: a line on stdout")
+            sinks.close()
+            print(f"error: {name}: after the run", file=sys.stderr)
+    finally:
+        log.removeHandler(handler)
+    import wandb
+
+    wandb.teardown()  # flush the offline logs before reading them
+
+    (on,) = read_offline_runs(tmp_path / "on")
+    assert on.git_commit == commit
+    assert on.stats and all(0 <= s["memory_percent"] <= 100 for s in on.stats)
+    console = (on.path / "files" / "output.log").read_text()
+    assert [f"on: log line at step {step}" in console for step in range(3)] == [True] * 3
+    assert "on: a line on stdout" in console and "error:" not in console
+
+    (off,) = read_offline_runs(tmp_path / "off")
+    assert (off.git_commit, off.stats) == ("", [])
+    assert not (off.path / "files" / "output.log").exists()
+    assert [h["train/loss"] for h in off.history] == [1.0, 0.5, 1 / 3]
 
 
 def test_non_primary_writes_nothing(tmp_path, capsys):

@@ -7,6 +7,7 @@ resume across process counts (the data order depends on (seed, step, global batc
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -56,8 +57,12 @@ def test_two_process_pod_matches_single_process(sudoku_dir, tmp_path, single_pro
     assert runs[0].config["train"]["global_batch_size"] == 16 and runs[0].group == "test"
     p1 = [line for line in log.splitlines() if line.startswith("[p1]")]
     assert p1 and not any(" INFO " in line for line in p1)
-    manifest = (tmp_path / "test" / "t" / "run_manifest.json").read_text()
-    assert '"process_count": 2' in manifest and '"status": "completed"' in manifest
+    manifest = json.loads((tmp_path / "test" / "t" / "run_manifest.json").read_text())
+    assert manifest["process_count"] == 2 and manifest["status"] == "completed"
+    # Process 0's W&B run: system metrics, its console (the trainer's log lines) and the commit.
+    assert runs[0].stats and manifest["git_commit"] and runs[0].git_commit == manifest["git_commit"]
+    console = (runs[0].path / "files" / "output.log").read_text()
+    assert "compiled train step in" in console and "saving the checkpoint of step 8" in console
 
 
 @pytest.mark.parametrize("first,then", [("pod", "single"), ("single", "pod")])

@@ -1,7 +1,8 @@
 """Resuming from damaged checkpoints: an unreadable latest step is quarantined (moved aside, never
 deleted) and the run resumes from the previous complete step with the losses of an uninterrupted
-run; a config that does not fit is refused and nothing is moved; a changed train.steps is logged
-and recorded in the manifest.
+run; no readable step, a failure every step shares, or one with no sign of damage moves nothing;
+a config that does not fit is refused and nothing is moved; a changed train.steps is logged and
+recorded in the manifest.
 
 One run of the shared reference config writes steps 20, 40 and 60 (module fixture); each test
 damages a copy of it and relaunches with the same overrides."""
@@ -102,24 +103,47 @@ def test_unreadable_latest_step_is_quarantined_and_the_previous_one_resumed(
 
 
 @pytest.mark.slow
-def test_no_readable_step_left_is_one_line_and_keeps_everything(sudoku_dir, tmp_path, trained):
+def test_no_readable_step_left_is_one_line_and_moves_nothing(sudoku_dir, tmp_path, trained):
     root = copy_run(trained, tmp_path)
     ckpt = root / CKPT
     truncate_array_file(ckpt / "60")  # found when restoring the state, after the model is built
     garble_meta(ckpt / "40")  # found when reading the metadata again
     remove_state_item(ckpt / "20")
-    before = {step: files_under(ckpt / step) for step in ("20", "40", "60")}
+    before = files_under(ckpt)
 
     result = train(overrides(sudoku_dir, root), check=False)
-    error = assert_user_error(result, f"no readable checkpoint is left in {ckpt}", "new run.name", "backup")
-    moved = quarantined(ckpt)
-    assert [p.name.split("-")[1] for p in moved] == ["20", "40", "60"] and all(str(p) in error for p in moved)
-    assert {p.name.split("-")[1]: files_under(p) for p in moved} == before
-    assert not [p for p in ckpt.iterdir() if p.name.isdigit()]
+    assert_user_error(result, f"no checkpoint step in {ckpt} can be read: steps 60, 40, 20 (step 60: state: OUT_OF_RANGE",
+                      "nothing was moved", "backup", "new run.name")
+    assert files_under(ckpt) == before and not quarantined(ckpt)
 
-    again = train(overrides(sudoku_dir, root), check=False)  # relaunched: refused again, never started over
-    assert_user_error(again, f"no readable checkpoint is left in {ckpt}", moved[0].name)
-    assert quarantined(ckpt) == moved
+    # Every step moved aside (as an earlier version did): refused, never started over.
+    for step in ("20", "40", "60"):
+        (ckpt / step).rename(ckpt / f"quarantined-{step}-20250101T000000Z")
+    again = train(overrides(sudoku_dir, root), check=False)
+    assert_user_error(again, f"no readable checkpoint is left in {ckpt}", "quarantined-60-")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure,needles", ids=["same-damage-every-step", "no-sign-of-damage"], argvalues=[
+    # looks like damage, but every step fails so: a common cause, stop at the second step
+    (lambda: ValueError('DATA_LOSS: Error reading "params" in OCDBT database'),
+     ["checkpoint steps 60, 40 in", "fail to read in the same way", "(step 60: state: DATA_LOSS"]),
+    # no sign of damage at all (a code bug): stop at the first step
+    (lambda: TypeError("restore() got an unexpected keyword argument 'args'"),
+     ["cannot read checkpoint step 60 in", "unexpected keyword argument", "nothing says its files are damaged"]),
+])
+def test_a_restore_failure_on_every_step_moves_nothing(failure, needles, sudoku_dir, tmp_path, trained, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    def restore(*args, **kwargs):
+        raise failure()
+
+    root = copy_run(trained, tmp_path)
+    before = files_under(root / CKPT)
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", restore)
+    result = train(overrides(sudoku_dir, root), check=False)
+    assert_user_error(result, *needles)
+    assert files_under(root / CKPT) == before and not quarantined(root / CKPT)
 
 
 @pytest.mark.slow
@@ -209,6 +233,23 @@ def test_storage_access_errors_are_not_corruption():
     with pytest.raises(json.JSONDecodeError) as bad_json:
         json.loads("{garbled")
     assert not is_access_error(bad_json.value)
+
+
+def test_only_a_sign_of_damage_makes_a_step_corrupt():
+    from runtime.checkpointing import damage_sign
+
+    assert damage_sign(ValueError('OUT_OF_RANGE: Error reading "w/0.0" in OCDBT database')) == "OUT_OF_RANGE"
+    assert damage_sign(ValueError('FAILED_PRECONDITION: Error reading "w/0.0" in OCDBT database')) == "Error reading"
+    assert damage_sign(FileNotFoundError("Metadata file (named _METADATA) does not exist")) == "FileNotFoundError"
+    try:
+        try:
+            json.loads("")
+        except json.JSONDecodeError as e:
+            raise StopIteration(0) from e  # how Orbax wraps an empty JSON file
+    except StopIteration as wrapped:
+        assert damage_sign(wrapped) == "JSONDecodeError"
+    assert damage_sign(TypeError("restore() got an unexpected keyword argument 'args'")) is None
+    assert damage_sign(ValueError("FAILED_PRECONDITION: unsupported manifest version")) is None
 
 
 POD_SCRIPT = r"""

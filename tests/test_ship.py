@@ -115,12 +115,16 @@ def test_a_huge_tree_or_no_git_repo_is_refused_in_one_line(tree, tmp_path):
 
 
 def test_the_manifest_records_the_shipped_tree(tree, tmp_path, monkeypatch):
-    from runtime.manifest import new_manifest
+    from runtime import manifest
     record = pack_tree(tree, tmp_path).shipped_record()
+    checkout = manifest.new_manifest(config={}, plan={}, run_id="r", resumed_from=None)
+    assert checkout["shipped"] is None and manifest.source_commit(checkout) == checkout["git_commit"]
     monkeypatch.setenv("PODRUNNER_SHIPPED_TREE", json.dumps(record))
-    assert new_manifest(config={}, plan={}, run_id="r", resumed_from=None)["shipped"] == record
-    monkeypatch.delenv("PODRUNNER_SHIPPED_TREE")
-    assert new_manifest(config={}, plan={}, run_id="r", resumed_from=None)["shipped"] is None
+    monkeypatch.setattr(manifest, "_git", lambda *args: None)  # a shipped tree has no .git
+    shipped = manifest.new_manifest(config={}, plan={}, run_id="r", resumed_from=None)
+    assert shipped["shipped"] == record and shipped["git_commit"] is None
+    # W&B gets the shipped tree's base commit (runtime.metrics_sinks.wandb_settings)
+    assert record["base_commit"] and manifest.source_commit(shipped) == record["base_commit"]
 
 
 # --- launch.py pod --ship on the fake gcloud --------------------------------------------------

@@ -45,6 +45,8 @@ class OfflineRun:
     files: list[str] = field(default_factory=list)  # paths relative to the run's files/
     exit_code: int | None = None  # None: the run never finished
     start_time: float = 0.0
+    git_commit: str = ""  # the run's git metadata ("" when none was recorded)
+    stats: list[dict] = field(default_factory=list)  # system-metrics samples ({"memory_percent": ...})
 
 
 def iter_records(path: str | Path) -> Iterator[pb.Record]:
@@ -116,6 +118,7 @@ def read_run_dir(run_dir: str | Path) -> OfflineRun:
             run.run_id, run.project = r.run_id, r.project
             run.group, run.name, run.tags = r.run_group, r.display_name, list(r.tags)
             run.start_time = r.start_time.seconds + r.start_time.nanos * 1e-9
+            run.git_commit = r.git.commit
             for item in r.config.update:
                 _set(run.config, _key_path(item), json.loads(item.value_json))
         elif kind == "config":
@@ -135,6 +138,8 @@ def read_run_dir(run_dir: str | Path) -> OfflineRun:
                 _remove(run.summary, _key_path(item))
         elif kind == "files":
             run.files.extend(f.path for f in record.files.files if f.path not in run.files)
+        elif kind == "stats":
+            run.stats.append({item.key: json.loads(item.value_json) for item in record.stats.item})
         elif kind == "exit":
             run.exit_code = record.exit.exit_code
     run.config.pop("_wandb", None)
