@@ -1,6 +1,6 @@
 """Gemma fine-tuning through the real entry point: a 2 x 4 pod matches one process, pretrained
 weights load into the trainer, LoRA trains only the adapters, and the merged export reloads
-into the same logits."""
+into the same logits, here and in transformers."""
 
 from __future__ import annotations
 
@@ -125,6 +125,14 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     want = Gemma(lcfg).apply({"params": jax.tree.map(jnp.asarray, params)}, tokens)
     np.testing.assert_allclose(Gemma(cfg).apply({"params": merged}, tokens), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(Gemma(cfg).apply({"params": reloaded}, tokens), want, rtol=1e-4, atol=1e-4)
+    # ... and so does transformers, the export's real consumer (config.json included).
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="float32", attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, want, rtol=1e-4, atol=1e-4)
 
 
 def test_cpu_demo_learns_the_format(tmp_path):
