@@ -255,6 +255,21 @@ def test_padded_rows_are_masked_in_logits_loss_and_sampling():
     assert np.asarray(out).max() < 40 and len(np.unique(np.asarray(out))) > 10  # sampled widely, never a padding id
 
 
+def test_padding_is_dropped_on_export_and_added_back_with_a_note(tmp_path, caplog):
+    from models.gemma.weights import export_hf, load_params
+
+    params = random_params(PADDED, zero_from=40)
+    export_hf(params, PADDED, str(tmp_path / "hf"), dtype="float32")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 40
+    cfg = arch_of("arch=gemma", f"arch.checkpoint={tmp_path / 'hf'}", "arch.vocab_size=64")
+    assert (cfg.vocab_size, cfg.real_vocab_size) == (64, 40)
+    with caplog.at_level("INFO", logger="models.gemma.weights"):
+        loaded = load_params(str(tmp_path / "hf"), cfg)
+    notes = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
+    assert len(notes) == 1 and "24 zero rows" in notes[0] and "-inf" in notes[0], notes
+    np.testing.assert_array_equal(loaded["embedder"]["input_embedding"], params["embedder"]["input_embedding"])
+
+
 def test_token_ids_out_of_range_are_an_error_not_nan():
     params = random_params(PADDED)
     for bad in (40, 64, 1000, -1):  # padding rows, past the table, negative

@@ -356,6 +356,11 @@ def test_load_from_gcs_emulator(ckpts, tmp_path, monkeypatch):
         fs.put(str(sharded), "weights/g2/hf", recursive=True)
         fs.put(str(kaggle), "weights/g2/kaggle", recursive=True)
         mesh = mesh8()
+        # The arch is read from gs:// config.json alone (when the config is validated): nothing copied yet.
+        from models.gemma.checkpoint_arch import read_checkpoint_arch
+
+        assert read_checkpoint_arch("gs://weights/g2/hf") == ("hf", arch_from_hf(W.hf_config(cfg), "x"))
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
         got = W.load_params("gs://weights/g2/hf", cfg, shardings(cfg, mesh))
         assert_tree(got, ref, cfg.param_dtype)
         assert len(list((tmp_path / "cache").rglob("*.safetensors"))) > 1

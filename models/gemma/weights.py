@@ -9,12 +9,16 @@ stacked [L, ...] params: only the requested layers, each sliced). What holds hos
   the right size is not fetched again), so each host needs disk for the checkpoint.
 - Kaggle: read with TensorStore slice reads through Orbax's own read spec (local or gs://,
   no copy); same per-callback footprint.
-Vocabulary rows: the checkpoint's embedding table may have more or fewer rows than
-`cfg.vocab_size` (HF Gemma 1/2: 256000 vs the Flax table's 256128; HF Gemma 3: 262208 vs
-262144). Rows [0, min) are copied, missing rows are zero, extra rows are dropped (logged).
-HF RMSNorm weights use the same (1 + w) convention and RoPE needs no permutation.
+Vocabulary rows: the checkpoint's embedding table may have fewer rows than `cfg.vocab_size`
+(HF Gemma 1/2: 256000 in the presets' 256128-row table): missing rows are zero, logged as
+padding, and masked to -inf by `cfg.real_vocab_size` (models/gemma/checkpoint_arch.py sets it
+from the checkpoint). Extra rows are dropped (logged). The arch itself comes from the
+checkpoint's config.json before anything is built (checkpoint_arch.py); here it is checked
+against the tensors' shapes. HF RMSNorm weights use the same (1 + w) convention and RoPE needs
+no permutation.
 
-`export_hf` writes HF safetensors (+ index when sharded) and config.json, streaming one tensor
+`export_hf` writes HF safetensors (+ index when sharded) and config.json (hf_config.py: what
+transformers 5.x loads; an arch it cannot express is refused before anything is written), streaming one tensor
 at a time from device to file (process 0 writes; every process joins the gathers). Params
 with LoRA leaves must be merged first: pass `merge=models.gemma.lora.merge_lora`.
 `write_kaggle` writes the Kaggle layout with Orbax (bf16).
