@@ -282,6 +282,16 @@ def test_token_ids_out_of_range_are_an_error_not_nan():
     build_task(PADDED, DataShape(examples=1, vocab_size=40, seq_len=8))
 
 
+def test_a_padded_preset_plans_without_its_dataset(tmp_path):
+    """compile_only plans an unbuilt SFT set with the ids the model uses, not its padded table."""
+    from runtime.registry import dataset_kind
+
+    config = compose_config(["+experiment=gemma_sft/gemma2b_full_v5e8", f"data.path={tmp_path / 'none'}"])
+    shape = dataset_kind("sft").planned_shape(config.data, config)
+    assert shape.vocab_size == config.arch.real_vocab_size == 256000
+    build_task(config.arch, shape)
+
+
 # ------------------------------------------------------------------ round trip through transformers
 HF_TINY = {  # small enough for CPU, windows shorter than the sequence so local layers really mask
     1: ("GemmaConfig", dict(num_hidden_layers=2, num_key_value_heads=1)),
