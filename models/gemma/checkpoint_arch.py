@@ -25,7 +25,6 @@ from typing import Any
 from models.gemma.config import GemmaConfig
 from models.gemma.hf_config import HF_FIELDS, WeightsError, arch_from_hf
 
-SHAPE_FIELDS = ("version", "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _DEFAULTS = GemmaConfig()
 
 
