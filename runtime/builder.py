@@ -109,8 +109,8 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
         saved = OmegaConf.create(meta["config"])
         saved.arch = OmegaConf.merge(OmegaConf.structured(family_of_saved(saved.arch).schema), saved.arch)
         config = validate(saved)
-        shape = DataShape(examples=int(meta["data_position"]["train_examples"]),
-                          vocab_size=getattr(config.arch, "vocab_size", 1), seq_len=8)
+        vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 1)  # not padding
+        shape = DataShape(examples=int(meta["data_position"]["train_examples"]), vocab_size=vocab, seq_len=8)
         _, _, steps = plan_and_build(config, devices=jax.devices(), num_processes=jax.process_count(), shape=shape,
                                      init_states=meta.get("init_states"))
         return config, step, ckpt.restore_state(step, steps.abstract_state).params

@@ -36,7 +36,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="output folder (local or gs://)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--vocab-size", type=int, help="embedding rows to write (e.g. 256000 for HF Gemma 1/2)")
+    ap.add_argument("--vocab-size", type=int, help="embedding rows to write (default: the rows in use, without "
+                    "padding: arch.real_vocab_size or arch.vocab_size)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:

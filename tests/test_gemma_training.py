@@ -1,9 +1,10 @@
 """Gemma fine-tuning through the real entry point: a 2 x 4 pod matches one process, pretrained
 weights load into the trainer, LoRA trains only the adapters, and the merged export reloads
-into the same logits."""
+into the same logits, here and in transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -94,8 +95,9 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     assert logged["eval/loss"] == pytest.approx(_eval_loss(cfg, base, sft_dir, 16), rel=1e-5)
 
     # LoRA from those weights: the base stays bit-identical, adapters move, optimizer state is adapters only.
+    # The table is padded from the checkpoint's 512 rows to 640 (zero rows, masked to -inf).
     lora = overrides(sft_dir, tmp_path, "lora", 3) + [f"arch.checkpoint={hf}", "arch.lora_rank=4", "arch.lora_alpha=8",
-                                                     "optim.lr=1e-2"]
+                                                     "optim.lr=1e-2", "arch.vocab_size=640"]
     train(lora)
     ckpt = Checkpoints(str(tmp_path / "g" / "lora" / "checkpoints"), keep=3, async_save=False)
     import orbax.checkpoint as ocp
@@ -107,7 +109,8 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     base_flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(base)}
     assert set(base_flat) < set(flat)
     for k, v in base_flat.items():
-        np.testing.assert_array_equal(np.asarray(flat[k]), np.asarray(v), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(flat[k])[:len(v)], np.asarray(v), err_msg=k)
+    assert not np.asarray(flat["['embedder']['input_embedding']"])[512:].any()
     lora_b = [k for k in flat if k.endswith("['lora_b']")]
     assert lora_b and all(np.abs(np.asarray(flat[k])).max() > 0 for k in lora_b)
     opt_leaves = [np.asarray(x) for x in jax.tree.leaves(state["opt_state"]) if np.ndim(x) > 0]
@@ -118,13 +121,24 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     out = tmp_path / "exported"
     assert export_main(["--checkpoint-dir", str(tmp_path / "g" / "lora" / "checkpoints"), "--out", str(out),
                         "--dtype", "float32"]) == 0
-    lcfg = tiny_config(lora_rank=4, lora_alpha=8.0)
+    lcfg = tiny_config(lora_rank=4, lora_alpha=8.0, vocab_size=640, real_vocab_size=512)
     merged = merge_lora(jax.tree.map(jnp.asarray, params), lcfg)
-    reloaded = load_params(str(out), cfg)
+    reloaded = load_params(str(out), cfg)  # the export drops the padding: 512 rows again
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 12)), jnp.int32)
-    want = Gemma(lcfg).apply({"params": jax.tree.map(jnp.asarray, params)}, tokens)
-    np.testing.assert_allclose(Gemma(cfg).apply({"params": merged}, tokens), want, rtol=1e-4, atol=1e-4)
+    padded = Gemma(lcfg).apply({"params": jax.tree.map(jnp.asarray, params)}, tokens)
+    want = padded[..., :512]
+    assert bool(jnp.all(padded[..., 512:] == -jnp.inf))
+    np.testing.assert_allclose(Gemma(dataclasses.replace(lcfg, lora_rank=0)).apply({"params": merged}, tokens), padded,
+                               rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(Gemma(cfg).apply({"params": reloaded}, tokens), want, rtol=1e-4, atol=1e-4)
+    # ... and so does transformers, the export's real consumer (config.json included).
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="float32", attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, want, rtol=1e-4, atol=1e-4)
 
 
 def test_cpu_demo_learns_the_format(tmp_path):

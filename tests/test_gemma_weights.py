@@ -24,7 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from models.gemma import weights as W  # noqa: E402
+from models.gemma.checkpoint_arch import model_differences  # noqa: E402
 from models.gemma.config import GemmaConfig  # noqa: E402
+from models.gemma.hf_config import arch_from_hf  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 CFGS = {  # Gemma 1 K == H (Kaggle qkv_einsum) and K == 1; Gemma 2 (vocab 67: not divisible); Gemma 3 K == 1
@@ -294,14 +296,18 @@ def test_export_hf_round_trip(ckpts, tmp_path, name):
     assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
             c["num_key_value_heads"], c["head_dim"], c["vocab_size"]) == (
         cfg.embed_dim, cfg.hidden_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
-    assert c["rope_theta"] == cfg.rope_base_global and c["tie_word_embeddings"] is True
+    assert c["tie_word_embeddings"] is True
     if cfg.version == 2:
         assert (c["sliding_window"], c["attn_logit_softcapping"], c["final_logit_softcapping"],
-                c["query_pre_attn_scalar"]) == (4, 50.0, 30.0, 8.0)
+                c["query_pre_attn_scalar"]) == (4, 50.0, 30.0, 8)
         assert c["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
     if cfg.version == 3:
-        assert c["rope_local_base_freq"] == 10_000.0 and c["sliding_window_pattern"] == 3
-        assert c["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and c["query_pre_attn_scalar"] == 16
+        assert c["rope_parameters"] == {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+        assert c["query_pre_attn_scalar"] == 16 and c["layer_types"][2] == "full_attention"
+    # Read back (as arch.checkpoint does): the same model. transformers itself: tests/test_gemma_hf.py.
+    back = dataclasses.replace(cfg, **arch_from_hf(c, "config.json"))
+    assert model_differences(back, cfg) == []
 
     # Sharded files + index; the embedding truncated to fewer rows.
     files = W.export_hf(params, cfg, str(tmp_path / "many"), max_shard_bytes=3000, vocab_size=cfg.vocab_size - 2)
@@ -350,6 +356,11 @@ def test_load_from_gcs_emulator(ckpts, tmp_path, monkeypatch):
         fs.put(str(sharded), "weights/g2/hf", recursive=True)
         fs.put(str(kaggle), "weights/g2/kaggle", recursive=True)
         mesh = mesh8()
+        # The arch is read from gs:// config.json alone (when the config is validated): nothing copied yet.
+        from models.gemma.checkpoint_arch import read_checkpoint_arch
+
+        assert read_checkpoint_arch("gs://weights/g2/hf") == ("hf", arch_from_hf(W.hf_config(cfg), "x"))
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
         got = W.load_params("gs://weights/g2/hf", cfg, shardings(cfg, mesh))
         assert_tree(got, ref, cfg.param_dtype)
         assert len(list((tmp_path / "cache").rglob("*.safetensors"))) > 1

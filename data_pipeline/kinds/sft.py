@@ -40,7 +40,8 @@ class SFTKind(DatasetKind):
             return DataShape(examples=m.num_rows, vocab_size=m.vocab_size, seq_len=m.seq_len, packed=m.packed,
                              source=f"dataset {data.path}")
         except (DatasetError, FileNotFoundError):
-            return DataShape(examples=UNBUILT_ROWS, vocab_size=getattr(config.arch, "vocab_size", 0),
+            vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 0)  # not padding
+            return DataShape(examples=UNBUILT_ROWS, vocab_size=vocab,
                              seq_len=data.seq_len, source=f"SFT set not built; data.seq_len={data.seq_len}")
 
     def is_built(self, data: Any) -> bool:

@@ -36,6 +36,7 @@ LORA_TARGETS = ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "li
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LOSSES = ("chunked", "plain")
 CHECKPOINT_FORMATS = ("auto", "hf", "kaggle")
+NORM_EPS = 1e-6  # RMSNorm epsilon of every Gemma
 
 
 @dataclass
@@ -51,6 +52,9 @@ class GemmaConfig(Freezable):
     num_kv_heads: int = 2  # K; 1 = multi-query
     head_dim: int = 16  # hd
     vocab_size: int = 512  # rows of the embedding table (may exceed the tokenizer's vocab)
+    # Ids in use: rows at or past it are padding (e.g. an HF table of 256000 rows in a 256128-row
+    # one), their logits -inf in the loss, the logits and sampling. None = every row.
+    real_vocab_size: Optional[int] = None
     # Attention pattern: layer i is global when (i + 1) % global_every == 0, else local with
     # `sliding_window` (a key is visible when key_pos > query_pos - window). 1 = all global.
     global_every: int = 1
@@ -74,13 +78,21 @@ class GemmaConfig(Freezable):
     lora_alpha: float = 16.0
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     # Pretrained weights to start from: a Hugging Face safetensors file or folder, or a Kaggle
-    # Flax/Orbax checkpoint folder; local path or gs://. None = random init.
+    # Flax/Orbax checkpoint folder; local path or gs://. None = random init. Its config.json (HF;
+    # a Kaggle checkpoint: its tensor shapes) sets the fields above that it determines, before
+    # anything compiles (models/gemma/checkpoint_arch.py): a field left at its default here takes
+    # the checkpoint's value, one set to another value is an error.
     checkpoint: Optional[str] = None
     checkpoint_format: str = "auto"  # auto | hf | kaggle
 
-    # Checked by models/gemma/task.py `validate`: sizes >= 1 (lora_rank >= 0), num_kv_heads divides
+    # Checked by models/gemma/task.py `validate`: sizes >= 1 (lora_rank >= 0), real_vocab_size <= vocab_size, num_kv_heads divides
     # num_heads (each kv head serves num_heads / num_kv_heads query heads; head_dim is free, not
     # embed_dim / num_heads), dtype names, and the option strings above.
+
+    @property
+    def vocab_in_use(self) -> int:
+        """Ids the model accepts and emits: [0, token_ids)."""
+        return self.real_vocab_size or self.vocab_size
 
     @property
     def post_norms(self) -> bool:

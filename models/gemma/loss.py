@@ -22,11 +22,20 @@ from models.flops import in_analysis
 from runtime.task import IGNORE_LABEL
 
 
-def _token_terms(h: jax.Array, embedding: jax.Array, labels: jax.Array, softcap: float | None):
+def mask_padding(logits: jax.Array, vocab_in_use: int | None) -> jax.Array:
+    """Logits [..., V] with the padding rows' columns (ids >= vocab_in_use) at -inf."""
+    if vocab_in_use is None or vocab_in_use >= logits.shape[-1]:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_in_use, logits, -jnp.inf)
+
+
+def _token_terms(h: jax.Array, embedding: jax.Array, labels: jax.Array, softcap: float | None,
+                 vocab_in_use: int | None = None):
     """h [N, D], labels [N] -> (loss sum, correct count, token count) over non-ignored tokens."""
     logits = jnp.einsum("nd,vd->nv", h, embedding, preferred_element_type=jnp.float32)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
+    logits = mask_padding(logits, vocab_in_use)
     valid = labels != IGNORE_LABEL
     safe = jnp.where(valid, labels, 0)
     label_logit = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
@@ -41,15 +50,17 @@ def _flatten(hidden: jax.Array, labels: jax.Array):
 
 
 def plain_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *,
-                        softcap: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                        softcap: float | None = None,
+                        vocab_in_use: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """hidden [B, T, D], embedding [V, D], labels [B, T] -> (loss_sum, stats). Materialises [B*T, V]."""
     h, y = _flatten(hidden, labels)
-    loss, correct, tokens = _token_terms(h, embedding, y, softcap)
+    loss, correct, tokens = _token_terms(h, embedding, y, softcap, vocab_in_use)
     return loss, {"tokens": tokens, "correct": correct}
 
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *, chunk_size: int,
-                          softcap: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                          softcap: float | None = None,
+                          vocab_in_use: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Same results as `plain_cross_entropy`, holding one chunk's [chunk_size, V] logits at a time."""
     h, y = _flatten(hidden, labels)
     n, d = h.shape
@@ -69,7 +80,7 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.A
     # backward pass recomputes the chunk's logits rather than storing [N, V] of them.
     @jax.checkpoint
     def chunk(h_c, y_c):
-        return _token_terms(h_c, embedding, y_c, softcap)
+        return _token_terms(h_c, embedding, y_c, softcap, vocab_in_use)
 
     def body(carry, xs):
         loss, correct, tokens = chunk(*xs)
@@ -81,10 +92,13 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.A
 
 
 def cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array, *, kind: str = "chunked",
-                  chunk_size: int = 512, softcap: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Dispatch on `GemmaConfig.loss` ("chunked" | "plain")."""
+                  chunk_size: int = 512, softcap: float | None = None,
+                  vocab_in_use: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Dispatch on `GemmaConfig.loss` ("chunked" | "plain"). Ids >= vocab_in_use (padding rows)
+    get logit -inf."""
     if kind == "chunked" and not in_analysis():  # analysis: no loop, so every chunk counts
-        return chunked_cross_entropy(hidden, embedding, labels, chunk_size=chunk_size, softcap=softcap)
+        return chunked_cross_entropy(hidden, embedding, labels, chunk_size=chunk_size, softcap=softcap,
+                                     vocab_in_use=vocab_in_use)
     if kind in ("plain", "chunked"):
-        return plain_cross_entropy(hidden, embedding, labels, softcap=softcap)
+        return plain_cross_entropy(hidden, embedding, labels, softcap=softcap, vocab_in_use=vocab_in_use)
     raise ValueError(f"unknown loss kind {kind!r} (chunked | plain)")

@@ -16,13 +16,15 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.flops import in_analysis
 from models.gemma import lora
-from models.gemma.config import REMAT_POLICIES, GemmaConfig
+from models.gemma.config import NORM_EPS, REMAT_POLICIES, GemmaConfig
+from models.gemma.loss import mask_padding
 from models.layers import dtype_from_name
+from runtime.errors import UserError
 
-NORM_EPS = 1e-6
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked row gives no NaN
 
 _REMAT_POLICY = {
@@ -47,11 +49,28 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def logits_from_hidden(hidden: jax.Array, embedding: jax.Array, cfg: GemmaConfig) -> jax.Array:
-    """Tied output layer: hidden [..., D] @ E^T with float32 accumulation, then the final softcap."""
+    """Tied output layer: hidden [..., D] @ E^T with float32 accumulation, then the final softcap;
+    padding rows (ids >= cfg.vocab_in_use) at -inf, so sampling never picks them."""
     dtype = dtype_from_name(cfg.dtype)
     logits = jnp.einsum("...d,vd->...v", hidden.astype(dtype), embedding.astype(dtype),
                         preferred_element_type=jnp.float32)
-    return softcap(logits, cfg.final_logit_softcap)
+    return mask_padding(softcap(logits, cfg.final_logit_softcap), cfg.vocab_in_use)
+
+
+class TokenIdError(UserError, ValueError):
+    """Token ids outside the model's vocabulary (the embedding lookup would give NaN)."""
+
+
+def check_token_ids(tokens: Any, cfg: GemmaConfig, what: str = "tokens") -> None:
+    """Raise TokenIdError for ids outside [0, cfg.vocab_in_use); no-op on traced values (under
+    jit the ids are checked where they come from: the data set's metadata, the tokenizer)."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_in_use):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise TokenIdError(f"{what} hold id {bad}, outside the model's vocabulary [0, {cfg.vocab_in_use}) "
+                           "(arch.real_vocab_size or arch.vocab_size); tokenize with the model's tokenizer")
 
 
 def rope_table(positions: jax.Array, head_dim: int, base: float, scale: float) -> tuple[jax.Array, jax.Array]:
@@ -216,6 +235,7 @@ class Gemma(nn.Module):
         cfg = self.config
         dtype = dtype_from_name(cfg.dtype)
         B, T = tokens.shape
+        check_token_ids(tokens, cfg)
         if positions is None:
             if cache is not None:
                 raise ValueError("decoding with a cache needs explicit positions")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from models.gemma.config import GemmaConfig
 from models.gemma.decode import decode_step, prefill
-from models.gemma.model import Gemma
+from models.gemma.model import Gemma, check_token_ids
 
 
 def _pick(logits: jax.Array, temperature: float, rng: jax.Array | None, t) -> jax.Array:
@@ -41,6 +41,7 @@ def generate(params: Any, cfg: GemmaConfig, prompt_tokens: jax.Array, prompt_len
              max_new_tokens: int, temperature: float = 0.0, rng: jax.Array | None = None,
              stop_ids: Sequence[int] = (1,), pad_id: int = 0) -> jax.Array:
     """Sample up to max_new_tokens per row with the KV cache; stops early when every row stopped."""
+    check_token_ids(prompt_tokens, cfg, "prompt_tokens")
     params = nn.meta.unbox(params)
     B, P = prompt_tokens.shape
     lengths = prompt_lengths.astype(jnp.int32)
@@ -66,6 +67,7 @@ def generate_without_cache(params: Any, cfg: GemmaConfig, prompt_tokens: jax.Arr
                            max_new_tokens: int, temperature: float = 0.0, rng: jax.Array | None = None,
                            stop_ids: Sequence[int] = (1,), pad_id: int = 0) -> jax.Array:
     """Same contract as `generate`, recomputing the whole sequence every step (slow, simple)."""
+    check_token_ids(prompt_tokens, cfg, "prompt_tokens")
     params = nn.meta.unbox(params)
     B = prompt_tokens.shape[0]
     lengths = prompt_lengths.astype(jnp.int32)

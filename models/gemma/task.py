@@ -22,7 +22,7 @@ from models.flops import attention_core, frozen, matmul, trained
 from models.gemma.config import CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
 from models.gemma.lora import is_lora_path
 from models.gemma.loss import cross_entropy
-from models.gemma.model import Gemma
+from models.gemma.model import Gemma, check_token_ids
 from models.layers import check_at_least, check_dtype_names, dtype_from_name
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
@@ -52,7 +52,8 @@ class GemmaTask(Task):
                                   return_hidden=True)
         embedding = params["embedder"]["input_embedding"].astype(dtype_from_name(self.cfg.dtype))
         loss_sum, stats = cross_entropy(hidden, embedding, batch["labels"], kind=self.cfg.loss,
-                                        chunk_size=self.cfg.loss_chunk_size, softcap=self.cfg.final_logit_softcap)
+                                        chunk_size=self.cfg.loss_chunk_size, softcap=self.cfg.final_logit_softcap,
+                                        vocab_in_use=self.cfg.vocab_in_use)
         return {"loss_sum": loss_sum, "tokens": stats["tokens"], "correct": stats["correct"]}
 
     def train_loss(self, params, carry, batch, rng, step=None):
@@ -149,6 +150,7 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
     rows = -(-n // batch_size) * batch_size
     tokens, lengths = split.prompts(np.arange(rows) % n)  # the last batch wraps around; extra rows are dropped
     tokens = tokens[:, :int(lengths.max())]
+    check_token_ids(tokens, task.cfg, "eval prompts")
     answers = split.answers(np.arange(n))
     stop = (tokenizer.eos_id, tokenizer.end_of_turn_id)
     sharding = batch_sharding(mesh, 1)
@@ -200,16 +202,27 @@ def gemma_flops_per_token(cfg: GemmaConfig, seq_len: int) -> float:
 
 
 def build_task(arch: GemmaConfig, shape: DataShape, **_: Any) -> GemmaTask:
-    if shape.vocab_size > arch.vocab_size:
-        raise UserError(f"the tokenizer has {shape.vocab_size} ids but arch.vocab_size={arch.vocab_size} embedding rows; "
-                        f"set arch.vocab_size >= {shape.vocab_size}")
+    if shape.vocab_size > arch.vocab_in_use:
+        what = (f"arch.vocab_size={arch.vocab_size} embedding rows" if arch.real_vocab_size is None else
+                f"the model uses only {arch.vocab_in_use} (arch.real_vocab_size; the other rows are padding)")
+        raise UserError(f"the tokenizer has {shape.vocab_size} ids but {what}; use the model's own tokenizer, or "
+                        f"set arch.vocab_size >= {shape.vocab_size} without a checkpoint")
     return GemmaTask(arch, packed=shape.packed)
 
 
 def validate(arch: GemmaConfig) -> None:
+    """Checks the arch; with arch.checkpoint, first sets the fields the checkpoint determines
+    (in place, before the config is frozen: models/gemma/checkpoint_arch.py)."""
+    if arch.checkpoint:
+        from models.gemma.checkpoint_arch import resolve_arch
+
+        resolve_arch(arch)
     check_at_least(arch, 1, "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim",
                    "vocab_size", "global_every", "loss_chunk_size")
     check_at_least(arch, 0, "lora_rank")
+    if arch.real_vocab_size is not None and not 0 < arch.real_vocab_size <= arch.vocab_size:
+        raise UserError(f"arch.real_vocab_size={arch.real_vocab_size} must be in 1..arch.vocab_size={arch.vocab_size} "
+                        "(the ids in use; rows past it are padding); set it in that range or to null")
     if arch.num_heads % arch.num_kv_heads:
         divisors = [k for k in range(1, arch.num_heads + 1) if arch.num_heads % k == 0]
         raise UserError(f"arch.num_kv_heads={arch.num_kv_heads} does not divide arch.num_heads={arch.num_heads} (each kv "

@@ -9,12 +9,16 @@ stacked [L, ...] params: only the requested layers, each sliced). What holds hos
   the right size is not fetched again), so each host needs disk for the checkpoint.
 - Kaggle: read with TensorStore slice reads through Orbax's own read spec (local or gs://,
   no copy); same per-callback footprint.
-Vocabulary rows: the checkpoint's embedding table may have more or fewer rows than
-`cfg.vocab_size` (HF Gemma 1/2: 256000 vs the Flax table's 256128; HF Gemma 3: 262208 vs
-262144). Rows [0, min) are copied, missing rows are zero, extra rows are dropped (logged).
-HF RMSNorm weights use the same (1 + w) convention and RoPE needs no permutation.
+Vocabulary rows: the checkpoint's embedding table may have fewer rows than `cfg.vocab_size`
+(HF Gemma 1/2: 256000 in the presets' 256128-row table): missing rows are zero, logged as
+padding, and masked to -inf by `cfg.real_vocab_size` (models/gemma/checkpoint_arch.py sets it
+from the checkpoint). Extra rows are dropped (logged). The arch itself comes from the
+checkpoint's config.json before anything is built (checkpoint_arch.py); here it is checked
+against the tensors' shapes. HF RMSNorm weights use the same (1 + w) convention and RoPE needs
+no permutation.
 
-`export_hf` writes HF safetensors (+ index when sharded) and config.json, streaming one tensor
+`export_hf` writes HF safetensors (+ index when sharded) and config.json (hf_config.py: what
+transformers 5.x loads; an arch it cannot express is refused before anything is written), streaming one tensor
 at a time from device to file (process 0 writes; every process joins the gathers). Params
 with LoRA leaves must be merged first: pass `merge=models.gemma.lora.merge_lora`.
 `write_kaggle` writes the Kaggle layout with Orbax (bf16).
@@ -41,8 +45,8 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 
 from models.gemma.config import CHECKPOINT_FORMATS, GemmaConfig
+from models.gemma.hf_config import WeightsError, hf_config
 from models.layers import dtype_from_name
-from runtime.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,6 @@ _HF_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _FIELDS = {"V": "vocab_size", "D": "embed_dim", "F": "hidden_dim", "H": "num_heads", "K": "num_kv_heads",
            "h": "head_dim", "L": "num_layers"}
-
-
-class WeightsError(UserError, ValueError):
-    """A checkpoint that cannot be read as this config; one line naming the path and the fix."""
 
 
 # ----------------------------------------------------------------------------- the tree spec
@@ -323,8 +323,9 @@ def _check(path: str, src, expect: dict, layer_re: str, cfg: GemmaConfig) -> Non
 
 
 # ----------------------------------------------------------------------------- locating files
-def _detect(path: str, fmt: str) -> tuple[str, list[str]]:
-    """-> ("hf", [safetensors files]) or ("kaggle", [folder]); remote files not yet copied."""
+def locate(path: str, fmt: str) -> tuple[str, Any, list[str]]:
+    """-> ("hf", fs, [safetensors files]) or ("kaggle", fs, [folder]); nothing is copied.
+    Kaggle folders are local absolute paths or the URL (Orbax/TensorStore read gs:// directly)."""
     import fsspec
 
     if fmt not in FORMATS:
@@ -362,12 +363,13 @@ def _detect(path: str, fmt: str) -> tuple[str, list[str]]:
     if fmt != "auto" and fmt != found:
         raise WeightsError(f"{path}: looks like a {found} checkpoint but arch.checkpoint_format={fmt}; "
                            f"set arch.checkpoint_format={found} or auto")
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     if found == "kaggle":
-        files = [os.path.abspath(root) if local else path]  # Orbax/TensorStore read gs:// directly
-    elif not local:
-        files = _cache_locally(path, fs, files)
-    return found, files
+        files = [os.path.abspath(root) if _is_local(fs) else path]
+    return found, fs, files
+
+
+def _is_local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
 def _cache_locally(url: str, fs, files: list[str]) -> list[str]:
@@ -435,7 +437,9 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
     as LoRA ones are ignored), or None for one local device. Arrays have dtype cfg.param_dtype.
     Returns only the base params (no LoRA leaves).
     """
-    kind, files = _detect(path, fmt)
+    kind, fs, files = locate(path, fmt)
+    if kind == "hf" and not _is_local(fs):
+        files = _cache_locally(path, fs, files)
     dtype = jnp.dtype(dtype_from_name(cfg.param_dtype))
     shapes = param_shapes(cfg)
     flat = {}
@@ -454,6 +458,9 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
         if emb_rows > cfg.vocab_size:
             log.warning("%s: embedding has %d rows, keeping the first arch.vocab_size=%d", path, emb_rows,
                         cfg.vocab_size)
+        elif emb_rows < cfg.vocab_size:
+            log.info("%s: embedding has %d rows; arch.vocab_size=%d adds %d zero rows of padding (ids >= %d are "
+                     "masked to -inf)", path, emb_rows, cfg.vocab_size, cfg.vocab_size - emb_rows, cfg.vocab_in_use)
         for p, shape in shapes.items():
             if p.startswith("layers/"):
                 read = _stacked_reader(plan[p[len("layers/"):]], dtype)
@@ -528,49 +535,27 @@ def _hf_shapes(cfg: GemmaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def hf_config(cfg: GemmaConfig, vocab: Optional[int] = None, dtype: str = "bfloat16") -> dict:
-    """The Hugging Face config.json for cfg."""
-    arch, model_type = {1: ("GemmaForCausalLM", "gemma"), 2: ("Gemma2ForCausalLM", "gemma2"),
-                        3: ("Gemma3ForCausalLM", "gemma3_text")}[cfg.version]
-    c = dict(architectures=[arch], model_type=model_type, hidden_size=cfg.embed_dim,
-             intermediate_size=cfg.hidden_dim, num_hidden_layers=cfg.num_layers,
-             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-             vocab_size=vocab or cfg.vocab_size, rope_theta=cfg.rope_base_global, rms_norm_eps=1e-6,
-             hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-             attention_dropout=0.0, max_position_embeddings=8192 if cfg.version < 3 else 131072,
-             pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, torch_dtype=dtype)
-    if cfg.version >= 2:
-        c.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
-                 sliding_window=cfg.sliding_window, attn_logit_softcapping=cfg.attn_logit_softcap,
-                 final_logit_softcapping=cfg.final_logit_softcap,
-                 layer_types=["full_attention" if cfg.is_global_layer(i) else "sliding_attention"
-                              for i in range(cfg.num_layers)])
-    if cfg.version == 3:
-        c.update(rope_local_base_freq=cfg.rope_base_local, sliding_window_pattern=cfg.global_every,
-                 rope_scaling=None if cfg.rope_scale_global == 1 else
-                 {"rope_type": "linear", "factor": float(cfg.rope_scale_global)})
-    return c
-
-
 def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfloat16",
               max_shard_bytes: int = 2 << 30, vocab_size: Optional[int] = None,
               merge: Optional[Callable] = None) -> list[str]:
     """Writes params as a Hugging Face checkpoint (safetensors, index when sharded, config.json).
 
     Local path or gs://. Every process must call it (gathers are collective); process 0 writes,
-    holding one tensor at a time. `vocab_size` truncates the embedding rows; `merge(params, cfg)`
+    holding one tensor at a time. `vocab_size` truncates the embedding rows (default: the rows in
+    use, cfg.vocab_in_use, so padding is dropped); `merge(params, cfg)`
     folds LoRA leaves in first. Returns the files written (on process 0).
     """
     import fsspec
 
+    if dtype not in _ST_DTYPES:
+        raise WeightsError(f"export dtype {dtype!r} is not one of {sorted(_ST_DTYPES)}")
+    vocab = vocab_size or cfg.vocab_in_use  # padding rows are not part of the model
+    if not 0 < vocab <= cfg.vocab_size:
+        raise WeightsError(f"vocab_size={vocab} must be in 1..arch.vocab_size={cfg.vocab_size}")
+    config = hf_config(cfg, vocab, dtype)  # refuses an arch transformers cannot express, before writing
     if merge is not None:
         params = merge(params, cfg)
     _check_base(params, cfg)
-    if dtype not in _ST_DTYPES:
-        raise WeightsError(f"export dtype {dtype!r} is not one of {sorted(_ST_DTYPES)}")
-    vocab = vocab_size or cfg.vocab_size
-    if not 0 < vocab <= cfg.vocab_size:
-        raise WeightsError(f"vocab_size={vocab} must be in 1..arch.vocab_size={cfg.vocab_size}")
     np_dtype = jnp.dtype(dtype)
     shapes = _hf_shapes(cfg, vocab)
     nbytes = {n: int(np.prod(s)) * np_dtype.itemsize for n, s in shapes.items()}
@@ -610,7 +595,7 @@ def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfl
             with fs.open(posixpath.join(root, _HF_INDEX), "w") as f:
                 json.dump(index, f, indent=2)
         with fs.open(posixpath.join(root, "config.json"), "w") as f:
-            json.dump(hf_config(cfg, vocab, dtype), f, indent=2)
+            json.dump(config, f, indent=2)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
