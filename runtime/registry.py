@@ -126,14 +126,16 @@ def family_of(arch: Any) -> ModelFamily:
 
 def family_of_saved(arch: Any) -> ModelFamily:
     """The family of an arch config saved as plain data (a checkpoint's config snapshot): the
-    one whose schema has exactly its keys (a preset's `name` need not be the family's)."""
+    one whose schema has all its keys and the fewest others (a preset's `name` need not be the
+    family's; a checkpoint written before a field was added lacks that field)."""
     import dataclasses
 
     load_plugins()
     keys = set(arch)
-    for family in MODEL_FAMILIES.values():
-        if {f.name for f in dataclasses.fields(family.schema)} == keys:
-            return family
+    fields = {name: {f.name for f in dataclasses.fields(f.schema)} for name, f in MODEL_FAMILIES.items()}
+    covering = sorted((len(names - keys), name) for name, names in fields.items() if keys <= names)
+    if covering:
+        return MODEL_FAMILIES[covering[0][1]]
     return model_family(str(arch.get("name")))
 
 

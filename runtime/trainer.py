@@ -111,7 +111,12 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
               ("data", ("name",)), ("dataset", None))
     for section, keys in checks:
         old, new = saved.get(section, {}), now[section]
-        for key in keys or sorted(set(old) | set(new)):
+        if keys is None and old:  # keys added to the schema since the checkpoint was written: not compared
+            added = sorted(set(new) - set(old))
+            if added:
+                log.warning("checkpoint step %d predates %s; resuming with their values now: %s", step,
+                            ", ".join(f"{section}.{k}" for k in added), ", ".join(repr(new[k]) for k in added))
+        for key in keys or sorted(set(old)):
             if old.get(key) != new.get(key):
                 raise UserError(
                     f"checkpoint step {step} in {directory} was written with {section}.{key}={old.get(key)!r}, this run "

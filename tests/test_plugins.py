@@ -210,3 +210,24 @@ def test_a_saved_arch_finds_its_family_whatever_the_preset_is_named(preset, fami
 
     saved = to_dict(compose([f"arch={preset}"]))["arch"]
     assert family_of_saved(saved).name == family
+
+
+def test_a_checkpoint_older_than_a_schema_field_still_finds_its_family_and_resumes(caplog):
+    """A field added to a schema after a checkpoint was written (it lacks the key) neither hides
+    the checkpoint's family (export) nor blocks a resume; a changed value still does."""
+    from runtime.config import to_dict
+    from runtime.registry import family_of_saved
+    from runtime.trainer import check_resumable
+
+    config = compose(["arch=gemma_tiny"])
+    saved = to_dict(config)
+    newest = sorted(saved["arch"])[-1]
+    del saved["arch"][newest]  # as if `newest` had been added since
+    assert family_of_saved(saved["arch"]).name == "gemma"
+    meta = {"config": saved, "data_position": {"train_examples": 10}}
+    with caplog.at_level("WARNING", logger="runtime"):
+        check_resumable(meta, config, 10, "ckpt", 5)
+    assert f"predates arch.{newest}" in caplog.text
+    saved["arch"]["num_layers"] += 1
+    with pytest.raises(UserError, match="arch.num_layers"):
+        check_resumable(meta, config, 10, "ckpt", 5)
