@@ -131,17 +131,22 @@ class MultiTaskACT(Task):
 
     def train_loss(self, params, carry, batch, rng, step=None):
         parts = self.split(batch)
+        rows = self.loss_denominator(batch)
         total, sums, new_carry, ids = 0.0, {}, {}, {}
         for i, t in enumerate(self.names):
             kwargs = {} if step is None else {"step": step}
             loss, (c, s, extra) = self.acts[t].train_loss(self.task_params(params, t), carry[t], parts[t],
                                                           jax.random.fold_in(rng, i), **kwargs)
-            # ACTTask divides by its own rows; re-weight so every row of the global batch counts once
-            total = total + loss * (self.specs[t].batch_size / self.global_batch)
+            # ACTTask divides by its own rows; re-weight so every row of the batch counts once
+            total = total + loss * (self.acts[t].loss_denominator(parts[t]) / rows)
             sums |= {f"{t}/{k}": v for k, v in s.items()}
             new_carry[t] = c
             ids[t] = extra["puzzle_identifiers"]
         return total, (new_carry, sums, {"puzzle_identifiers": ids})
+
+    def loss_denominator(self, batch):
+        """Rows of every task's sub-batch."""
+        return sum(self.acts[t].loss_denominator(part) for t, part in self.split(batch).items())
 
     def flops_per_example(self, seq_len: int = 0) -> float:
         """Each task's ACT step (the shared core at its sequence length) weighted by its rows of

@@ -32,6 +32,9 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
     plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=shape.examples,
                   epoch_examples=shape.epoch_examples)
     log.info("plan:\n%s", plan.table())
+    if config.train.grad_accum_steps > 1:
+        k = config.train.grad_accum_steps
+        log.info("gradient accumulation: %d micro-batches of %d rows per optimizer step", k, plan.global_batch_size // k)
     dataset_kind(config.data.name).check_plan(config.data, plan, shape)
     mesh = make_mesh(plan.mesh_shape, devices)
     ramp = config.curriculum.halt_exploration_prob
@@ -52,7 +55,7 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
 
     def new_steps(task: Task) -> Steps:
         return build_steps(task, tx, schedule, mesh, shape.seq_len, config.optim.ema_rate,
-                           global_batch=plan.global_batch_size)
+                           global_batch=plan.global_batch_size, grad_accum_steps=config.train.grad_accum_steps)
 
     steps = new_steps(task)
     steps.at_step = curriculum_stages(config, plan.total_steps, steps, lambda arch: new_steps(new_task(arch)))

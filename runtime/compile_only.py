@@ -214,6 +214,10 @@ def plan_for_topology(config: Config) -> int:
     row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
     row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
                  f"vocab {vocab}; {examples} train examples ({source})")
+    k = config.train.grad_accum_steps
+    if k > 1:
+        row("grad_accum", f"{k} micro-batches of {plan.global_batch_size // k} ({plan.per_device_batch_size / k:g} "
+                          "per device) per step, one at a time (train.grad_accum_steps)")
     t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields,
                                                                 steps.batch_shapes), gen.hbm_gib * GiB
     try:

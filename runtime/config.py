@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runtime.errors import UserError, one_line
 from runtime.registry import arch_schemas, dataset_kind, family_of
 from runtime.frozen import Freezable, freeze
+from runtime.grad_accum import micro_batch_error
 from runtime.metrics_sinks import WandbConsole, WandbMode
 from runtime.optimizers import OPTIMIZERS
 
@@ -169,6 +170,10 @@ class TrainConfig(Freezable):
     # Ranges are checked by `validate` (_RULES below); cadences are in optimizer steps.
     seed: int = 0  # >= 0
     global_batch_size: int = 64  # >= 1
+    # Micro-batches per optimizer step (>= 1): the gradient of the global batch is summed over
+    # this many slices of it, one at a time, so activations take 1/k of the memory; the update
+    # is the full batch's. The micro-batch (global / k) must divide over the data x fsdp devices.
+    grad_accum_steps: int = 1
     steps: Optional[int] = 200  # total optimizer steps (> 0); or give epochs (> 0) and steps=null
     epochs: Optional[float] = None
     log_every: int = 20  # >= 1 (the last step is always logged)
@@ -315,6 +320,7 @@ def _above(low: float) -> tuple[Callable[[Any], bool], str]:
 _RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
     "train.seed": (_at_least(0), ""),
     "train.global_batch_size": (_at_least(1), ""),
+    "train.grad_accum_steps": (_at_least(1), "1 = no accumulation"),
     "train.steps": (_above(0), "or steps=null with train.epochs > 0"),
     "train.epochs": (_above(0), "or epochs=null with train.steps > 0"),
     "train.log_every": (_at_least(1), "the last step is always logged"),
@@ -592,6 +598,8 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
             f"train.global_batch_size={t.global_batch_size} does not divide over data x fsdp = {batch_shards} "
             f"devices; use a multiple of {batch_shards}"
         )
+    if t.grad_accum_steps > 1 and t.global_batch_size % (t.grad_accum_steps * batch_shards):
+        raise UserError(micro_batch_error({"global batch": t.global_batch_size}, t.grad_accum_steps, batch_shards))
     if t.global_batch_size % num_processes:
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} does not divide over {num_processes} processes"

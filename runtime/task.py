@@ -70,8 +70,15 @@ class Task:
         return None
 
     def train_loss(self, params, carry, batch, rng, step=None):
-        """(loss already divided by the global batch, (new_carry, metric sums, optimizer extras))."""
+        """(loss, (new_carry, metric sums, optimizer extras)): the loss is a sum over the batch's rows
+        divided by ``loss_denominator(batch)``."""
         raise NotImplementedError
+
+    def loss_denominator(self, batch) -> Any:
+        """What `train_loss` divides its summed loss by for these rows (a number or a traced
+        scalar): by default the rows. Gradient accumulation (runtime/grad_accum.py) weighs each
+        micro-batch by its denominator over the whole batch's, so the summed gradient is the full batch's."""
+        return next(iter(batch.values())).shape[0]
 
     def eval_sums(self, params, batch) -> dict:
         raise NotImplementedError

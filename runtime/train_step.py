@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from runtime import optimizers
+from runtime import grad_accum, optimizers
 from runtime.config import OptimConfig, StateDtype
+from runtime.errors import UserError
 from runtime.sharding import activation_rules, batch_sharding, batch_spec, logical_shardings, replicated
-from runtime.task import PUZZLE_BATCH_FIELDS, Task
+from runtime.task import PUZZLE_BATCH_FIELDS, Task, in_analysis
 
 
 @flax.struct.dataclass
@@ -147,17 +148,27 @@ class Steps:
 
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule, mask: Any,
-                    ema_rate: float | None, puzzle_table: bool) -> Callable:
-    """(state, batch) -> (state, metrics): one optimizer step on the trainable leaves."""
+                    ema_rate: float | None, puzzle_table: bool, accum: tuple[int, Mesh, Any] | None = None) -> Callable:
+    """(state, batch) -> (state, metrics): one optimizer step on the trainable leaves.
+
+    `accum` = (k, mesh, the trainable leaves' shardings) with k > 1: the gradient is summed over
+    k micro-batches (`runtime.grad_accum`); None: one pass over the whole batch. In
+    `analysis_mode` (a FLOP count) the whole batch goes at once: the same FLOPs, and no loop
+    that XLA's count would take once or, unrolled, k times the compile."""
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def loss_fn(trainable):
-            return task.train_loss(with_frozen(trainable, state.params), state.carry, batch, rng, step=state.step)
+        def loss_of(trainable, carry, rows, key):
+            return task.train_loss(with_frozen(trainable, state.params), carry, rows, key, step=state.step)
 
         trainable = trainable_part(state.params, mask)
-        (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        if accum is None or in_analysis():
+            (loss, (carry, sums, opt_extra)), grads = jax.value_and_grad(
+                lambda tr: loss_of(tr, state.carry, batch, rng), has_aux=True)(trainable)
+        else:
+            (loss, (carry, sums, opt_extra)), grads = grad_accum.accumulated_value_and_grad(
+                task, loss_of, trainable, state.carry, batch, rng, *accum)
         if puzzle_table:
             updates, opt_state = tx.update(grads, state.opt_state, trainable, **opt_extra)
         else:
@@ -192,13 +203,20 @@ def traced_with_rules(mesh: Mesh, fn: Callable) -> Callable:
 
 
 def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh: Mesh,
-                seq_len: int, ema_rate: float | None, global_batch: int = 1) -> Steps:
+                seq_len: int, ema_rate: float | None, global_batch: int = 1, grad_accum_steps: int = 1) -> Steps:
     """`task`: a model family's `runtime.task.Task`.
 
     A task may name frozen parameters with ``trainable_mask(params) -> tree of bools`` (LoRA:
     only the adapters train): frozen leaves get no gradient, no optimizer state and no EMA.
+    `grad_accum_steps` > 1: each train step sums the gradients of that many micro-batches
+    (`runtime.grad_accum`); every batch field's rows must split evenly over them and the batch devices.
     """
     shapes = task_batch_shapes(task, global_batch, seq_len)
+    if grad_accum_steps > 1:
+        problem = grad_accum.micro_batch_error({f"batch field {k!r}": s[0] for k, s in shapes.items()},
+                                               grad_accum_steps, grad_accum.batch_shards(mesh))
+        if problem:
+            raise UserError(problem)
     example = abstract_batch(mesh, global_batch, seq_len, task.batch_fields, shapes)
     zeros_batch = lambda: {k: jnp.zeros(v.shape, v.dtype) for k, v in example.items()}  # noqa: E731
     abstract_unboxed = nn.meta.unbox(jax.eval_shape(lambda: task.init(jax.random.key(0), zeros_batch())))
@@ -230,7 +248,10 @@ def build_steps(task: Any, tx: optax.GradientTransformation, schedule: optax.Sch
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.meta.unbox(boxed), state_shardings)
 
-    train_step = make_train_step(task, tx, schedule, mask, ema_rate, has_puzzle_table(boxed.params))
+    accum = None
+    if grad_accum_steps > 1:
+        accum = (grad_accum_steps, mesh, trainable_part(state_shardings.params, mask))
+    train_step = make_train_step(task, tx, schedule, mask, ema_rate, has_puzzle_table(boxed.params), accum)
 
     def eval_params(params, ema_params):
         if ema_params is None:

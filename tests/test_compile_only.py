@@ -71,12 +71,14 @@ def test_oversize_model_does_not_fit(tmp_path):
 
 @pytest.mark.slow
 def test_recursive_model_flops_formula_and_unrolled_compile(tmp_path):
-    """TRM recurses under loops: XLA's count of the compiled step (each loop body once) is below
-    the formula; the analysis compile with the loops unrolled agrees with it within 10%."""
+    """TRM recurses under loops, and with gradient accumulation scans over micro-batches: XLA's
+    count of the compiled step (each loop body once) is below the formula (which counts the whole
+    global batch); the analysis compile with the loops unrolled agrees with it within 10%."""
     proc = compile_only(tmp_path, "v5e-8", "arch=trm_att", "arch.hidden=128", "arch.H_cycles=3", "arch.L_cycles=2",
-                        "arch.L_layers=1", "train.global_batch_size=16")
+                        "arch.L_layers=1", "train.global_batch_size=16", "train.grad_accum_steps=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table(proc.stdout)
+    assert rows["grad_accum"].startswith("2 micro-batches of 8 (1 per device) per step")
     formula, looped, unrolled = (float(rows[k].split()[0])
                                  for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
     assert "model FLOPs by formula" in rows["flops_per_step"] and "each loop body once" in rows["xla_flops"]

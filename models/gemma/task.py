@@ -26,7 +26,7 @@ from models.gemma.model import Gemma, check_token_ids
 from models.layers import check_at_least, check_dtype_names, dtype_from_name
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
-from runtime.task import DataShape, EvalContext, Evaluator, Task
+from runtime.task import IGNORE_LABEL, DataShape, EvalContext, Evaluator, Task
 
 PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [batch, seq_len] each
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
@@ -58,7 +58,11 @@ class GemmaTask(Task):
 
     def train_loss(self, params, carry, batch, rng, step=None):
         sums = self._sums(params, batch)
-        return sums["loss_sum"] / jnp.maximum(sums["tokens"], 1), (None, sums, {})
+        return sums["loss_sum"] / self.loss_denominator(batch), (None, sums, {})
+
+    def loss_denominator(self, batch):
+        """The batch's target tokens (at least 1): the loss is a mean over tokens."""
+        return jnp.maximum(jnp.sum(batch["labels"] != IGNORE_LABEL, dtype=jnp.int32), 1)
 
     def eval_sums(self, params, batch):
         return self._sums(params, batch)

@@ -50,8 +50,8 @@ class ACTTask(Task):
         new_carry, out = act_step(self.model, params, carry, batch, rng, True, exploration_prob=prob)
         total, sums = act_loss(out, new_carry.current_data["labels"], new_carry.halted, new_carry.steps,
                                loss_type=self.loss_type, cycle_weight=self.cycle_weight)
-        global_batch = batch["inputs"].shape[0]
-        return total / global_batch, (new_carry, sums, {"puzzle_identifiers": new_carry.current_data["puzzle_identifiers"]})
+        extras = {"puzzle_identifiers": new_carry.current_data["puzzle_identifiers"]}
+        return total / self.loss_denominator(batch), (new_carry, sums, extras)
 
     def eval_sums(self, params, batch):
         return self.eval_outputs(params, batch)[0]
