@@ -12,6 +12,7 @@
     python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, one Hydra -m
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
     python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
+    python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--csv PATH] [-- overrides]
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -452,6 +454,57 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_analyze)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Before spending pod time: for each variant of the groups (all: the whole programme), at
+    full scale on --topology, whether its train step fits the chips' HBM, its estimated step time
+    and MFU, its steps and its estimated pod-hours (steps x step time; training only), with group
+    and programme totals: a markdown table on stdout and a CSV file. A variant that does not fit
+    names the first change a compile shows to fit (remat, a smaller batch per chip, FSDP).
+    Compiles are cached on disk by the step's HLO, so variants that differ only in values (lr,
+    betas, EMA rate, seeds, steps...) share one, and a second run compiles nothing.
+    Overrides after `--` apply to every variant. Exit 0 (a variant that does not fit is a row)."""
+    from experiments import plan
+    from experiments.programme import GROUPS
+    from runtime.compile_only import parse_topology
+    from runtime.errors import UserError
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning compiles for the topology, never on a local device
+    try:
+        parse_topology(args.topology, "--topology ")
+        known = list(GROUPS)
+        names = known if args.groups == ["all"] else args.groups
+        unknown = [g for g in names if g not in known]
+        if unknown:
+            raise UserError(f"unknown group(s) {unknown}; the groups are {known} (or all)")
+        from experiments.compose import variants
+
+        jobs = [plan.Job(g, v, tuple(args.overrides)) for g in names for v in variants(g)]
+        rows = plan.Planner(args.topology, Path(args.cache_dir), workers=args.jobs).plan(jobs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    command = "python experiments/launch.py plan " + " ".join(
+        args.groups + ["--topology", args.topology] + (["--", *args.overrides] if args.overrides else []))
+    sys.stdout.write(plan.markdown(rows, args.topology, command))
+    csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
+    plan.write_csv(rows, csv_path)
+    print(f"\n(CSV: {csv_path})")
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="fits, estimated step time and pod-hours of groups at full scale on a topology",
+                       description=cmd_plan.__doc__, epilog="Overrides for every variant go after `--`.")
+    p.add_argument("groups", nargs="+", metavar="GROUP", help="group names, or all")
+    p.add_argument("--topology", required=True, help="TPU slice to plan for, e.g. v4-64, v5e-8")
+    p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="compile in this many processes (default: %(default)s)")
+    p.add_argument("--cache-dir", default=str(REPO_ROOT / "outputs" / "plan" / "cache"),
+                   help="compile results by HLO key (default: %(default)s)")
+    p.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
@@ -466,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_list(sub)
     _add_sweep(sub)
     _add_analyze(sub)
+    _add_plan(sub)
     return parser
 
 

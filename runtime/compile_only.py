@@ -3,11 +3,12 @@
 `python pretrain_jax.py ... compile_only=v5e-8` asks libtpu (installed with `jax[tpu]`) for
 compile-only devices of that slice (`jax.experimental.topologies`), plans the run for their
 device and host counts (so mesh and batch errors are the usual one line), lowers and compiles
-the train step with abstract state and batch, and prints per-chip memory, FLOPs and collective
-traffic. FLOPs: the model's by formula (`Task.flops_per_example`, what the run's MFU uses), XLA's
-count of the compiled step (which counts a loop body once: TRM/HRM recursion, Gemma's layer
-scan), and, when the step has loops, XLA's count of an analysis compile with them unrolled.
-Exit 0 if it fits in HBM, `EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
+the train step with abstract state and batch, and prints per-chip memory, FLOPs, collective
+traffic and an estimated step time. FLOPs: the model's by formula (`Task.flops_per_example`,
+what the run's MFU uses), XLA's count of the compiled step (which counts a loop body once:
+TRM/HRM recursion, Gemma's layer scan), and, when the step has loops, XLA's count of an
+analysis compile with them unrolled. Step time: see `estimate_step`. Exit 0 if it fits in HBM,
+`EXIT_DOES_NOT_FIT` if not. No dataset arrays are read.
 
 libtpu is loaded as a PJRT plugin only to describe the topology and compile; no TPU backend is
 initialised, so this works under JAX_PLATFORMS=cpu (as in the tests) and on a machine with none.
@@ -21,7 +22,8 @@ import os
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import jax
 
@@ -42,17 +44,30 @@ class TpuGeneration:
     dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
     max_chips: int
     single_host_chips: int  # slices up to this size are one host; larger ones have 4 chips (2x2) per host
+    ici_gbytes_s: float  # ICI bandwidth per chip, one direction, GB/s (sources at TOPOLOGIES)
     chip_config: str | None = None  # v4: "megacore" = one JAX device per chip (libtpu's default is per core)
 
     def chip_counts(self) -> list[int]:  # powers of two from 4 (3-D) or 1 (2-D; no 2-chip slice)
         return [2**k for k in range(int(math.log2(self.max_chips)) + 1) if 2**k >= (4 if self.dims == 3 else 1) and k != 1]
 
+    @property
+    def peak_flops(self) -> float:
+        """Peak dense bf16 FLOP/s per chip (runtime.perf's table, the one the run's MFU uses)."""
+        from runtime.perf import peak_flops_for_kind
 
+        return peak_flops_for_kind(self.device_kind)
+
+
+# ICI bandwidth, from the Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/<v>):
+# v4 "all-reduce bandwidth per Pod 1.1 PB/s" over 4096 chips = 269 GB/s per chip; v5p, v5e, v6e
+# "bidirectional inter-chip interconnect bandwidth per chip" 1200, 400, 800 GB/s, halved for one
+# direction (v5e/v6e: the same 200/400 GB/s per chip as their "all-reduce bandwidth per Pod",
+# 51.2 and 102.4 TB/s over 256 chips). Peak FLOP/s: runtime.perf.PEAK_BF16_FLOPS.
 TOPOLOGIES = {g.name: g for g in (
-    TpuGeneration("v4", "TPU v4", 30.75, 2, 3, 2048, 4, chip_config="megacore"),
-    TpuGeneration("v5p", "TPU v5p", 95.74, 2, 3, 4096, 4),
-    TpuGeneration("v5e", "TPU v5e", 15.75, 1, 2, 256, 8),
-    TpuGeneration("v6e", "TPU v6e", 31.25, 1, 2, 256, 8),
+    TpuGeneration("v4", "TPU v4", 30.75, 2, 3, 2048, 4, ici_gbytes_s=1.1e6 / 4096, chip_config="megacore"),
+    TpuGeneration("v5p", "TPU v5p", 95.74, 2, 3, 4096, 4, ici_gbytes_s=1200 / 2),
+    TpuGeneration("v5e", "TPU v5e", 15.75, 1, 2, 256, 8, ici_gbytes_s=400 / 2),
+    TpuGeneration("v6e", "TPU v6e", 31.25, 1, 2, 256, 8, ici_gbytes_s=800 / 2),
 )}
 KNOWN = ", ".join(f"{g.name}-{{{','.join(str(c * g.cores_per_name_unit) for c in g.chip_counts())}}}"
                   for g in TOPOLOGIES.values())
@@ -68,13 +83,19 @@ def slice_shape(gen: TpuGeneration, chips: int) -> list[int]:
     return shape
 
 
-def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
+def parse_topology(name: str, what: str = "compile_only=") -> tuple[TpuGeneration, int]:
+    """(generation, chips) of a slice name such as v4-64; UserError naming `what` for any other."""
     gen_name, _, size = name.partition("-")
     gen = TOPOLOGIES.get(gen_name)
     units = int(size) if size.isdigit() else 0
     chips = units // gen.cores_per_name_unit if gen else 0
     if gen is None or chips not in gen.chip_counts() or units % gen.cores_per_name_unit:
-        raise UserError(f"compile_only={name} is not a known TPU topology; use one of {KNOWN}")
+        raise UserError(f"{what}{name} is not a known TPU topology; use one of {KNOWN}")
+    return gen, chips
+
+
+def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
+    gen, chips = parse_topology(name)
     shape = slice_shape(gen, chips)
     per_host = shape + [1] * (3 - gen.dims) if chips <= gen.single_host_chips else [2, 2, 1]
     # Without these libtpu looks for a TPU VM's metadata and prints warnings; a real TPU VM keeps its own.
@@ -112,8 +133,24 @@ def _bytes(types: str) -> int:
                for _, bits, dims in _ARRAY.findall(types))
 
 
-def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
-    """Per kind: (ops, bytes per chip per step) in the compiled HLO.
+def _group_size(attrs: str) -> int | None:
+    """Devices in each replica group of a collective: {{0,1,..},..}, iota [groups,size]<=[n], or
+    mesh[axes] {'axis',..} (the product of the named axes); None when not stated ({} = all)."""
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[\d+,(\d+)\]<=", attrs)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs)
+    if m:
+        sizes = dict(re.findall(r"'([\w.]+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([\w.]+)'", m.group(2)))
+    return None
+
+
+def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None]]:
+    """(kind, bytes, devices per group) of each collective of the compiled HLO, once per channel.
 
     Bytes of one op = the larger of its operands and results (the whole buffer: the gathered
     result of an all-gather, the unreduced operand of a reduce-scatter). TPU's async collective
@@ -122,7 +159,6 @@ def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
     """
     sizes: dict[str, int] = {}
     seen: set[tuple[str, str]] = set()
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     computation = ""
     for line in hlo.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
@@ -143,9 +179,83 @@ def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
             continue
         seen.add((kind, channel.group(1) if channel else name))
         operand_bytes = sum(sizes.get(o.strip().lstrip("%"), 0) for o in re.sub(r"/\*.*?\*/", "", operands).split(","))
+        yield kind, sizes[name] if op.endswith("-done") else max(sizes[name], operand_bytes), _group_size(attrs)
+
+
+def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
+    """Per kind: (ops, bytes per chip per step) in the compiled HLO (`collective_ops`)."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for kind, nbytes, _ in collective_ops(hlo):
         out[kind][0] += 1
-        out[kind][1] += sizes[name] if op.endswith("-done") else max(sizes[name], operand_bytes)
+        out[kind][1] += nbytes
     return {k: (out[k][0], out[k][1]) for k in COLLECTIVES}
+
+
+def wire_bytes(hlo: str, devices: int) -> float:
+    """Bytes each chip sends per step for the HLO's collectives, by the ring algorithm over a group
+    of n: all-reduce 2(n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all (n-1)/n,
+    collective-permute all of it; a group not stated spans all `devices`."""
+    total = 0.0
+    for kind, nbytes, n in collective_ops(hlo):
+        n = n or devices
+        share = 1.0 if kind == "collective-permute" else (n - 1) / n * (2 if kind == "all-reduce" else 1)
+        total += share * nbytes
+    return total
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines}, the entry computation's name) of HLO text."""
+    comps: dict[str, list[str]] = {}
+    current, entry = None, ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            words = line.split()
+            name = words[1 if words[0] == "ENTRY" else 0].lstrip("%")
+            entry = name if words[0] == "ENTRY" else entry
+            current = comps.setdefault(name, [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            current.append(line)
+    return comps, entry
+
+
+def _trip_count(cond: list[str]) -> int | None:
+    """N of a loop condition `i < N` (i from 0, as JAX's scans and fori_loops count); None otherwise."""
+    constants = dict(re.findall(r"^\s*%?([\w.\-]+) = s32\[\][^ ]* constant\((\d+)\)", "\n".join(cond), re.M))
+    for line in cond:
+        m = re.search(r"ROOT .*compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(LT|LE)", line)
+        if m and m.group(2) in constants:
+            return int(constants[m.group(2)]) + (m.group(3) == "LE")
+    return None
+
+
+def loop_weight(hlo: str) -> float | None:
+    """How much more a step with loops costs than XLA's cost analysis says: the TPU compiler's own
+    per-op estimates (`estimated_cycles` of each fusion) summed with every while body times its trip
+    count, over the same sum with each body once (as `cost_analysis()` counts). 1.0 without loops;
+    None when a trip count or the estimates cannot be read."""
+    comps, entry = _computations(hlo)
+    unreadable = []
+
+    def cycles(name: str, unrolled: bool, seen: tuple[str, ...] = ()) -> float:
+        total = 0.0
+        for line in comps.get(name, ()):
+            m = re.search(r'"estimated_cycles":"(\d+)"', line)
+            total += int(m.group(1)) if m else 0
+            loop = re.search(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+            called = re.search(r" call\(.*to_apply=%?([\w.\-]+)", line)
+            if loop and loop.group(2) not in seen:
+                trips = _trip_count(comps.get(loop.group(1), [])) if unrolled else 1
+                if trips is None:
+                    unreadable.append(loop.group(1))
+                total += (trips or 1) * cycles(loop.group(2), unrolled, seen + (loop.group(2),))
+            elif called and called.group(1) not in seen:
+                total += cycles(called.group(1), unrolled, seen + (called.group(1),))
+        return total
+
+    once, unrolled = cycles(entry, False), cycles(entry, True)
+    return unrolled / once if once > 0 and not unreadable else None
 
 
 def _xla_oom(message: str) -> tuple[float, float] | None:
@@ -159,6 +269,10 @@ def _xla_oom(message: str) -> tuple[float, float] | None:
     return gib(m.group(1), m.group(2)), gib(m.group(3), m.group(4))
 
 
+def _seconds(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1 else f"{t * 1e3:.4g} ms"
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -166,90 +280,248 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def report_flops(row, steps, global_batch: int, seq_len: int, compiled, batch) -> None:
-    """Model FLOPs per chip by the task's formula (what MFU uses), and XLA's: of the compiled step
-    (a loop body counts once) and, when the step has loops, of an analysis compile without them."""
-    from runtime.perf import analysis_flops, formula_flops_per_step
-
-    devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
-    formula = formula_flops_per_step(steps.task, seq_len, global_batch, devices)
-    if formula:
-        row("flops_per_step", f"{formula:.4g} per chip, {formula * devices:.4g} all chips: model FLOPs by formula")
-    else:
-        row("flops_per_step", "unknown: this model family has no FLOP formula")
-    xla = float((compiled.cost_analysis() or {}).get("flops", 0.0))
-    has_loops = re.search(r"\bwhile\(", compiled.as_text()) is not None
-    row("xla_flops", f"{xla:.4g} per chip: XLA's count of the compiled step"
-                     + (" (each loop body once)" if has_loops else " (no loops)"))
-    if has_loops:
-        t0 = time.perf_counter()
-        try:
-            unrolled = analysis_flops(steps, steps.abstract_state, batch)
-        except jax.errors.JaxRuntimeError as e:  # e.g. out of HBM without the loops' buffer reuse or remat
-            row("xla_flops_unrolled", f"unavailable: the analysis compile failed ({str(e).splitlines()[0][:120]})")
-            return
-        ratio = f"; formula / XLA = {formula / unrolled:.3f}" if formula and unrolled else ""
-        row("xla_flops_unrolled", f"{unrolled:.4g} per chip: XLA's count of an analysis compile with loops unrolled, "
-                                  f"no remat ({time.perf_counter() - t0:.1f} s){ratio}")
+MEMORY_FIELDS = (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"),
+                 ("temporaries", "temp"), ("generated_code", "generated_code"))
 
 
-def plan_for_topology(config: Config) -> int:
-    """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
-    from runtime.builder import plan_and_build
-    from runtime.registry import dataset_kind
-    from runtime.train_step import abstract_batch
-    from runtime.trainer import setup_logging
+# Custom calls that libtpu's cost model counts as -1 s each (seen: a baseline TRM step with 57
+# ConcatBitcast reports -56.97, the same step in float16 with one ZeroCrop more -57.97).
+UNMODELLED_CALLS = ("ConcatBitcast", "ZeroCrop")
 
-    setup_logging(is_primary=True)
-    gen, shape, devices = topology_devices(config.compile_only)
-    hosts = len({d.process_index for d in devices})
-    data = dataset_kind(config.data.name).planned_shape(config.data, config)
-    examples, vocab, seq_len, source = data.examples, data.vocab_size, data.seq_len, data.source
-    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
 
-    row = lambda key, value: print(f"  {key:<18} {value}")  # noqa: E731
-    print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, one JAX device per chip")
-    row("devices", len(devices))
-    row("hosts", f"{hosts} ({len(devices) // hosts} chips each)")
-    row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
-    row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
-                 f"vocab {vocab}; {examples} train examples ({source})")
-    k = config.train.grad_accum_steps
-    if k > 1:
-        row("grad_accum", f"{k} micro-batches of {plan.global_batch_size // k} ({plan.per_device_batch_size / k:g} "
-                          "per device) per step, one at a time (train.grad_accum_steps)")
-    t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields,
-                                                                steps.batch_shapes), gen.hbm_gib * GiB
+def optimal_seconds(cost: dict, hlo: str, peak_flops: float) -> float | None:
+    """XLA's cost-model time of one step on one chip: `optimal_seconds` of `cost_analysis()`,
+    the TPU compiler's ideal time of each op (at peak FLOP/s or HBM bandwidth) summed, a loop
+    body once. libtpu counts -1 for each op it has no model for: the UNMODELLED_CALLS are added
+    back, and where that leaves less than the step's FLOPs at peak, as many of its other custom
+    calls as it takes (one by one). None when the key is missing or no such count gives a time."""
+    raw = cost.get("optimal_seconds")
+    if raw is None:
+        return None
+    floor = 0.99 * float(cost.get("flops", 0.0)) / peak_flops
+    calls = re.findall(r'custom_call_target="([^"]*)"', hlo)
+    known = sum(call in UNMODELLED_CALLS for call in calls)
+    for unmodelled in range(known, len(calls) + 1):
+        value = float(raw) + unmodelled
+        if value > 0 and value >= floor:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """What one TPU compile of a train step says, per chip. Plain data: `launch.py plan` caches
+    it by the step's HLO (nothing here depends on names or on values that are not shapes)."""
+
+    hbm_bytes: float  # usable HBM per chip
+    total_bytes: float  # XLA's peak; its own estimate when it stopped at the memory check
+    memory: dict[str, float] = field(default_factory=dict)  # MEMORY_FIELDS and "upper" (their sum)
+    stopped: bool = False  # XLA stopped at its memory check: does not fit, no counts
+    xla_flops: float = 0.0  # XLA's count of the compiled step (a loop body once)
+    optimal_s: float | None = None  # `optimal_seconds`, the same way
+    has_loops: bool = False
+    loop_weight: float | None = 1.0  # `loop_weight`: the cost of every loop iteration over each body once
+    collectives: dict[str, tuple[int, int]] = field(default_factory=dict)  # kind -> (ops, bytes)
+    wire_bytes: float = 0.0  # `wire_bytes`: sent per chip per step by the ring algorithm
+    compile_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return not self.stopped and self.total_bytes <= self.hbm_bytes
+
+
+def compile_train_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
+    """Compile `steps.train` for the topology its mesh is on; out of HBM is a result, not an error."""
+    t0 = time.perf_counter()
     try:
         compiled = steps.train.lower(steps.abstract_state, batch).compile()
     except jax.errors.JaxRuntimeError as e:
         oom = _xla_oom(str(e))
         if oom is None:
             raise
-        row("compile_s", f"{time.perf_counter() - t0:.1f} (XLA stopped at its memory check)")
         args = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                    for x in jax.tree.leaves((steps.abstract_state, batch)))
-        row("arguments", f"{_size(args)} per chip (state + batch shards)")
-        row("total", f"{oom[0]:.2f} GiB per chip (XLA's estimate) of {oom[1]:.2f} GiB HBM")
-        print(f"does not fit: {oom[0]:.2f} GiB per chip > {oom[1]:.2f} GiB HBM of {gen.device_kind}")
-        return EXIT_DOES_NOT_FIT
-    row("compile_s", f"{time.perf_counter() - t0:.1f}")
+        return CompiledStep(oom[1] * GiB, oom[0] * GiB, {"arguments": float(args)}, stopped=True,
+                            compile_s=time.perf_counter() - t0)
+    compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    memory = {key: float(getattr(mem, f"{name}_size_in_bytes")) for key, name in MEMORY_FIELDS}
     # The donated state aliases the new state, so buffers = arguments + outputs - aliased + temporaries.
     # That sum is an upper bound: XLA's peak (its simulation of live ranges) can be lower, and it is
     # what XLA checks against HBM (e.g. 14.67 GiB peak for a 16.37 GiB sum that compiled on v5e).
-    upper = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    total = getattr(mem, "peak_memory_in_bytes", 0) or upper
-    for key, field in (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"),
-                       ("temporaries", "temp"), ("generated_code", "generated_code")):
-        row(key, f"{_size(getattr(mem, f'{field}_size_in_bytes'))} per chip")
+    memory["upper"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+    hlo, cost = compiled.as_text(), compiled.cost_analysis() or {}
+    devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
+    return CompiledStep(
+        hbm_bytes=gen.hbm_gib * GiB, total_bytes=float(getattr(mem, "peak_memory_in_bytes", 0) or memory["upper"]),
+        memory=memory, xla_flops=float(cost.get("flops", 0.0)), optimal_s=optimal_seconds(cost, hlo, gen.peak_flops),
+        has_loops=re.search(r"\bwhile\(", hlo) is not None, loop_weight=loop_weight(hlo), collectives=collective_bytes(hlo),
+        wire_bytes=wire_bytes(hlo, devices), compile_s=compile_s)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """An ESTIMATED train-step time from the compiler's cost model, not a measurement:
+    compute (XLA's ideal per-op times of the compiled step, `optimal_seconds`, every loop
+    iteration counted) plus collectives (`wire_bytes` at the chip's ICI bandwidth), added as if
+    nothing overlapped. Both parts are ideal (every op at its roofline, every link busy), so this
+    is a floor on the real step time, and `mfu` a ceiling, unless collectives that the real run
+    overlaps with compute are a large share. Evaluation, host work and input are not in it."""
+
+    compute_s: float | None  # None: no usable figure (see compute_from)
+    compute_from: str
+    collective_s: float
+    model_flops: float | None  # per chip per step, by the task's formula
+    peak_flops: float  # per chip
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.compute_s is None else self.compute_s + self.collective_s
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation the estimate implies: formula FLOPs / (step time x peak)."""
+        if not (self.total_s and self.model_flops):
+            return None
+        return self.model_flops / (self.total_s * self.peak_flops)
+
+
+def estimate_step(compiled: CompiledStep, gen: TpuGeneration, model_flops: float | None) -> StepEstimate:
+    """The step's estimated time. Compute: the compiled step's `optimal_seconds`, which counts a
+    loop body once, times its `loop_weight`; where that cannot be read, times formula FLOPs /
+    XLA's FLOPs of the same compile (the loops' share of time taken as their share of FLOPs)."""
+    if compiled.stopped:
+        compute, source = None, "none: the step does not fit"
+    elif compiled.optimal_s is None:
+        compute, source = None, "none: XLA's cost analysis gave no usable optimal_seconds"
+    elif not compiled.has_loops:
+        compute, source = compiled.optimal_s, "XLA optimal_seconds of the compiled step (no loops)"
+    elif compiled.loop_weight is not None:
+        compute = compiled.optimal_s * compiled.loop_weight
+        source = (f"XLA optimal_seconds of the compiled step x {compiled.loop_weight:.3g} for its loops' "
+                  "iterations, by the compiler's per-op cycle estimates")
+    elif model_flops and compiled.xla_flops:
+        compute = compiled.optimal_s * model_flops / compiled.xla_flops
+        source = "XLA optimal_seconds of the compiled step x formula / XLA FLOPs (loop trip counts not readable)"
+    else:
+        compute, source = None, "none: the step's loop trip counts are not readable and it has no FLOP formula"
+    return StepEstimate(compute, source, compiled.wire_bytes / (gen.ici_gbytes_s * 1e9), model_flops, gen.peak_flops)
+
+
+@dataclass(frozen=True)
+class TopologyReport:
+    """Everything `compile_only` prints for one config on one topology."""
+
+    topology: str
+    generation: TpuGeneration
+    devices: int
+    hosts: int
+    compiled: CompiledStep
+    model_flops: float | None  # per chip per step, by formula
+    unrolled_flops: float | None  # XLA's count of the analysis compile (steps with loops)
+    unrolled_s: float | None  # its optimal_seconds
+    estimate: StepEstimate
+
+
+def _unrolled(row, steps, batch, gen: TpuGeneration) -> tuple[float | None, float | None]:
+    """(XLA FLOPs, optimal_seconds) of the analysis compile with loops unrolled and no remat."""
+    from runtime.perf import analysis_compile
+
+    t0 = time.perf_counter()
+    try:
+        compiled = analysis_compile(steps, steps.abstract_state, batch)
+    except jax.errors.JaxRuntimeError as e:  # e.g. out of HBM without the loops' buffer reuse or remat
+        row("xla_flops_unrolled", f"unavailable: the analysis compile failed ({str(e).splitlines()[0][:120]})")
+        return None, None
+    cost = compiled.cost_analysis() or {}
+    row("analysis_s", f"{time.perf_counter() - t0:.1f} (the analysis compile with loops unrolled, no remat)")
+    return float(cost.get("flops", 0.0)), optimal_seconds(cost, compiled.as_text(), gen.peak_flops)
+
+
+def _report_flops(row, compiled: CompiledStep, formula: float | None, unrolled: float | None, devices: int) -> None:
+    if formula:
+        row("flops_per_step", f"{formula:.4g} per chip, {formula * devices:.4g} all chips: model FLOPs by formula")
+    else:
+        row("flops_per_step", "unknown: this model family has no FLOP formula")
+    row("xla_flops", f"{compiled.xla_flops:.4g} per chip: XLA's count of the compiled step"
+                     + (" (each loop body once)" if compiled.has_loops else " (no loops)"))
+    if unrolled:
+        ratio = f"; formula / XLA = {formula / unrolled:.3f}" if formula else ""
+        row("xla_flops_unrolled", f"{unrolled:.4g} per chip: XLA's count of the analysis compile with loops unrolled, "
+                                  f"no remat{ratio}")
+
+
+def _report_estimate(row, est: StepEstimate, compiled: CompiledStep, gen: TpuGeneration) -> None:
+    if est.total_s is None:
+        row("step_time", f"no estimate ({est.compute_from})")
+        return
+    row("step_time", f"{_seconds(est.total_s)} per step (estimate) = compute {_seconds(est.compute_s)} "
+                     f"({est.compute_from}) + collectives {_seconds(est.collective_s)} "
+                     f"({_size(compiled.wire_bytes)} sent per chip at {gen.ici_gbytes_s:.0f} GB/s ICI), not overlapped")
+    if est.mfu is not None:
+        row("mfu_estimate", f"{100 * est.mfu:.1f}%: formula FLOPs / (estimated step time x {est.peak_flops / 1e12:.0f} "
+                            f"TFLOP/s peak bf16 per chip); a ceiling, see StepEstimate")
+
+
+def topology_report(config: Config, row) -> TopologyReport:
+    """Plan and compile the train step for `config.compile_only`, printing each figure through
+    `row(key, value)` as it is known; the figures as a `TopologyReport`."""
+    from runtime.builder import plan_and_build
+    from runtime.perf import formula_flops_per_step
+    from runtime.registry import dataset_kind
+    from runtime.train_step import abstract_batch
+
+    gen, shape, devices = topology_devices(config.compile_only)
+    hosts = len({d.process_index for d in devices})
+    data = dataset_kind(config.data.name).planned_shape(config.data, config)
+    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
+    print(f"compile_only {config.compile_only}: {gen.device_kind}, {'x'.join(map(str, shape))} chips, one JAX device per chip")
+    row("devices", len(devices))
+    row("hosts", f"{hosts} ({len(devices) // hosts} chips each)")
+    row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
+    row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {data.seq_len}, "
+                 f"vocab {data.vocab_size}; {data.examples} train examples ({data.source})")
+    k = config.train.grad_accum_steps
+    if k > 1:
+        row("grad_accum", f"{k} micro-batches of {plan.global_batch_size // k} ({plan.per_device_batch_size / k:g} "
+                          "per device) per step, one at a time (train.grad_accum_steps)")
+    batch = abstract_batch(mesh, plan.global_batch_size, data.seq_len, steps.batch_fields, steps.batch_shapes)
+    compiled = compile_train_step(steps, batch, gen)
+    formula = formula_flops_per_step(steps.task, data.seq_len, plan.global_batch_size, len(devices))
+    if compiled.stopped:
+        row("compile_s", f"{compiled.compile_s:.1f} (XLA stopped at its memory check)")
+        row("arguments", f"{_size(compiled.memory['arguments'])} per chip (state + batch shards)")
+        row("total", f"{compiled.total_bytes / GiB:.2f} GiB per chip (XLA's estimate) of {compiled.hbm_bytes / GiB:.2f} GiB HBM")
+        return TopologyReport(config.compile_only, gen, len(devices), hosts, compiled, formula, None, None,
+                              estimate_step(compiled, gen, formula))
+    row("compile_s", f"{compiled.compile_s:.1f}")
+    for key, _ in MEMORY_FIELDS:
+        row(key, f"{_size(compiled.memory[key])} per chip")
+    total, hbm = compiled.total_bytes, compiled.hbm_bytes
     row("total", f"{_size(total)} per chip of {gen.hbm_gib} GiB HBM ({100 * total / hbm:.1f}%): XLA's peak; "
-                 f"arguments + outputs - aliased + temporaries = {_size(upper)}")
-    report_flops(row, steps, plan.global_batch_size, seq_len, compiled, batch)
-    for kind, (ops, nbytes) in collective_bytes(compiled.as_text()).items():
+                 f"arguments + outputs - aliased + temporaries = {_size(compiled.memory['upper'])}")
+    estimate = estimate_step(compiled, gen, formula)
+    _report_estimate(row, estimate, compiled, gen)
+    unrolled_flops, unrolled_s = _unrolled(row, steps, batch, gen) if compiled.has_loops else (None, None)
+    _report_flops(row, compiled, formula, unrolled_flops, len(devices))
+    if unrolled_s is not None:
+        row("xla_time_unrolled", f"{_seconds(unrolled_s)}: optimal_seconds of the analysis compile, a different program "
+                                 "(no loops, no remat), for comparison with step_time's compute")
+    for kind, (ops, nbytes) in compiled.collectives.items():
         row(kind, f"{ops} ops, {_size(nbytes)} per chip per step")
-    if total > hbm:
-        print(f"does not fit: {total / GiB:.2f} GiB per chip > {gen.hbm_gib} GiB HBM of {gen.device_kind}")
+    return TopologyReport(config.compile_only, gen, len(devices), hosts, compiled, formula, unrolled_flops, unrolled_s,
+                          estimate)
+
+
+def plan_for_topology(config: Config) -> int:
+    """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
+    from runtime.trainer import setup_logging
+
+    setup_logging(is_primary=True)
+    report = topology_report(config, lambda key, value: print(f"  {key:<18} {value}"))
+    compiled, name = report.compiled, report.generation.device_kind
+    if not compiled.fits:
+        print(f"does not fit: {compiled.total_bytes / GiB:.2f} GiB per chip > {compiled.hbm_bytes / GiB:.2f} GiB HBM of {name}")
         return EXIT_DOES_NOT_FIT
-    print(f"fits: {_size(total)} per chip <= {gen.hbm_gib} GiB HBM of {gen.device_kind}")
+    print(f"fits: {_size(compiled.total_bytes)} per chip <= {report.generation.hbm_gib} GiB HBM of {name}")
     return 0

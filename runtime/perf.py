@@ -10,11 +10,15 @@ import jax
 from runtime.task import analysis_mode
 
 
-def analysis_flops(steps, state, batch) -> float:
-    """XLA's FLOPs per device of the train step compiled in `analysis_mode` (a fresh trace)."""
+def analysis_compile(steps, state, batch):
+    """The train step compiled in `analysis_mode` (a fresh trace): loops unrolled, no remat."""
     with analysis_mode():
-        compiled = steps.train_analysis().lower(state, batch).compile()
-    return float((compiled.cost_analysis() or {}).get("flops", 0.0))
+        return steps.train_analysis().lower(state, batch).compile()
+
+
+def analysis_flops(steps, state, batch) -> float:
+    """XLA's FLOPs per device of the train step compiled in `analysis_mode`."""
+    return float((analysis_compile(steps, state, batch).cost_analysis() or {}).get("flops", 0.0))
 
 
 def formula_flops_per_step(task, seq_len: int, global_batch: int, devices: int) -> float | None:
@@ -39,8 +43,12 @@ PEAK_BF16_FLOPS = (
 
 
 def peak_flops_per_device(device: jax.Device) -> float | None:
+    return peak_flops_for_kind(device.device_kind)
+
+
+def peak_flops_for_kind(device_kind: str) -> float | None:
     for prefix, flops in PEAK_BF16_FLOPS:
-        if device.device_kind.startswith(prefix):
+        if device_kind.startswith(prefix):
             return flops
     return None  # CPU and unknown kinds: no MFU
 

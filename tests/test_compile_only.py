@@ -27,6 +27,12 @@ def to_bytes(text: str) -> float:
     return float(value) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
 
 
+def step_seconds(rows: dict[str, str]) -> tuple[float, float]:
+    """(estimated step time, its compute part) from the step_time row, in seconds."""
+    (total, unit), (compute, unit2) = re.findall(r"([\d.e+-]+) (ms|s)\b", rows["step_time"])[:2]
+    return float(total) * (1e-3 if unit == "ms" else 1), float(compute) * (1e-3 if unit2 == "ms" else 1)
+
+
 def assert_one_line_error(proc, *needles: str) -> None:
     assert proc.returncode == EXIT_USER_ERROR, (proc.returncode, proc.stderr[-3000:])
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -53,6 +59,9 @@ def test_default_config_fits(tmp_path, topology, devices, hosts, hbm):
     assert float(rows["flops_per_step"].split()[0]) > 0 and "(no loops)" in rows["xla_flops"]
     ops, size = re.match(r"(\d+) ops, (.+) per chip", rows["all-reduce"]).groups()  # data parallel: gradient all-reduce
     assert int(ops) >= 1 and to_bytes(size) > 0
+    total, compute = step_seconds(rows)
+    assert total >= compute > 0 and "(estimate)" in rows["step_time"] and "(no loops)" in rows["step_time"]
+    assert 0 < float(re.match(r"([\d.]+)%", rows["mfu_estimate"]).group(1)) < 100
     assert proc.stdout.rstrip().splitlines()[-1].startswith("fits: ")
     assert not (tmp_path / "data").exists()  # nothing built, nothing read
 
@@ -83,6 +92,9 @@ def test_recursive_model_flops_formula_and_unrolled_compile(tmp_path):
                                  for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
     assert "model FLOPs by formula" in rows["flops_per_step"] and "each loop body once" in rows["xla_flops"]
     assert looped < 0.75 * formula and abs(formula - unrolled) <= 0.1 * unrolled, rows
+    total, compute = step_seconds(rows)  # every iteration of the loops counted, by the compiler's cycle estimates
+    assert total >= compute > 0 and "for its loops' iterations" in rows["step_time"], rows["step_time"]
+    assert "xla_time_unrolled" in rows
 
 
 def test_mesh_that_does_not_match_topology(tmp_path):

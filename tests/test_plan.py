@@ -1,0 +1,214 @@
+"""`launch.py plan`: fits, estimated step time and pod-hours of a group at full scale, from train
+steps compiled for a TPU topology (libtpu's compile-only devices), cached by their HLO; and the
+pieces of the estimate (runtime/compile_only.py) on hand-written HLO."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import io
+import re
+
+import pytest
+
+from experiments import plan
+from experiments.launch import main as launch
+from runtime.compile_only import (TOPOLOGIES, CompiledStep, estimate_step, loop_weight, optimal_seconds,
+                                  wire_bytes)
+
+# exp08 (EMA rates, and EMA off) shrunk: 5 variants, 2 distinct train steps.
+TINY = ["arch.hidden=64", "arch.heads=2", "arch.puzzle_emb_ndim=64", "arch.H_cycles=2", "arch.L_cycles=2",
+        "train.global_batch_size=64"]
+
+
+def run_plan(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = launch(["plan", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["nosuchgroup", "--topology", "v4-64"], "unknown group(s) ['nosuchgroup']"),
+    (["exp08", "--topology", "v9-8"], "--topology v9-8 is not a known TPU topology"),
+])
+def test_bad_group_or_topology_is_one_line(args, needle):
+    code, out, err = run_plan(*args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_hlo_key_blanks_values_but_not_trip_counts_or_special_values():
+    def hlo(lr="1.000000e-04", warmup="2000", trips="6", one="1.000000e+00", init='"0x893F78BF"',
+            index='"0x0000000001000000"'):
+        return f"""func.func public @main(%arg0: tensor<i32>) -> tensor<f32> {{
+    %cst = stablehlo.constant dense<{lr}> : tensor<f32>
+    %c = stablehlo.constant dense<{warmup}> : tensor<i32>
+    %cst_0 = stablehlo.constant dense<{one}> : tensor<f32>
+    %cst_1 = stablehlo.constant dense<{init}> : tensor<2xf16>
+    %c_1 = stablehlo.constant dense<{index}> : tensor<2xi32>
+    %0:2 = stablehlo.while(%iterArg = %arg0, %iterArg_1 = %cst) : tensor<i32>, tensor<f32>
+    cond {{
+      %c_2 = stablehlo.constant dense<{trips}> : tensor<i32>
+      %1 = stablehlo.compare LT, %iterArg, %c_2, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+      stablehlo.return %1 : tensor<i1>
+    }} do {{
+      %c_3 = stablehlo.constant dense<1> : tensor<i32>
+      stablehlo.return %iterArg, %iterArg_1 : tensor<i32>, tensor<f32>
+    }}
+    return %cst_0 : tensor<f32>
+  }}"""
+
+    base = plan.hlo_key(hlo(), "v4-64")
+    assert plan.hlo_key(hlo(lr="3.000000e-04", warmup="500", init='"0x2C3E01BF"'), "v4-64") == base
+    assert plan.hlo_key(hlo(index='"0x0100000000000000"'), "v4-64") != base  # integer array data (indices) stays
+    assert plan.hlo_key(hlo(trips="12"), "v4-64") != base  # a loop's trip count
+    assert plan.hlo_key(hlo(one="9.900000e-01"), "v4-64") != base  # x * 1.0 simplifies away; x * 0.99 does not
+    assert plan.hlo_key(hlo(), "v5e-8") != base
+
+
+LOOP_HLO = """HloModule m
+
+%fused (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8]{0} get-tuple-element(%b), index=1
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"100"}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %f)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(5)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %g = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"50"}
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[8]{0}) tuple(%zero, %g)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_loop_weight_counts_every_iteration():
+    assert loop_weight(LOOP_HLO) == pytest.approx((50 + 5 * 100) / (50 + 100))
+    assert loop_weight(LOOP_HLO.replace("constant(5)", "parameter(1)")) is None  # trip count not readable
+
+
+def test_optimal_seconds_adds_back_unmodelled_ops_and_refuses_non_times():
+    calls = lambda *targets: "".join(f'custom_call_target="{t}"\n' for t in targets)  # noqa: E731
+    concat = calls("ConcatBitcast", "ConcatBitcast")
+    assert optimal_seconds({"optimal_seconds": -1.99, "flops": 1e9}, concat, 275e12) == pytest.approx(0.01)
+    # 1.5 s of ops beside the two known -1s: never taken for 0.5 s with one unmodelled op more
+    assert optimal_seconds({"optimal_seconds": -0.5, "flops": 1e9}, concat + calls("Other"), 275e12) == pytest.approx(1.5)
+    # one known -1 leaves -0.99: the other custom call must be unmodelled too
+    assert optimal_seconds({"optimal_seconds": -1.99, "flops": 1e9}, calls("ConcatBitcast", "Other"),
+                           275e12) == pytest.approx(0.01)
+    assert optimal_seconds({"optimal_seconds": 1e-6, "flops": 1e12}, "", 275e12) is None  # faster than peak
+    assert optimal_seconds({"flops": 1e12}, "", 275e12) is None
+
+
+def test_wire_bytes_by_ring_over_each_group():
+    hlo = """ENTRY %main (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  %ar = f32[256]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %ag = f32[1024]{0} all-gather(%p), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}
+  %rs = f32[64]{0} reduce-scatter(%p), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}
+  ROOT %all = f32[256]{0} all-reduce(%p), channel_id=4, replica_groups={}, to_apply=%add
+}
+"""
+    expected = 2 * 3 / 4 * 1024 + 3 / 4 * 4096 + 1 / 2 * 1024 + 2 * 7 / 8 * 1024
+    assert wire_bytes(hlo, devices=8) == pytest.approx(expected)
+
+
+def test_step_estimate_of_a_looped_step():
+    gen = TOPOLOGIES["v4"]
+    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.5, xla_flops=1e12, optimal_s=0.01, has_loops=True,
+                        loop_weight=3.0, wire_bytes=gen.ici_gbytes_s * 1e9 * 0.01)
+    est = estimate_step(step, gen, model_flops=2.75e12)
+    assert est.compute_s == pytest.approx(0.03) and est.collective_s == pytest.approx(0.01)
+    assert est.total_s == pytest.approx(0.04) and est.mfu == pytest.approx(2.75e12 / (0.04 * 275e12))
+    unreadable = estimate_step(dataclasses.replace(step, loop_weight=None), gen, model_flops=2.75e12)
+    assert unreadable.compute_s == pytest.approx(0.01 * 2.75e12 / 1e12) and "formula" in unreadable.compute_from
+
+
+# ------------------------------------------------------------------ compiled for a topology
+
+
+@pytest.fixture(scope="module")
+def tiny_group(tmp_path_factory):
+    """`plan exp08 --topology v5e-8 -- TINY`, run twice on one cache; the CSV rows."""
+    tmp = tmp_path_factory.mktemp("plan")
+    args = ["exp08", "--topology", "v5e-8", "--jobs", "1", "--cache-dir", str(tmp / "cache"),
+            "--csv", str(tmp / "plan.csv"), "--", *TINY]
+    first, second = run_plan(*args), run_plan(*args)
+    with open(tmp / "plan.csv") as f:
+        return first, second, list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_group_plan_table_and_csv(tiny_group):
+    (code, out, err), (code2, out2, err2), rows = tiny_group
+    assert code == 0 and code2 == 0, err
+    assert len(re.findall(r"compiled \[\d\] exp08/", err)) == 2  # 5 variants, 2 distinct steps: EMA on (any rate) and off
+    assert "compiled [" not in err2 and out2 == out  # the second run is all from the cache
+    variants = [r for r in rows if r["variant"] != "TOTAL"]
+    assert [r["variant"] for r in variants] == ["ema0.99", "ema0.995", "ema0.999", "ema0.9995", "off"]
+    assert len({r["key"] for r in variants}) == 2
+    for r in variants:
+        assert r["fits"] == "True" and 0 < float(r["total_gib"]) < float(r["hbm_gib"]) == 15.75
+        compute, step, steps = float(r["compute_s"]), float(r["step_s"]), int(r["steps"])
+        assert step >= compute > 0 and step == pytest.approx(compute + float(r["collective_s"]))
+        assert float(r["pod_hours"]) == pytest.approx(steps * step / 3600)
+        assert f"| exp08/{r['variant']} | yes {float(r['total_gib']):.2f} |" in out
+    group = next(r for r in rows if r["group"] == "exp08" and r["variant"] == "TOTAL")
+    total = sum(float(r["pod_hours"]) for r in variants)
+    assert float(group["pod_hours"]) == pytest.approx(total)
+    assert float(next(r for r in rows if r["group"] == "ALL")["pod_hours"]) == pytest.approx(total)
+    assert f"| **exp08 total** | | | | | **{total:.2f}** |" in out
+
+
+@pytest.mark.slow
+def test_step_time_floor_and_model_flops(tiny_group):
+    """The compute part is at least the model's FLOPs at peak; the MFU it implies is below 1."""
+    _, _, rows = tiny_group
+    for r in (r for r in rows if r["variant"] != "TOTAL"):
+        assert 0 < float(r["mfu"]) < 1
+
+
+@pytest.mark.slow
+def test_cache_key_merges_values_not_shapes(tmp_path):
+    base = ("train.global_batch_size=64",)
+    key = lambda *extra: plan.lower(plan.Job("example", "small", base + extra), "v5e-8").key  # noqa: E731
+    same = key()  # (train.steps=5 would not merge: at or below the warmup a constant becomes exactly 1.0)
+    assert same and key("optim.lr=0.123", "optim.b2=0.9", "train.seed=7", "train.steps=500") == same
+    assert key("arch.hidden=96") != same
+    assert key("train.global_batch_size=128") != same
+
+
+@pytest.mark.slow
+def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path):
+    """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): no
+    smaller batch fixes that (each is compiled and stops at XLA's memory check); FSDP over the 8
+    chips does. (One wide layer: the cheapest such model to compile.)"""
+    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    job = plan.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8"))
+    (row,) = planner.plan([job])
+    assert row.fits is False and row.total_gib > 15.75
+    tried = [j for j in planner.lowered if j != job]
+    assert [j.overrides[len(job.overrides):] for j in tried] == plan.fix_candidates(planner.lowered[job],
+                                                                                   planner.compiled(job))
+    fix = plan.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
+    assert fix == tried[-1] and planner.compiled(fix).fits
+    assert all(not planner.compiled(j).fits for j in tried[:-1])
+    assert row.pod_hours == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
