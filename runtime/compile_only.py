@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import jax
 
-from runtime.config import Config
+from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
 
 log = logging.getLogger("runtime")
@@ -202,6 +202,7 @@ def plan_for_topology(config: Config) -> int:
 
     setup_logging(is_primary=True)
     gen, shape, devices = topology_devices(config.compile_only)
+    config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's, not this host's
     hosts = len({d.process_index for d in devices})
     data = dataset_kind(config.data.name).planned_shape(config.data, config)
     examples, vocab, seq_len, source = data.examples, data.vocab_size, data.seq_len, data.source
@@ -214,6 +215,8 @@ def plan_for_topology(config: Config) -> int:
     row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
     row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {seq_len}, "
                  f"vocab {vocab}; {examples} train examples ({source})")
+    if compute_dtype(config.arch) is not None:
+        row("compute_dtype", compute_dtype(config.arch))
     t0, batch, hbm = time.perf_counter(), abstract_batch(mesh, plan.global_batch_size, seq_len, steps.batch_fields,
                                                                 steps.batch_shapes), gen.hbm_gib * GiB
     try:
