@@ -93,6 +93,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
             code = plan_for_topology(config)
         else:
+            from runtime.cpu_backend import tune_cpu_backend
+
+            tune_cpu_backend()  # CPU runs: before JAX starts its backend (runtime/cpu_backend.py)
             code = run(config)
     except UserError as e:  # exit here: Hydra would add its own line to a raised exception
         _user_error(e)

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 
 from models.recursive_reasoning import TRM, TRMConfig, act_loss, act_step, dummy_batch, init_params, initial_carry
+from runtime.task import platform_compute_dtype
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -80,7 +81,8 @@ def main() -> None:
 
         gen, shape, devices = topology_devices(args.topology)
         device, where = devices[0], f"one chip of {args.topology} ({gen.device_kind}, {'x'.join(map(str, shape))})"
-    base = TRMConfig(H_cycles=args.H_cycles)
+    platform = device.platform if device is not None else jax.default_backend()
+    base = TRMConfig(H_cycles=args.H_cycles, forward_dtype=platform_compute_dtype(platform))  # "auto" on the target
     if args.attention:
         base = dataclasses.replace(base, mlp_t=False, pos_encodings="rope")
     print(f"TRM {'attention' if args.attention else 'mlp_t'} hidden {base.hidden}, seq 81 + {base.puzzle_emb_len} "

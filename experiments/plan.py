@@ -140,12 +140,13 @@ def _build(job: Job, topology: str):
     """(config, plan, steps, abstract batch, data shape) of the job on the topology's devices."""
     from experiments.compose import compose
     from runtime.builder import plan_and_build
-    from runtime.config import validate
+    from runtime.config import resolve_compute_dtype, validate
     from runtime.registry import dataset_kind
     from runtime.train_step import abstract_batch
 
     gen, devices, hosts = _topology(topology)
     config = validate(compose(job.experiment, job.overrides), job.experiment)
+    config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's dtype, not this host's
     data = dataset_kind(config.data.name).planned_shape(config.data, config)
     plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
     batch = abstract_batch(mesh, plan.global_batch_size, data.seq_len, steps.batch_fields, steps.batch_shapes)

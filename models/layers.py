@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from runtime.errors import UserError
+from runtime.task import AUTO_DTYPE, platform_compute_dtype
 
 # The one table of dtype names the configs use (arch.dtype, arch.param_dtype, arch.forward_dtype,
 # optim.state_dtype): every model and the optimizer resolve names through `dtype_from_name`.
@@ -14,19 +15,25 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def dtype_from_name(name: str):
-    """A config's dtype name ("bfloat16") -> the jnp dtype; ValueError naming the choices otherwise."""
+    """A config's dtype name ("bfloat16") -> the jnp dtype; "auto" (a compute dtype the runtime
+    did not resolve: a model built directly) -> the default backend's; ValueError naming the
+    choices otherwise."""
+    if name == AUTO_DTYPE:
+        name = platform_compute_dtype(jax.default_backend())
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
-def check_dtype_names(arch, *fields: str) -> None:
-    """Each `arch.<field>` names a dtype of `_DTYPES`; else one UserError listing them."""
+def check_dtype_names(arch, *fields: str, auto: bool = False) -> None:
+    """Each `arch.<field>` names a dtype of `_DTYPES` (or with `auto`, is "auto"); else one
+    UserError listing them."""
+    names = sorted(_DTYPES) + ([AUTO_DTYPE] if auto else [])
     for name in fields:
         value = getattr(arch, name)
-        if value not in _DTYPES:
-            raise UserError(f"arch.{name}={value!r} is not a dtype name; use one of {sorted(_DTYPES)}")
+        if value not in names:
+            raise UserError(f"arch.{name}={value!r} is not a dtype name; use one of {names}")
 
 
 def check_at_least(arch, low: int, *fields: str) -> None:

@@ -29,7 +29,7 @@ class TinyTransformerConfig(Freezable):
     heads: int = 4
     layers: int = 2
     mlp_ratio: int = 4
-    dtype: str = "float32"  # forward (activation) dtype; parameters stay float32
+    dtype: str = "float32"  # forward (activation) dtype, or auto (by platform); parameters stay float32
 
 
 class Block(nn.Module):
@@ -129,7 +129,8 @@ def build_task(arch: TinyTransformerConfig, shape: DataShape, **_: Any) -> Seque
 def validate(arch: TinyTransformerConfig) -> None:
     check_at_least(arch, 1, "hidden", "heads", "layers", "mlp_ratio")
     check_heads(arch)
-    check_dtype_names(arch, "dtype")
+    check_dtype_names(arch, "dtype", auto=True)
 
 
-register_model_family(ModelFamily("tiny_transformer", TinyTransformerConfig, build_task, validate))
+register_model_family(ModelFamily("tiny_transformer", TinyTransformerConfig, build_task, validate,
+                                  compute_dtype="dtype"))

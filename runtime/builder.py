@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from runtime.config import Config, Plan, cycles_at, derive, ramp_value
+from runtime.config import Config, Plan, cycles_at, derive, ramp_value, resolve_compute_dtype
 from runtime.registry import dataset_kind, family_of
 from runtime.sharding import make_mesh
 from runtime.task import DataShape, Task
@@ -28,7 +28,9 @@ log = logging.getLogger("runtime")
 def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataShape,
                    init_states: Any = None) -> tuple[Plan, Any, Steps]:
     """(plan, mesh, steps) for real devices or a TPU topology's compile-only devices. Every
-    check that needs the machine raises a one-line UserError before anything compiles."""
+    check that needs the machine raises a one-line UserError before anything compiles. A
+    compute dtype of "auto" is the devices' platform's (a trainer resolves it earlier)."""
+    config = resolve_compute_dtype(config, devices[0].platform)
     plan = derive(config, num_processes=num_processes, num_devices=len(devices), train_examples=shape.examples,
                   epoch_examples=shape.epoch_examples)
     log.info("plan:\n%s", plan.table())

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import jax
 
-from runtime.config import Config
+from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
 
 log = logging.getLogger("runtime")
@@ -472,6 +472,7 @@ def topology_report(config: Config, row) -> TopologyReport:
     from runtime.train_step import abstract_batch
 
     gen, shape, devices = topology_devices(config.compile_only)
+    config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's, not this host's
     hosts = len({d.process_index for d in devices})
     data = dataset_kind(config.data.name).planned_shape(config.data, config)
     plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
@@ -481,6 +482,8 @@ def topology_report(config: Config, row) -> TopologyReport:
     row("mesh", " ".join(f"{k}={v}" for k, v in plan.mesh_shape.items()))
     row("batch", f"{plan.global_batch_size} global, {plan.per_device_batch_size:g} per device; seq_len {data.seq_len}, "
                  f"vocab {data.vocab_size}; {data.examples} train examples ({data.source})")
+    if compute_dtype(config.arch) is not None:
+        row("compute_dtype", compute_dtype(config.arch))
     k = config.train.grad_accum_steps
     if k > 1:
         row("grad_accum", f"{k} micro-batches of {plan.global_batch_size // k} ({plan.per_device_batch_size / k:g} "

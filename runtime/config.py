@@ -15,6 +15,7 @@ each option changes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runtime.errors import UserError, one_line
 from runtime.registry import arch_schemas, dataset_kind, family_of
+from runtime.task import AUTO_DTYPE, platform_compute_dtype
 from runtime.frozen import Freezable, freeze
 from runtime.grad_accum import micro_batch_error
 from runtime.metrics_sinks import WandbConsole, WandbMode
@@ -478,6 +480,28 @@ def _check_curriculum(config: Config) -> None:
                             f"shape={ramp.shape!r} fraction={ramp.fraction}")
         if name != "halt_exploration_prob" and min(ramp.start, ramp.end) < 1:
             raise UserError(f"curriculum.{name} must stay >= 1 (start={ramp.start}, end={ramp.end})")
+
+
+def compute_dtype(arch: Any) -> Optional[str]:
+    """The arch's compute dtype setting (possibly "auto"); None for a family without one."""
+    name = family_of(arch).compute_dtype
+    return None if name is None else getattr(arch, name)
+
+
+def resolve_compute_dtype(config: Config, platform: str, saved_arch: Optional[dict[str, Any]] = None) -> Config:
+    """`config` with an arch compute dtype of "auto" made concrete: the value in `saved_arch` (the
+    arch of the checkpoint a run resumes), so that a run resumes in the dtype it started in on
+    any machine, else the platform's (`platform_compute_dtype`). An explicit dtype is kept, and
+    a resolved config is returned unchanged: the run's manifest, W&B config and checkpoints
+    record the concrete value."""
+    name = family_of(config.arch).compute_dtype
+    if name is None or getattr(config.arch, name) != AUTO_DTYPE:
+        return config
+    saved = (saved_arch or {}).get(name)
+    value = saved if saved not in (None, AUTO_DTYPE) else platform_compute_dtype(platform)
+    logging.getLogger("runtime").info("arch.%s=auto: %s (%s)", name, value,
+                                      "the checkpoint's" if value == saved else f"on {platform}")
+    return freeze(dataclasses.replace(config, arch=dataclasses.replace(config.arch, **{name: value})))
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -79,6 +79,9 @@ class ModelFamily:
     schema: type
     build_task: Callable[..., Task]
     validate: Callable[[Any], None] | None = None  # config checks of an arch; raise UserError
+    # The arch field naming the compute dtype, where "auto" picks one by platform
+    # (runtime/config.resolve_compute_dtype); None: the family has no such setting.
+    compute_dtype: str | None = None
 
 
 DATASET_KINDS: dict[str, DatasetKind] = {}

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from runtime.errors import UserError
 
 IGNORE_LABEL = -100  # a label the losses skip: prompt tokens, padding, padded eval rows
+AUTO_DTYPE = "auto"  # a family's compute dtype chosen by platform (`platform_compute_dtype`)
 
 # A batch's fields and their ranks (int32, batch first). Puzzle tasks use these; a Task may
 # declare its own (Gemma SFT: inputs, labels, segment_ids, positions).
@@ -48,6 +49,12 @@ def sub_batches(fractions: Mapping[str, float], global_batch: int) -> dict[str, 
     """Rows of each task of a mixture per global batch: round(fraction x batch / sum of fractions)."""
     total = sum(fractions.values())
     return {name: round(f * global_batch / total) for name, f in fractions.items()}
+
+
+def platform_compute_dtype(platform: str) -> str:
+    """What a compute dtype of "auto" means on a JAX platform ("cpu", "tpu", "gpu"): bfloat16 on
+    accelerators, float32 on CPU, where XLA runs bfloat16 dots slower than float32 ones."""
+    return "float32" if platform == "cpu" else "bfloat16"
 
 
 class Task:

@@ -23,7 +23,7 @@ from runtime import liveness
 from runtime import manifest as manifest_lib
 from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints, CorruptStep
-from runtime.config import Config, planned_steps, run_dirs, to_dict
+from runtime.config import Config, planned_steps, resolve_compute_dtype, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault, storage_fix
 from runtime.evaluation import evaluate
@@ -100,6 +100,7 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
     """Refuse to resume a checkpoint written for a different model or a different data order
     (which depends on seed, global batch and dataset size, not on where the data lives)."""
     saved = dict(meta.get("config", {}), dataset={"train_examples": meta["data_position"].get("train_examples")})
+    config = resolve_compute_dtype(config, jax.default_backend(), saved.get("arch"))  # "auto" takes the saved dtype
     now = dict(to_dict(config), dataset={"train_examples": train_examples})
     # What the checkpoint's numbers depend on: a sweep that reuses one checkpoint directory must
     # not resume another variant's run (optimizer, EMA and curriculum included). The step sizes
@@ -278,6 +279,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     shape = kind.shape(config.data, train_split)
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
     start_step, meta = resume_point(config, ckpt, shape.examples)
+    config = resolve_compute_dtype(config, jax.default_backend(), ((meta or {}).get("config") or {}).get("arch"))
     run_id = choose_run_id(config, meta, ckpt.directory, start_step)
     if lease is not None:
         lease.set_run_id(run_id)

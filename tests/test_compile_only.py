@@ -91,6 +91,7 @@ def test_recursive_model_flops_formula_and_unrolled_compile(tmp_path):
     formula, looped, unrolled = (float(rows[k].split()[0])
                                  for k in ("flops_per_step", "xla_flops", "xla_flops_unrolled"))
     assert "model FLOPs by formula" in rows["flops_per_step"] and "each loop body once" in rows["xla_flops"]
+    assert rows["compute_dtype"] == "bfloat16"  # "auto" on the TPU, though this host is a CPU
     assert looped < 0.75 * formula and abs(formula - unrolled) <= 0.1 * unrolled, rows
     total, compute = step_seconds(rows)  # every iteration of the loops counted, by the compiler's cycle estimates
     assert total >= compute > 0 and "for its loops' iterations" in rows["step_time"], rows["step_time"]

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import REPO
-from runtime.config import Config, derive, register_schemas, resolve_mesh_shape, validate
+from runtime.config import Config, derive, register_schemas, resolve_compute_dtype, resolve_mesh_shape, to_dict, validate
 from runtime.errors import UserError
 
 register_schemas()
@@ -29,6 +29,25 @@ def test_defaults_validate_into_frozen_typed_config():
         config.train.steps = 5
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.arch.hidden = 5
+
+
+def test_auto_compute_dtype_is_the_platform_s_or_the_resumed_checkpoint_s():
+    from runtime.trainer import check_resumable
+
+    auto = composed("arch=trm_mlp")
+    assert auto.arch.forward_dtype == "auto"
+    on_cpu, on_tpu = resolve_compute_dtype(auto, "cpu"), resolve_compute_dtype(auto, "tpu")
+    assert (on_cpu.arch.forward_dtype, on_tpu.arch.forward_dtype) == ("float32", "bfloat16")
+    assert resolve_compute_dtype(auto, "cpu", {"forward_dtype": "bfloat16"}).arch.forward_dtype == "bfloat16"
+    assert resolve_compute_dtype(on_tpu, "cpu") is on_tpu  # resolved or explicit: kept
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        on_cpu.arch.forward_dtype = "float16"
+    # A checkpoint written in bfloat16 (on a TPU, or before "auto" existed) resumes under "auto" on
+    # any machine; an explicit dtype that differs from it is still refused.
+    meta = {"config": to_dict(on_tpu), "data_position": {"train_examples": 100}}
+    check_resumable(meta, auto, 100, "ckpt", 5)
+    with pytest.raises(UserError, match="arch.forward_dtype='bfloat16', this run has 'float32'"):
+        check_resumable(meta, composed("arch=trm_mlp", "arch.forward_dtype=float32"), 100, "ckpt", 5)
 
 
 def test_overrides_and_experiment_naming():

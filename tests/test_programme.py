@@ -72,7 +72,7 @@ def test_derived_values_follow_their_rules():
 def test_the_baseline_is_the_reference_setting():
     config = validate(compose("baseline/trm_sudoku_extreme"), "baseline/trm_sudoku_extreme")
     a, o, t = config.arch, config.optim, config.train
-    assert (a.name, a.mlp_t, a.pos_encodings, a.forward_dtype) == ("trm", True, "none", "bfloat16")
+    assert (a.name, a.mlp_t, a.pos_encodings, a.forward_dtype) == ("trm", True, "none", "auto")  # bf16 on TPU
     assert (a.L_layers, a.H_cycles, a.L_cycles, a.hidden, a.heads, a.expansion) == (2, 3, 6, 512, 8, 4.0)
     assert (a.halt_max_steps, a.halt_exploration_prob, a.puzzle_emb_ndim) == (16, 0.1, 512)
     assert (o.name, o.lr, o.lr_min_ratio, o.warmup_steps, o.weight_decay, o.b1, o.b2, o.ema_rate) == (

@@ -75,7 +75,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(sudoku_dir, tmp_pat
 @pytest.mark.slow
 def test_eval_profile_and_outputs(sudoku_dir, tmp_path):
     train(base_overrides(sudoku_dir, tmp_path, steps=6) + ["train.eval_every=3", "train.profile_start_step=2",
-                                                                  "train.profile_steps=2"])
+                                                                  "train.profile_steps=2", "arch.dtype=auto"])
     out = tmp_path / "test" / "t"
     rows = read_jsonl(out / "metrics.jsonl")
     evals = [r for r in rows if "eval/loss" in r]
@@ -86,6 +86,7 @@ def test_eval_profile_and_outputs(sudoku_dir, tmp_path):
     assert list((out / "profile").rglob("*.xplane.pb")), "profiler trace missing"
     manifest = json.loads((out / "run_manifest.json").read_text())
     assert manifest["device_count"] == 8 and manifest["packages"]["jax"] == jax.__version__
+    assert manifest["config"]["arch"]["dtype"] == "float32"  # "auto" recorded as what it resolved to on CPU
     assert manifest["final_metrics"]["eval/loss"] == evals[-1]["eval/loss"]
     assert json.loads((out / "checkpoints" / "run_manifest.json").read_text())["status"] == "completed"
 

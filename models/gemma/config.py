@@ -65,7 +65,7 @@ class GemmaConfig(Freezable):
     query_pre_attn_scalar: Optional[float] = None  # queries scaled by this ** -0.5; None = head_dim
     attn_logit_softcap: Optional[float] = None  # Gemma 2: 50
     final_logit_softcap: Optional[float] = None  # Gemma 2: 30
-    dtype: str = "bfloat16"  # activations / matmuls
+    dtype: str = "auto"  # activations / matmuls; auto: bfloat16 on TPU/GPU, float32 on CPU
     param_dtype: str = "float32"  # stored parameters (the optimizer updates these)
     remat: str = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
     scan_layers: bool = True  # layers under lax.scan: compile time flat in depth

@@ -231,7 +231,8 @@ def validate(arch: GemmaConfig) -> None:
         divisors = [k for k in range(1, arch.num_heads + 1) if arch.num_heads % k == 0]
         raise UserError(f"arch.num_kv_heads={arch.num_kv_heads} does not divide arch.num_heads={arch.num_heads} (each kv "
                         f"head serves num_heads / num_kv_heads query heads); use num_kv_heads in {divisors}")
-    check_dtype_names(arch, "dtype", "param_dtype")
+    check_dtype_names(arch, "dtype", auto=True)
+    check_dtype_names(arch, "param_dtype")
     choices = {"version": (1, 2, 3), "remat": REMAT_POLICIES, "loss": LOSSES, "checkpoint_format": CHECKPOINT_FORMATS}
     for name, allowed in choices.items():
         if getattr(arch, name) not in allowed:
@@ -248,4 +249,4 @@ def validate(arch: GemmaConfig) -> None:
             raise UserError(f"arch.{name}={value!r} is out of range: it must be > 0")
 
 
-register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate))
+register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate, compute_dtype="dtype"))

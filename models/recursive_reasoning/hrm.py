@@ -40,7 +40,7 @@ class HRMConfig(Freezable):
     halt_exploration_prob: float = 0.1
     puzzle_emb_ndim: int = 512
     pos_encodings: str = "rope"  # rope | learned | none (the reference rejects none)
-    forward_dtype: str = "bfloat16"
+    forward_dtype: str = "auto"  # as TRMConfig.forward_dtype
     rope_theta: float = 10000.0
     # HRM always halts on q_halt > q_continue and learns Q-continue; kept for the ACT wrapper.
     no_ACT_continue: bool = False

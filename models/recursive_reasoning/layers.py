@@ -4,8 +4,9 @@ Semantics follow the public PyTorch references (SamsungSAILMontreal/TinyRecursiv
 
 * RMSNorm has no learned gain, eps 1e-5, and is computed in float32 (result cast back).
 * Blocks are post-norm and bias-free: ``h = rms(h + mix(h)); h = rms(h + swiglu(h))`` where
-  ``mix`` is non-causal attention, or (``mlp_t``) a SwiGLU over the *sequence* axis applied to
-  the transposed ``[B, D, L]`` tensor, whose residual norm then normalises over the sequence axis.
+  ``mix`` is non-causal attention, or (``mlp_t``) a SwiGLU over the *sequence* axis, whose
+  residual norm then normalises over the sequence axis (the reference applies it to the
+  transposed ``[B, D, L]`` tensor; here the block works sequence-major, ``[L, B, D]``).
 * SwiGLU width: ``round(expansion * d * 2/3)`` rounded up to a multiple of 256.
 * Weights: truncated normal (cut at +-2 standard units) rescaled so the *actual* standard
   deviation is the requested one (LeCun: ``1/sqrt(fan_in)``), as the reference's
@@ -110,17 +111,45 @@ def local_global_mask(prefix: int, height: int, width: int, window: int) -> np.n
 
 # ---------------------------------------------------------------- modules
 
+@jax.custom_vjp
+def _matmul_tn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a^T b for 2-D a [K, M] (a weight: small) and b [K, N], with every product in it and in
+    its gradient a plain or right-transposed one. XLA folds a bare transpose into the dot, and
+    XLA:CPU runs a dot contracting its left operand's leading axis on a slower path that
+    allocates large packing buffers at every call; so a^T is materialised (a few hundred KiB)
+    and the gradient is written out rather than derived through it."""
+    return jax.lax.optimization_barrier(a.T) @ b
+
+
+def _matmul_tn_fwd(a, b):
+    return _matmul_tn(a, b), (a, b)
+
+
+def _matmul_tn_bwd(residuals, g):
+    a, b = residuals
+    return b @ g.T, a @ g
+
+
+_matmul_tn.defvjp(_matmul_tn_fwd, _matmul_tn_bwd)
+
+
 class SwiGLU(nn.Module):
-    """SwiGLU over the last axis of `x` (width `dim`), no biases.
+    """SwiGLU over the last axis of `x` (width `dim`), no biases; with `leading`, over the first.
 
     `axis_name` is the logical name of the input/output feature axis ("embed" normally,
-    "length" for the sequence-mixing MLP of the mlp_t variant).
+    "length" for the sequence mixer of the mlp_t variant). Both forms are plain 2-D matrix
+    products with gate and up apart: the leading axes of `x` flatten into rows (a sharded batch
+    axis must come first, so that each shard stays one block of rows), or with `leading` the
+    trailing ones into columns (the sequence mixer on a sequence-major [L, B, D] activation is
+    one [L, B*D] matrix). So XLA:CPU runs every product, forward and backward, with no
+    transposed copy of an activation and no slice of a product (bench/train_step_bench.py).
     """
 
     dim: int
     expansion: float
     dtype: jnp.dtype = jnp.bfloat16
     axis_name: str = "embed"
+    leading: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -129,9 +158,14 @@ class SwiGLU(nn.Module):
                              (self.dim, 2, inter))
         down = self.param("down", nn.with_logical_partitioning(lecun_init(inter), ("mlp", self.axis_name)),
                           (inter, self.dim))
-        gu = jnp.einsum("...d,dgf->...gf", x, gate_up.astype(self.dtype))
-        gate, up = gu[..., 0, :], gu[..., 1, :]
-        return jnp.einsum("...f,fd->...d", jax.nn.silu(gate) * up, down.astype(self.dtype))
+        gate_up, down = gate_up.astype(self.dtype), down.astype(self.dtype)
+        if self.leading:
+            columns = x.reshape(self.dim, -1)
+            hidden = jax.nn.silu(_matmul_tn(gate_up[:, 0], columns)) * _matmul_tn(gate_up[:, 1], columns)
+            return _matmul_tn(down, hidden).reshape(x.shape)
+        rows = x.reshape(-1, self.dim)
+        hidden = jax.nn.silu(rows @ gate_up[:, 0]) * (rows @ gate_up[:, 1])
+        return (hidden @ down).reshape(x.shape)
 
 
 class Attention(nn.Module):
@@ -158,8 +192,10 @@ class Attention(nn.Module):
                            (self.hidden, 3, self.heads, head_dim))
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
-        qkv = jnp.einsum("bld,dthk->tblhk", x, qkv_w.astype(self.dtype))
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        # 2-D products, q, k and v apart (see SwiGLU): no transposed or sliced activation
+        rows, heads = x.reshape(-1, self.hidden), x.shape[:-1] + (self.heads, head_dim)
+        qkv_w = qkv_w.astype(self.dtype).reshape(self.hidden, 3, self.heads * head_dim)
+        q, k, v = ((rows @ qkv_w[:, i]).reshape(heads) for i in range(3))
         if cos_sin is not None:
             cos, sin = cos_sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -167,8 +203,8 @@ class Attention(nn.Module):
         if mask is not None:
             scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return jnp.einsum("blhk,hkd->bld", y, out_w.astype(self.dtype))
+        y = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(rows.shape[0], -1)
+        return (y @ out_w.astype(self.dtype).reshape(-1, self.hidden)).reshape(x.shape)
 
 
 class Block(nn.Module):
@@ -187,10 +223,10 @@ class Block(nn.Module):
         if self.mlp_t:
             if mask is not None:
                 raise ValueError("an attention mask needs the attention token mixer (mlp_t=False)")
-            ht = jnp.swapaxes(h, 1, 2)  # [B, D, L]
-            ht = rms_norm(ht + SwiGLU(self.total_len, self.expansion, self.dtype, axis_name="length", name="mlp_t")(ht),
-                          self.eps)  # normalises over the sequence axis
-            h = jnp.swapaxes(ht, 1, 2)
+            ht = jnp.swapaxes(h, 0, 1)  # sequence-major [L, B, D]
+            ht = rms_norm(ht + SwiGLU(self.total_len, self.expansion, self.dtype, axis_name="length", leading=True,
+                                      name="mlp_t")(ht), self.eps, axis=0)  # normalises over the sequence axis
+            h = jnp.swapaxes(ht, 0, 1)
         else:
             h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin, mask), self.eps)
         return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, name="mlp")(h), self.eps)

@@ -156,7 +156,7 @@ def validate(arch: Any) -> None:
     check_at_least(arch, 1, "hidden", "heads", *layers, "H_cycles", "L_cycles", "halt_max_steps")
     check_at_least(arch, 0, "puzzle_emb_ndim", *(("puzzle_emb_len",) if isinstance(arch, TRMConfig) else ()))
     check_heads(arch)
-    check_dtype_names(arch, "forward_dtype")
+    check_dtype_names(arch, "forward_dtype", auto=True)
     if not arch.expansion > 0 or not 0 <= arch.halt_exploration_prob <= 1:
         raise UserError(f"arch.expansion={arch.expansion} must be > 0 and arch.halt_exploration_prob="
                         f"{arch.halt_exploration_prob} in [0, 1]")
@@ -166,5 +166,5 @@ def validate(arch: Any) -> None:
                         "(the attention variant); or null for full attention")
 
 
-register_model_family(ModelFamily("trm", TRMConfig, build_task, validate))
-register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate))
+register_model_family(ModelFamily("trm", TRMConfig, build_task, validate, compute_dtype="forward_dtype"))
+register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate, compute_dtype="forward_dtype"))

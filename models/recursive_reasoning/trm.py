@@ -62,7 +62,9 @@ class TRMConfig(Freezable):
     puzzle_emb_len: int = 16  # prefix tokens; 0 -> ceil(puzzle_emb_ndim / hidden)
     pos_encodings: str = "none"  # rope | learned | none
     mlp_t: bool = True  # sequence-mixing SwiGLU instead of attention
-    forward_dtype: str = "bfloat16"  # float32 | bfloat16 | float16 (parameters stay float32)
+    # float32 | bfloat16 | float16 | auto: bfloat16 on TPU/GPU, float32 on CPU (runtime/task.py
+    # platform_compute_dtype); parameters stay float32
+    forward_dtype: str = "auto"
     no_ACT_continue: bool = True  # halt on q_halt > 0; no Q-continue target/loss
     rope_theta: float = 10000.0
     loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy (the reference's two choices)
