@@ -14,11 +14,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.cpu_backend import YNN_DOTS_ONLY  # standard library only: before jax
+
 # Before jax/gcsfs are imported anywhere in the session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never probe for a TPU (libtpu may be installed)
 # The tests' models are tiny: compiling dominates, and LLVM's -O0 compiles CPU code about twice as
 # fast (same HLO passes and float semantics; only the generated machine code is less optimised).
-CPU_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# The YNNPACK flag is the one pretrain_jax.py adds on CPU (runtime/cpu_backend.py): with it in both,
+# in-process runs and child processes keep sharing the compilation cache (its key hashes XLA_FLAGS).
+CPU_XLA_FLAGS = f"--xla_backend_optimization_level=0 {YNN_DOTS_ONLY}"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {CPU_XLA_FLAGS}")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else gcsfs stalls on the emulator
 
