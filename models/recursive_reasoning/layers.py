@@ -193,9 +193,9 @@ class Attention(nn.Module):
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
         # 2-D products, q, k and v apart (see SwiGLU): no transposed or sliced activation
-        rows, heads = x.reshape(-1, self.hidden), x.shape[:-1] + (self.heads, head_dim)
+        rows, per_head = x.reshape(-1, self.hidden), x.shape[:-1] + (self.heads, head_dim)
         qkv_w = qkv_w.astype(self.dtype).reshape(self.hidden, 3, self.heads * head_dim)
-        q, k, v = ((rows @ qkv_w[:, i]).reshape(heads) for i in range(3))
+        q, k, v = ((rows @ qkv_w[:, i]).reshape(per_head) for i in range(3))
         if cos_sin is not None:
             cos, sin = cos_sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
