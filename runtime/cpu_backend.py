@@ -15,8 +15,9 @@ What they fix, measured on the TRM train steps (hidden 512, batch 32, float32):
   alone, with the elementwise work in XLA's own loops, ran faster.
 
 The costs: the process keeps its peak heap until it exits, and the Python thread waits for each
-step to finish (the data feeder prefetches on its own thread). `python bench/train_step_bench.py
---untuned` measures a step without these settings.
+step to finish (the data feeder prefetches on its own thread). PODRUNNER_CPU_TUNING=off in the
+environment leaves JAX's and glibc's defaults; `python bench/train_step_bench.py --untuned`
+measures a step without these settings.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _keep_freed_heap() -> bool:
 def tune_cpu_backend() -> bool:
     """Apply the settings above when JAX will run on the CPU and has not started its backends
     (they are read when the backend starts); True if applied."""
-    if not cpu_only_host() or _backends_started():
+    if os.environ.get("PODRUNNER_CPU_TUNING") == "off" or not cpu_only_host() or _backends_started():
         return False
     import jax
 
