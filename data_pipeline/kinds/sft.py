@@ -41,7 +41,8 @@ class SFTKind(DatasetKind):
                              source=f"dataset {data.path}")
         except (DatasetError, FileNotFoundError):
             return DataShape(examples=UNBUILT_ROWS, vocab_size=getattr(config.arch, "vocab_size", 0),
-                             seq_len=data.seq_len, source=f"SFT set not built; data.seq_len={data.seq_len}")
+                             seq_len=data.seq_len, source=f"SFT set not built; data.seq_len={data.seq_len}",
+                             examples_exact=False)
 
     def is_built(self, data: Any) -> bool:
         return os.path.exists(os.path.join(data.path, data.train_split, "sft.json"))
