@@ -180,7 +180,7 @@ def test_group_plan_table_and_csv(tiny_group):
 
 @pytest.mark.slow
 def test_step_time_floor_and_model_flops(tiny_group):
-    """The compute part is at least the model's FLOPs at peak; the MFU it implies is below 1."""
+    """The estimated step time is more than the model's FLOPs take at peak: the MFU it implies is below 1."""
     _, _, rows = tiny_group
     for r in (r for r in rows if r["variant"] != "TOTAL"):
         assert 0 < float(r["mfu"]) < 1
