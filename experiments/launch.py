@@ -479,7 +479,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from experiments.compose import variants
 
         jobs = [plan.Job(g, v, tuple(args.overrides)) for g in names for v in variants(g)]
-        rows = plan.Planner(args.topology, Path(args.cache_dir), workers=args.jobs).plan(jobs)
+        rows = plan.Planner(args.topology, Path(args.cache_dir or plan.CACHE_DIR), workers=args.jobs).plan(jobs)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -487,7 +487,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.groups + ["--topology", args.topology] + (["--", *args.overrides] if args.overrides else []))
     sys.stdout.write(plan.markdown(rows, args.topology, command))
     csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
-    plan.write_csv(rows, csv_path)
+    try:
+        plan.write_csv(rows, csv_path)
+    except OSError as e:
+        print(f"error: cannot write the CSV {csv_path} ({e.strerror}); the table is above, give --csv a writable path",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
     print(f"\n(CSV: {csv_path})")
     return 0
 
@@ -500,8 +505,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")
-    p.add_argument("--cache-dir", default=str(REPO_ROOT / "outputs" / "plan" / "cache"),
-                   help="compile results by HLO key (default: %(default)s)")
+    p.add_argument("--cache-dir", default=None, help="compile results by HLO key (default: outputs/plan/cache)")
     p.set_defaults(func=cmd_plan)
 
 

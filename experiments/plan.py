@@ -65,7 +65,7 @@ class Lowered:
 
     key: str = ""
     error: str = ""  # the job could not be planned (a UserError's message)
-    steps: int = 0
+    steps: int = 0  # 0: not known here (an epoch count of a dataset that is not on this machine)
     model_flops: float | None = None  # per chip per step, by formula, of the compiled stage
     compute_scale: float = 1.0  # a curriculum's mean formula FLOPs per step / the compiled stage's
     global_batch: int = 0
@@ -168,7 +168,11 @@ def lower(job: Job, topology: str) -> Lowered:
     flops = formula_flops_per_step(steps.task, data.seq_len, plan.global_batch_size, devices)
     scale, note = _curriculum_scale(config, plan.total_steps, steps, data.seq_len)
     remat = getattr(config.arch, "remat", None)
-    return Lowered(key=key, steps=plan.total_steps, model_flops=flops, compute_scale=scale,
+    counted = config.train.steps is not None or data.examples_exact
+    if not counted:
+        note = "; ".join(n for n in (note, f"steps unknown: train.epochs of a set not on this machine ({data.source}); "
+                                           "plan with data.path at the built set") if n)
+    return Lowered(key=key, steps=plan.total_steps if counted else 0, model_flops=flops, compute_scale=scale,
                    global_batch=plan.global_batch_size, per_device_batch=plan.per_device_batch_size,
                    remat=remat if isinstance(remat, bool) else None,
                    fsdp_over_all=plan.mesh_shape["fsdp"] == devices, note=note)
@@ -304,17 +308,22 @@ class Planner:
         try:
             for job in jobs:
                 self._want(job, None)
+                self._collect(timeout=0)
             keys = {self.lowered[j].key for j in jobs if self.lowered[j].key}
             self.progress(f"lowered: {len(keys)} distinct train steps ({time.perf_counter() - self._t0:.0f} s)")
             while self._running:
-                done, _ = wait(self._running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    key, job = self._running.pop(future)
-                    self._compiled_key(key, job, future)
+                self._collect(timeout=None)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(cancel_futures=True)
         return [self._row(job) for job in jobs]
+
+    def _collect(self, timeout: float | None) -> None:
+        """Take in the compiles that have finished (waiting up to `timeout` for one; None: no limit)."""
+        done, _ = wait(self._running, timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in done:
+            key, job = self._running.pop(future)
+            self._compiled_key(key, job, future)
 
     def compiled(self, job: Job):
         return cached(self.directory, self.lowered[job].key)
@@ -339,7 +348,9 @@ class Planner:
         if self._pool is None:
             import multiprocessing
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            # A compiling process only grows (to 5-7 GB after some 25 steps at v4-64): renew it now and then.
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             max_tasks_per_child=8)
         self._running[self._pool.submit(compile_job, job, self.topology)] = (key, job)
 
     def _compiled_key(self, key: str, job: Job, future: Future | None) -> None:
@@ -397,7 +408,7 @@ class Planner:
         estimate = estimate_step(used_compiled, _topology(self.topology)[0], used.model_flops)
         if estimate.compute_s is not None and used.compute_scale != 1.0:
             estimate = dataclasses.replace(estimate, compute_s=estimate.compute_s * used.compute_scale)
-        row.estimate, row.steps = estimate, used.steps
+        row.estimate, row.steps = estimate, used.steps or None
         notes = [row.note, used.note] + ([f"no step time: {estimate.compute_from}"] if estimate.total_s is None else [])
         row.note = "; ".join(n for n in notes if n)
         return row

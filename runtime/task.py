@@ -37,6 +37,7 @@ class DataShape:
     packed: bool = False  # SFT rows packed with segment ids and positions
     epoch_examples: int | None = None  # examples per epoch; None = the whole training set
     source: str = ""  # where the numbers came from, for the plan's printout
+    examples_exact: bool = True  # False: `examples` stands in for a set that is not on this machine
     tasks: Mapping[str, "DataShape"] = field(default_factory=dict)
     batch_fraction: float = 1.0  # a task of a mixture: its share of every global batch
 

@@ -180,7 +180,7 @@ def test_group_plan_table_and_csv(tiny_group):
 
 @pytest.mark.slow
 def test_step_time_floor_and_model_flops(tiny_group):
-    """The compute part is at least the model's FLOPs at peak; the MFU it implies is below 1."""
+    """The estimated step time is more than the model's FLOPs take at peak: the MFU it implies is below 1."""
     _, _, rows = tiny_group
     for r in (r for r in rows if r["variant"] != "TOTAL"):
         assert 0 < float(r["mfu"]) < 1
@@ -212,3 +212,31 @@ def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path):
     assert fix == tried[-1] and planner.compiled(fix).fits
     assert all(not planner.compiled(j).fits for j in tried[:-1])
     assert row.pod_hours == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
+
+
+def test_fix_candidates_in_order(monkeypatch):
+    """remat, then the batch per chip divided by the power of two that covers the overshoot (and
+    twice that), as gradient accumulation where the schema has it, else a smaller global batch;
+    then FSDP."""
+    low = plan.Lowered(key="k", global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
+    step = CompiledStep(hbm_bytes=15.75 * 2**30, total_bytes=40 * 2**30, stopped=True)
+    fsdp = ("mesh.data=1", "mesh.fsdp=-1")
+    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: False)
+    assert plan.fix_candidates(low, step) == [("arch.remat=true",), ("train.global_batch_size=16",),
+                                              ("train.global_batch_size=8",), fsdp]
+    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: True)
+    assert plan.fix_candidates(low, step)[1:3] == [("train.grad_accum_steps=4",), ("train.grad_accum_steps=8",)]
+    done = dataclasses.replace(low, remat=None, per_device_batch=1, fsdp_over_all=True)
+    assert plan.fix_candidates(done, step) == []  # no knob, one example per chip, already FSDP
+
+
+@pytest.mark.slow
+def test_steps_of_an_epoch_schedule_over_a_set_not_here_are_unknown(tmp_path):
+    """An SFT set that is not on this machine has no size, so train.epochs gives no step count
+    (and the row no pod-hours) until data.path points at the built set; train.steps always does."""
+    job = plan.Job("gemma_sft", "tiny_cpu", (f"data.path={tmp_path}/absent", "train.global_batch_size=8"))
+    by_epochs = plan.lower(dataclasses.replace(job, overrides=job.overrides + ("train.steps=null", "train.epochs=2")),
+                           "v5e-8")
+    assert by_epochs.key and by_epochs.steps == 0 and "steps unknown" in by_epochs.note
+    assert plan.lower(job, "v5e-8").steps == 600
+    assert not (tmp_path / "absent").exists()

@@ -122,7 +122,7 @@ def _mixture(tasks: Mapping[str, DataShape], source: str) -> DataShape:
                      seq_len=round(sum(s.batch_fraction * s.seq_len for s in tasks.values()) / total),
                      num_puzzle_identifiers=sum(s.num_puzzle_identifiers for s in tasks.values()),
                      epoch_examples=sum(s.epoch_examples or s.examples for s in tasks.values()),
-                     source=source, tasks=dict(tasks))
+                     source=source, tasks=dict(tasks), examples_exact=all(s.examples_exact for s in tasks.values()))
 
 
 class MultiTaskKind(DatasetKind):

@@ -41,8 +41,8 @@ class SFTKind(DatasetKind):
                              source=f"dataset {data.path}")
         except (DatasetError, FileNotFoundError):
             vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 0)  # not padding
-            return DataShape(examples=UNBUILT_ROWS, vocab_size=vocab,
-                             seq_len=data.seq_len, source=f"SFT set not built; data.seq_len={data.seq_len}")
+            return DataShape(examples=UNBUILT_ROWS, vocab_size=vocab, seq_len=data.seq_len,
+                             source=f"SFT set not built; data.seq_len={data.seq_len}", examples_exact=False)
 
     def is_built(self, data: Any) -> bool:
         return os.path.exists(os.path.join(data.path, data.train_split, "sft.json"))
