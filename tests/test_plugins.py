@@ -215,11 +215,11 @@ def test_a_saved_arch_finds_its_family_whatever_the_preset_is_named(preset, fami
 def test_a_checkpoint_older_than_a_schema_field_still_finds_its_family_and_resumes(caplog):
     """A field added to a schema after a checkpoint was written (it lacks the key) neither hides
     the checkpoint's family (export) nor blocks a resume; a changed value still does."""
-    from runtime.config import to_dict
+    from runtime.config import resolve_compute_dtype, to_dict
     from runtime.registry import family_of_saved
     from runtime.trainer import check_resumable
 
-    config = compose(["arch=gemma_tiny"])
+    config = resolve_compute_dtype(compose(["arch=gemma_tiny"]), "cpu")  # as a run saves it: dtype concrete
     saved = to_dict(config)
     newest = sorted(saved["arch"])[-1]
     del saved["arch"][newest]  # as if `newest` had been added since
