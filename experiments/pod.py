@@ -684,16 +684,11 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
                 return code
         code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line)
     except KeyboardInterrupt:
-        if leave_running:
-            _say(stream, "interrupted; the workers may still be running (launch.py status / stop)")
-            return EXIT_INTERRUPTED
-        _say(stream, f"interrupted: stopping the run on all workers (SIGTERM, SIGKILL after "
-                     f"{interrupt_grace:g} s)")
-        try:
-            stop_pod(target, grace=interrupt_grace, stream=stream)  # also removes a leftover secrets file
-        except KeyboardInterrupt:
-            _say(stream, "stop interrupted; run `launch.py stop` to make sure the TPU is free")
-        return EXIT_INTERRUPTED
+        return _interrupted(target, stream, interrupt_grace, leave_running)
+    if code in (EXIT_INTERRUPTED, -signal.SIGINT):
+        # gcloud alone took the Ctrl-C (a launcher started with SIGINT ignored, e.g. by `&` in a
+        # script, or `kill -INT` of gcloud): the ssh sessions are gone, the workers may not be.
+        return _interrupted(target, stream, interrupt_grace, leave_running)
     if code != 0:
         hint = ("a stale process holds the TPU: run `launch.py stop` first" if watch.tpu_busy else
                 "other workers may still be running: check with `launch.py status`, end them with "
@@ -702,6 +697,19 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
         if secrets_file:  # a worker whose command never started still holds the file
             _remove_secrets(target, secrets_file, stream, log_path)
     return code
+
+
+def _interrupted(target: Target, stream: TextIO, grace: float, leave_running: bool) -> int:
+    """After Ctrl-C: stop the run on every worker (they checkpoint on SIGTERM), unless told not to."""
+    if leave_running:
+        _say(stream, "interrupted; the workers may still be running (launch.py status / stop)")
+        return EXIT_INTERRUPTED
+    _say(stream, f"interrupted: stopping the run on all workers (SIGTERM, SIGKILL after {grace:g} s)")
+    try:
+        stop_pod(target, grace=grace, stream=stream)  # also removes a leftover secrets file
+    except KeyboardInterrupt:
+        _say(stream, "stop interrupted; run `launch.py stop` to make sure the TPU is free")
+    return EXIT_INTERRUPTED
 
 
 def _pack_line(pack: Pack) -> str:

@@ -335,14 +335,25 @@ def files_holding(secret: bytes, root: Path) -> list[Path]:
     return found
 
 
-def test_ctrl_c_stops_the_run_on_every_worker(pod):
+def child_pids(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("who", ["terminal", "gcloud"])
+def test_ctrl_c_stops_the_run_on_every_worker(pod, who):
+    """Ctrl-C in a terminal (the launcher and gcloud get SIGINT), or SIGINT to gcloud alone
+    (`kill -INT`, or a launcher started with SIGINT ignored): either way the workers are stopped."""
     pod.env["STUB_SLEEP"] = "60"
     launcher = start_pod_launch(pod, "--run-id", "int1", "--interrupt-grace", "5")
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
         wait_for(lambda: all(d.exists() for d in dumps))
         pids = [json.loads(d.read_text())["pid"] for d in dumps]
-        os.killpg(launcher.pid, signal.SIGINT)  # like Ctrl-C in a terminal: launcher and gcloud
+        if who == "terminal":
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            (gcloud,) = child_pids(launcher.pid)
+            os.kill(gcloud, signal.SIGINT)
         out, _ = launcher.communicate(timeout=30)
     finally:
         if launcher.poll() is None:
