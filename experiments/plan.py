@@ -30,6 +30,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +39,10 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO / "outputs" / "plan" / "cache"
 CSV_DIR = REPO / "outputs" / "plan"
+# A compiling process only grows (to 5-7 GB after some 25 steps at v4-64), so the pool of them is
+# replaced after this many compiles per process. By the Planner, not by max_tasks_per_child, which
+# hangs the executor once it replaces a process (Python 3.11).
+COMPILES_PER_PROCESS = 8
 
 # Literal values kept in the key: the ones XLA's simplifier treats specially (x*1, x+0, x**2,
 # x**0.5, select on a constant predicate), so a variant that sets one is never merged with one
@@ -298,8 +303,10 @@ class Planner:
         self.fixes: dict[Job, Job | None] = {}  # a job that does not fit -> the first candidate that does
         self._candidates: dict[Job, list[tuple[str, ...]]] = {}
         self._waiting: dict[str, list[tuple[Job, Job | None]]] = {}  # key -> (job, its trial or None)
-        self._running: dict[Future, tuple[str, Job]] = {}
+        self._running: dict[Future, tuple[str, Job]] = {}  # at most `workers` compiles in the pool at once
+        self._queued: list[tuple[str, Job]] = []  # compiles waiting for a free process
         self._pool: ProcessPoolExecutor | None = None
+        self._pool_compiles, self._pool_broken = 0, False  # submitted to the current pool; a process of it died
         self._t0, self._compiled = time.perf_counter(), 0
 
     def plan(self, jobs: list[Job]) -> list[Row]:
@@ -319,11 +326,33 @@ class Planner:
         return [self._row(job) for job in jobs]
 
     def _collect(self, timeout: float | None) -> None:
-        """Take in the compiles that have finished (waiting up to `timeout` for one; None: no limit)."""
+        """Take in the compiles that have finished (waiting up to `timeout` for one; None: no limit),
+        then start queued ones in the processes that are free."""
         done, _ = wait(self._running, timeout=timeout, return_when=FIRST_COMPLETED)
         for future in done:
             key, job = self._running.pop(future)
             self._compiled_key(key, job, future)
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        """Submit queued compiles while a process is free. A pool that has had its share of
+        compiles takes no more: once its last one is in, it is shut down and a fresh one started.
+        A pool whose process died (BrokenProcessPool, e.g. killed for memory) is replaced too."""
+        import multiprocessing
+
+        while self._queued and len(self._running) < self.workers:
+            spent = self._pool_compiles >= max(1, round(self.workers * COMPILES_PER_PROCESS))
+            if self._pool is not None and (spent or self._pool_broken):
+                if self._running and not self._pool_broken:
+                    return  # drain the old pool first: never more than `workers` compiling processes
+                self._pool.shutdown(cancel_futures=True)
+                self._pool = None
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool_compiles, self._pool_broken = 0, False
+            key, job = self._queued.pop(0)
+            self._running[self._pool.submit(compile_job, job, self.topology)] = (key, job)
+            self._pool_compiles += 1
 
     def compiled(self, job: Job):
         return cached(self.directory, self.lowered[job].key)
@@ -345,13 +374,8 @@ class Planner:
         if self.workers <= 1:
             self._compiled_key(key, job, None)
             return
-        if self._pool is None:
-            import multiprocessing
-
-            # A compiling process only grows (to 5-7 GB after some 25 steps at v4-64): renew it now and then.
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             max_tasks_per_child=8)
-        self._running[self._pool.submit(compile_job, job, self.topology)] = (key, job)
+        self._queued.append((key, job))
+        self._start_queued()
 
     def _compiled_key(self, key: str, job: Job, future: Future | None) -> None:
         """Cache the key's result (or note why its compile failed); tell the jobs waiting for it."""
@@ -365,6 +389,10 @@ class Planner:
             status = f"fits, {gib:.2f} GiB" if result.fits else f"does not fit, {gib:.2f} GiB"
         except jax.errors.JaxRuntimeError as e:  # a compile that fails for another reason is this row's note
             status = self.errors[key] = f"compile failed: {str(e).splitlines()[0][:200]}"
+        except BrokenProcessPool:
+            self._pool_broken = True
+            status = self.errors[key] = ("compile failed: its process died (out of host memory?); "
+                                         "plan this group alone, or with --jobs 1")
         self.progress(f"  compiled [{self._compiled}] {job.experiment} {' '.join(job.overrides)}: {status} "
                       f"({time.perf_counter() - self._t0:.0f} s)")
         for waiter, origin in self._waiting.pop(key, []):
