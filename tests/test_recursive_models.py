@@ -435,3 +435,57 @@ def test_compile_time_is_flat_in_cycles_report():
         res[l_cycles] = compile_seconds(model, batch_size=4, compile=False)
         print(f"TRM L_cycles={l_cycles}: {res[l_cycles]}")
     assert res[2]["stablehlo_lines"] == res[12]["stablehlo_lines"]
+
+
+@pytest.mark.parametrize("form", ["swiglu", "sequence_mixer", "qkv", "attention_out"])
+def test_accelerator_and_cpu_forms_of_each_product_agree(form):
+    """The products have a TPU/GPU form and a CPU form (layers.py, chosen when the step is
+    lowered); this CPU runs only the CPU form, so the other is checked against it here, value
+    and gradient, in float64."""
+    from models.recursive_reasoning import layers
+
+    b, length, d, heads = 3, 7, 8, 2
+    rng = np.random.default_rng(0)
+    inter = swiglu_width(d, 2.0)
+    args = {
+        "swiglu": ((b, length, d), (d, 2, inter), (inter, d)),
+        "sequence_mixer": ((b, length, d), (length, 2, swiglu_width(length, 2.0)), (swiglu_width(length, 2.0), length)),
+        "qkv": ((b, length, d), (d, 3, heads, d // heads)),
+        "attention_out": ((b, length, heads, d // heads), (heads, d // heads, d)),
+    }[form]
+    pairs = {
+        "swiglu": (layers._swiglu_fused, layers._swiglu_rows),
+        "sequence_mixer": (functools.partial(layers._mix_sequence_transposed, eps=1e-5),
+                           functools.partial(layers._mix_sequence_major, eps=1e-5)),
+        "qkv": (layers._qkv_fused, layers._qkv_rows),
+        "attention_out": (layers._attn_out_fused, layers._attn_out_rows),
+    }[form]
+    with jax.enable_x64():
+        values = [jnp.asarray(rng.normal(size=shape)) for shape in args]
+        outputs = jax.tree.leaves(jax.eval_shape(pairs[0], *values))
+        weights = [jnp.asarray(rng.normal(size=o.shape)) for o in outputs]  # a random linear loss of the outputs
+        loss = lambda f: lambda *v: sum(jnp.vdot(w, y) for w, y in zip(weights, jax.tree.leaves(f(*v))))  # noqa: E731
+        (accel, accel_grads), (cpu, cpu_grads) = (
+            jax.value_and_grad(loss(f), argnums=tuple(range(len(values))))(*values) for f in pairs)
+        np.testing.assert_allclose(accel, cpu, rtol=1e-12)
+        for g_accel, g_cpu in zip(accel_grads, cpu_grads):
+            np.testing.assert_allclose(g_accel, g_cpu, rtol=1e-10, atol=1e-12)
+
+
+def test_each_platform_lowers_its_own_form():
+    """A step lowered for a TPU topology on this CPU host takes the TPU form (one fused gate/up
+    product, no optimization barrier); lowered for the CPU, the CPU form."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from runtime.compile_only import topology_devices
+
+    block = Block(hidden=32, heads=4, expansion=2.0, total_len=SEQ, mlp_t=True, dtype=jnp.float32)
+    h = jnp.zeros((8, SEQ, 32), jnp.float32)
+    params = jax.eval_shape(block.init, jax.random.key(0), h)
+    apply = lambda p, x: block.apply(p, x)  # noqa: E731
+    cpu_text = jax.jit(apply).lower(params, h).as_text()
+    _, _, devices = topology_devices("v5e-8")
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    tpu_text = jax.jit(apply, in_shardings=(NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))),
+                       ).lower(params, jax.ShapeDtypeStruct(h.shape, h.dtype)).as_text()
+    assert "optimization_barrier" in cpu_text and "optimization_barrier" not in tpu_text

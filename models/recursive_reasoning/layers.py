@@ -4,9 +4,9 @@ Semantics follow the public PyTorch references (SamsungSAILMontreal/TinyRecursiv
 
 * RMSNorm has no learned gain, eps 1e-5, and is computed in float32 (result cast back).
 * Blocks are post-norm and bias-free: ``h = rms(h + mix(h)); h = rms(h + swiglu(h))`` where
-  ``mix`` is non-causal attention, or (``mlp_t``) a SwiGLU over the *sequence* axis, whose
-  residual norm then normalises over the sequence axis (the reference applies it to the
-  transposed ``[B, D, L]`` tensor; here the block works sequence-major, ``[L, B, D]``).
+  ``mix`` is non-causal attention, or (``mlp_t``) a SwiGLU over the *sequence* axis applied to
+  the transposed ``[B, D, L]`` tensor, whose residual norm then normalises over the sequence
+  axis (on CPU the same products run sequence-major, ``[L, B, D]``: see "two forms" below).
 * SwiGLU width: ``round(expansion * d * 2/3)`` rounded up to a multiple of 256.
 * Weights: truncated normal (cut at +-2 standard units) rescaled so the *actual* standard
   deviation is the requested one (LeCun: ``1/sqrt(fan_in)``), as the reference's
@@ -111,6 +111,20 @@ def local_global_mask(prefix: int, height: int, width: int, window: int) -> np.n
 
 # ---------------------------------------------------------------- modules
 
+# Two forms of each product, chosen when the step is lowered for its devices
+# (jax.lax.platform_dependent: a compile for a TPU topology on a CPU host gets the TPU form).
+# TPU and GPU: einsums over the natural layouts, gate and up (q, k and v) fused in one product,
+# the reference's transposed [B, D, L] for the sequence mixer; XLA lays them out itself.
+# CPU: plain 2-D matrix products with no transposed or sliced activation, forward or backward,
+# and the sequence mixer on a sequence-major [L, B, D] activation (one [L, B*D] matrix), which
+# XLA:CPU runs near its matmul rate (bench/train_step_bench.py) and the einsum forms well below.
+# The parameters are the same either way.
+
+
+def _per_platform(*args, cpu: Callable, default: Callable):
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
 @jax.custom_vjp
 def _matmul_tn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a^T b for 2-D a [K, M] (a weight: small) and b [K, N], with every product in it and in
@@ -133,39 +147,93 @@ def _matmul_tn_bwd(residuals, g):
 _matmul_tn.defvjp(_matmul_tn_fwd, _matmul_tn_bwd)
 
 
-class SwiGLU(nn.Module):
-    """SwiGLU over the last axis of `x` (width `dim`), no biases; with `leading`, over the first.
+def _swiglu_fused(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """SwiGLU over x's last axis, gate and up in one product (TPU, GPU)."""
+    gu = jnp.einsum("...d,dgf->...gf", x, gate_up)
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], down)
 
-    `axis_name` is the logical name of the input/output feature axis ("embed" normally,
-    "length" for the sequence mixer of the mlp_t variant). Both forms are plain 2-D matrix
-    products with gate and up apart: the leading axes of `x` flatten into rows (a sharded batch
-    axis must come first, so that each shard stays one block of rows), or with `leading` the
-    trailing ones into columns (the sequence mixer on a sequence-major [L, B, D] activation is
-    one [L, B*D] matrix). So XLA:CPU runs every product, forward and backward, with no
-    transposed copy of an activation and no slice of a product (bench/train_step_bench.py).
-    """
+
+def _swiglu_rows(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """SwiGLU over x's last axis as 2-D products on its rows, gate and up apart (CPU). A sharded
+    batch axis comes first, so each shard stays one block of rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    hidden = jax.nn.silu(rows @ gate_up[:, 0]) * (rows @ gate_up[:, 1])
+    return (hidden @ down).reshape(x.shape)
+
+
+def _mix_sequence_transposed(h: jax.Array, gate_up: jax.Array, down: jax.Array, eps: float) -> jax.Array:
+    """rms(h + SwiGLU over the sequence) on [B, D, L], normalised over the sequence (TPU, GPU)."""
+    ht = jnp.swapaxes(h, 1, 2)
+    return jnp.swapaxes(rms_norm(ht + _swiglu_fused(ht, gate_up, down), eps), 1, 2)
+
+
+def _mix_sequence_major(h: jax.Array, gate_up: jax.Array, down: jax.Array, eps: float) -> jax.Array:
+    """The same on a sequence-major [L, B, D] activation, one [L, B*D] matrix (CPU)."""
+    ht = jnp.swapaxes(h, 0, 1)
+    columns = ht.reshape(ht.shape[0], -1)
+    hidden = jax.nn.silu(_matmul_tn(gate_up[:, 0], columns)) * _matmul_tn(gate_up[:, 1], columns)
+    ht = rms_norm(ht + _matmul_tn(down, hidden).reshape(ht.shape), eps, axis=0)
+    return jnp.swapaxes(ht, 0, 1)
+
+
+def _qkv_fused(x: jax.Array, qkv_w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    qkv = jnp.einsum("bld,dthk->tblhk", x, qkv_w)
+    return qkv[0], qkv[1], qkv[2]
+
+
+def _qkv_rows(x: jax.Array, qkv_w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    hidden, _, heads, head_dim = qkv_w.shape
+    rows, w = x.reshape(-1, hidden), qkv_w.reshape(hidden, 3, heads * head_dim)
+    q, k, v = ((rows @ w[:, i]).reshape(x.shape[:-1] + (heads, head_dim)) for i in range(3))
+    return q, k, v
+
+
+def _attn_out_fused(y: jax.Array, out_w: jax.Array) -> jax.Array:
+    return jnp.einsum("blhk,hkd->bld", y, out_w)
+
+
+def _attn_out_rows(y: jax.Array, out_w: jax.Array) -> jax.Array:
+    b, l, h, k = y.shape
+    return (y.reshape(b * l, h * k) @ out_w.reshape(h * k, -1)).reshape(b, l, -1)
+
+
+def _swiglu_weights(module: nn.Module, dim: int, expansion: float, axis_name: str, dtype) -> tuple[jax.Array, jax.Array]:
+    """The gate_up [dim, 2, inter] and down [inter, dim] parameters of `module`, in `dtype`."""
+    inter = swiglu_width(dim, expansion)
+    gate_up = module.param("gate_up", nn.with_logical_partitioning(lecun_init(dim), (axis_name, "gate", "mlp")),
+                           (dim, 2, inter))
+    down = module.param("down", nn.with_logical_partitioning(lecun_init(inter), ("mlp", axis_name)), (inter, dim))
+    return gate_up.astype(dtype), down.astype(dtype)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU over the last axis of `x` (width `dim`), no biases."""
 
     dim: int
     expansion: float
     dtype: jnp.dtype = jnp.bfloat16
-    axis_name: str = "embed"
-    leading: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        inter = swiglu_width(self.dim, self.expansion)
-        gate_up = self.param("gate_up", nn.with_logical_partitioning(lecun_init(self.dim), (self.axis_name, "gate", "mlp")),
-                             (self.dim, 2, inter))
-        down = self.param("down", nn.with_logical_partitioning(lecun_init(inter), ("mlp", self.axis_name)),
-                          (inter, self.dim))
-        gate_up, down = gate_up.astype(self.dtype), down.astype(self.dtype)
-        if self.leading:
-            columns = x.reshape(self.dim, -1)
-            hidden = jax.nn.silu(_matmul_tn(gate_up[:, 0], columns)) * _matmul_tn(gate_up[:, 1], columns)
-            return _matmul_tn(down, hidden).reshape(x.shape)
-        rows = x.reshape(-1, self.dim)
-        hidden = jax.nn.silu(rows @ gate_up[:, 0]) * (rows @ gate_up[:, 1])
-        return (hidden @ down).reshape(x.shape)
+        gate_up, down = _swiglu_weights(self, self.dim, self.expansion, "embed", self.dtype)
+        return _per_platform(x, gate_up, down, cpu=_swiglu_rows, default=_swiglu_fused)
+
+
+class SequenceMixer(nn.Module):
+    """The mlp_t token mixer with its residual norm: ``rms(h + SwiGLU over the sequence axis)``,
+    normalised over the sequence axis; h is [B, L, D] (L = `length`, prefix included). Its
+    feature axis is the sequence ("length"), so its weights are a SwiGLU's on `length`."""
+
+    length: int
+    expansion: float
+    dtype: jnp.dtype = jnp.bfloat16
+    eps: float = RMS_EPS
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        gate_up, down = _swiglu_weights(self, self.length, self.expansion, "length", self.dtype)
+        return _per_platform(h, gate_up, down, cpu=lambda *a: _mix_sequence_major(*a, self.eps),
+                             default=lambda *a: _mix_sequence_transposed(*a, self.eps))
 
 
 class Attention(nn.Module):
@@ -192,10 +260,7 @@ class Attention(nn.Module):
                            (self.hidden, 3, self.heads, head_dim))
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
-        # 2-D products, q, k and v apart (see SwiGLU): no transposed or sliced activation
-        rows, per_head = x.reshape(-1, self.hidden), x.shape[:-1] + (self.heads, head_dim)
-        qkv_w = qkv_w.astype(self.dtype).reshape(self.hidden, 3, self.heads * head_dim)
-        q, k, v = ((rows @ qkv_w[:, i]).reshape(per_head) for i in range(3))
+        q, k, v = _per_platform(x, qkv_w.astype(self.dtype), cpu=_qkv_rows, default=_qkv_fused)
         if cos_sin is not None:
             cos, sin = cos_sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -203,8 +268,8 @@ class Attention(nn.Module):
         if mask is not None:
             scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(rows.shape[0], -1)
-        return (y @ out_w.astype(self.dtype).reshape(-1, self.hidden)).reshape(x.shape)
+        y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        return _per_platform(y, out_w.astype(self.dtype), cpu=_attn_out_rows, default=_attn_out_fused)
 
 
 class Block(nn.Module):
@@ -223,10 +288,7 @@ class Block(nn.Module):
         if self.mlp_t:
             if mask is not None:
                 raise ValueError("an attention mask needs the attention token mixer (mlp_t=False)")
-            ht = jnp.swapaxes(h, 0, 1)  # sequence-major [L, B, D]
-            ht = rms_norm(ht + SwiGLU(self.total_len, self.expansion, self.dtype, axis_name="length", leading=True,
-                                      name="mlp_t")(ht), self.eps, axis=0)  # normalises over the sequence axis
-            h = jnp.swapaxes(ht, 0, 1)
+            h = SequenceMixer(self.total_len, self.expansion, self.dtype, self.eps, name="mlp_t")(h)
         else:
             h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin, mask), self.eps)
         return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, name="mlp")(h), self.eps)
