@@ -157,6 +157,16 @@ class LocalStore:
             _remove(self.path)
 
 
+def _settled(store, held: Optional[dict[str, Any]], wait_s: float = 1.0) -> Optional[dict[str, Any]]:
+    """The record as its writer finishes it: one read while it was being written (cut short, no
+    token) is read again for up to `wait_s`, so that the message names the run that holds it."""
+    deadline = time.monotonic() + wait_s
+    while held is not None and held.get("token") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        held = store.read()[0]
+    return held
+
+
 def _parse(raw: bytes, written_at: float) -> dict[str, Any]:
     """The record; one damaged by hand (or cut short) is judged by when it was written only."""
     try:
@@ -370,6 +380,7 @@ class Lease:
                     new = seen  # a retried write of ours that had gone through
                 if new is None:
                     self._versions.pop(i)
+                    held = _settled(store, held)
                     now = f"held by {describe(held)}" if held else "removed"
                     raise self._lost(store, f"another run took it over (it is {now})", "wait until no other run uses it")
                 self._versions[i] = new

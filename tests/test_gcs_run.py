@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from google.cloud import storage
 
 from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
 from gcs_emulator import start_gcs_emulator
@@ -68,11 +69,16 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
     env = emulator.child_env(child_env(8))
     proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *gcs], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    on_disk = emulator.storage_dir / "pod-runs" / "o" / "t"  # the emulator keeps objects as files
+    def committed() -> list[int]:
+        """Steps with a commit marker, as the emulator lists them (its object files can reach the disk
+        before its index does: a step seen only on disk may be unknown to it after a restart)."""
+        names = (b.name for b in storage.Client().list_blobs("pod-runs", prefix="o/t/"))
+        return sorted(int(n.split("/")[2]) for n in names if n.endswith("/commit_success.txt"))
+
     deadline = time.monotonic() + 240
-    while not list(on_disk.glob("*/commit_success.txt")):
+    while not committed():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.02)
+        time.sleep(0.05)
     emulator.stop()  # outage, with the next async save about to start or under way
     outage = time.monotonic()
     _, stderr = proc.communicate(timeout=300)
@@ -81,14 +87,13 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
     error = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "checkpoint save of step" in error[0] and "last complete checkpoint" in error[0], stderr[-3000:]
 
-    complete = sorted(int(p.parent.name) for p in on_disk.glob("*/commit_success.txt"))
+    emulator.start()  # storage is back: resume from the newest complete step, never the cut-off one
+    complete = committed()
     named = re.search(r"the last complete checkpoint: step (\d+)", error[0])
     # The step the run knew to be complete ("none yet" when the outage hit the first save); a commit
     # racing the outage may have completed one more than the run knew of.
     assert named or "last complete checkpoint: none yet" in error[0], error
     assert complete and (named is None or int(named.group(1)) in complete), (complete, error)
-
-    emulator.start()  # storage is back: resume from the newest complete step, never the cut-off one
     start = resumed_step(train(gcs).log)
     assert start == complete[-1]
     out = tmp_path / "gcs" / "test" / "t"

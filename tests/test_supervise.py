@@ -159,7 +159,7 @@ def test_stopping_the_supervisor_stops_the_run(stub_plane):
     proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
     count = stub_plane.root / "worker-0" / "launches"
     deadline = time.monotonic() + 60
-    while not count.exists() and time.monotonic() < deadline:
+    while not (count.exists() and count.read_text()) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     time.sleep(0.5)
@@ -229,11 +229,11 @@ def test_queued_resource_and_preemption(stub_plane):
     proc = stub_plane.start("--queued-resource", "qr-1", stub_env={"STUB_CODES": "0", "STUB_WAIT_LAUNCH": "1"})
     count = stub_plane.root / "worker-1" / "launches"
     deadline = time.monotonic() + 60
-    while not count.exists() and time.monotonic() < deadline:
+    while not (count.exists() and count.read_text()) and time.monotonic() < deadline:  # written, not just created
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.05)
     fake_tpu.preempt(stub_plane.root, TPU)  # the stub ignores SIGTERM's checkpoint: it just dies
-    out = proc.communicate(timeout=60)[0]
+    out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
     record = stub_plane.record()
     assert [launch["outcome"] for launch in record["launches"]] == ["preempted", "completed"], out
