@@ -148,7 +148,7 @@ def test_cpu_demo_learns_the_format(tmp_path):
     run_pretrain(["+experiment=gemma_sft/tiny_cpu", f"data.path={tmp_path / 'data'}", "data.generate_puzzles=1000",
                   f"run.root={tmp_path}", "run.progress_bar=false", "run.wandb.mode=disabled", "train.steps=150", "train.eval_every=150",
                   "train.checkpoint_every=150", "data.eval_generate_examples=16", "optim.warmup_steps=15"],
-                 devices=1, timeout=600)
+                 devices=1, timeout=600, optimized=True)
     rows = read_jsonl(tmp_path / "gemma_sft" / "tiny_cpu" / "metrics.jsonl")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     final = next(r for r in rows if "eval/format_adherence" in r)

@@ -100,7 +100,7 @@ def smoke_root(tmp_path_factory):
     procs = [subprocess.Popen([sys.executable, str(REPO / "experiments" / "examples.py"), "--smoke", *half,
                                "--steps", str(STEPS), "--root", str(root)], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=child_env(1, PODRUNNER_LOCAL_DATA=str(root / f"_data{i}")))
+                              env=child_env(1, optimized=True, PODRUNNER_LOCAL_DATA=str(root / f"_data{i}")))
              for i, half in enumerate(halves) if half]
     outs = [p.communicate(timeout=1500) for p in procs]
     stderr = "".join(e for _, e in outs)
