@@ -78,21 +78,23 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
     deadline = time.monotonic() + 240
     while not committed():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+        time.sleep(0.25)  # the emulator serves one request at a time: do not slow the saves down
     emulator.stop()  # outage, with the next async save about to start or under way
     outage = time.monotonic()
     _, stderr = proc.communicate(timeout=300)
     print(f"outage to exit: {time.monotonic() - outage:.0f} s")  # the figure docs/OPERATIONS.md quotes
     assert proc.returncode == 6, stderr[-3000:]
     error = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "checkpoint save of step" in error[0] and "last complete checkpoint" in error[0], stderr[-3000:]
+    # The outage is noticed by a checkpoint save or by the lease's heartbeat, whichever comes first.
+    assert len(error) == 1 and "last complete checkpoint" in error[0], stderr[-3000:]
+    assert "checkpoint save of step" in error[0] or "lost the lease" in error[0], error
 
     emulator.start()  # storage is back: resume from the newest complete step, never the cut-off one
     complete = committed()
     named = re.search(r"the last complete checkpoint: step (\d+)", error[0])
     # The step the run knew to be complete ("none yet" when the outage hit the first save); a commit
     # racing the outage may have completed one more than the run knew of.
-    assert named or "last complete checkpoint: none yet" in error[0], error
+    assert named or "last complete checkpoint: none yet" in error[0] or "lost the lease" in error[0], error
     assert complete and (named is None or int(named.group(1)) in complete), (complete, error)
     log = train(gcs).log
     if "resumed from step " in log:
@@ -100,7 +102,7 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
         assert start == complete[-1]
     else:  # the outage cut off the first save's commit: the run had named no complete checkpoint, and
         # Orbax lists the step it left (a commit marker, its metadata not committed) as no checkpoint
-        assert named is None and "(a fresh run)" in log, log[-2000:]
+        assert "last complete checkpoint: none yet" in error[0] and "(a fresh run)" in log, (error, log[-2000:])
         start = 0
     out = tmp_path / "gcs" / "test" / "t"
     losses = {s: v for s, v in train_losses(out).items() if s > start}
