@@ -18,6 +18,7 @@ Every parameter carries logical axis names (``runtime/sharding.py`` maps them to
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence, Tuple
 
@@ -121,10 +122,6 @@ def local_global_mask(prefix: int, height: int, width: int, window: int) -> np.n
 # The parameters are the same either way.
 
 
-def _per_platform(*args, cpu: Callable, default: Callable):
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
-
-
 @jax.custom_vjp
 def _matmul_tn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a^T b for 2-D a [K, M] (a weight: small) and b [K, N], with every product in it and in
@@ -216,7 +213,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.dim, self.expansion, "embed", self.dtype)
-        return _per_platform(x, gate_up, down, cpu=_swiglu_rows, default=_swiglu_fused)
+        return jax.lax.platform_dependent(x, gate_up, down, cpu=_swiglu_rows, default=_swiglu_fused)
 
 
 class SequenceMixer(nn.Module):
@@ -232,8 +229,8 @@ class SequenceMixer(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.length, self.expansion, "length", self.dtype)
-        return _per_platform(h, gate_up, down, cpu=lambda *a: _mix_sequence_major(*a, self.eps),
-                             default=lambda *a: _mix_sequence_transposed(*a, self.eps))
+        return jax.lax.platform_dependent(h, gate_up, down, cpu=functools.partial(_mix_sequence_major, eps=self.eps),
+                                          default=functools.partial(_mix_sequence_transposed, eps=self.eps))
 
 
 class Attention(nn.Module):
@@ -260,7 +257,7 @@ class Attention(nn.Module):
                            (self.hidden, 3, self.heads, head_dim))
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
-        q, k, v = _per_platform(x, qkv_w.astype(self.dtype), cpu=_qkv_rows, default=_qkv_fused)
+        q, k, v = jax.lax.platform_dependent(x, qkv_w.astype(self.dtype), cpu=_qkv_rows, default=_qkv_fused)
         if cos_sin is not None:
             cos, sin = cos_sin
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -269,7 +266,7 @@ class Attention(nn.Module):
             scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return _per_platform(y, out_w.astype(self.dtype), cpu=_attn_out_rows, default=_attn_out_fused)
+        return jax.lax.platform_dependent(y, out_w.astype(self.dtype), cpu=_attn_out_rows, default=_attn_out_fused)
 
 
 class Block(nn.Module):
