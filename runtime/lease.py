@@ -272,11 +272,12 @@ class Lease:
 
     def __init__(self, targets: Sequence[tuple[str, str, str]], *, run: str, run_id: Optional[str] = None,
                  renew_every_s: float = 30.0, stale_after_s: float = 90.0,
-                 on_lost: Callable[[StorageError], None] = _exit_on_loss):
+                 on_lost: Callable[[StorageError], None] = _exit_on_loss, clock: Callable[[], float] = time.monotonic):
         self.targets = [(store_for(d), what, setting) for d, what, setting in targets]
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "run_id": run_id,
                        "heartbeat": 0.0, "stale_after_s": stale_after_s, "token": secrets.token_hex(8)}
         self.renew_every_s, self.stale_after_s, self.on_lost = renew_every_s, stale_after_s, on_lost
+        self._clock = clock  # measures how long renewals have failed (a test steps it by hand)
         self._versions: dict[int, Any] = {}  # index of a target -> the version of our record there
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -293,7 +294,7 @@ class Lease:
         except BaseException:
             self.release()
             raise
-        self._renewed = time.monotonic()
+        self._renewed = self._clock()
         threading.Thread(target=self._heartbeat, name="run-lease-heartbeat", daemon=True).start()
         return self
 
@@ -384,7 +385,7 @@ class Lease:
                     now = f"held by {describe(held)}" if held else "removed"
                     raise self._lost(store, f"another run took it over (it is {now})", "wait until no other run uses it")
                 self._versions[i] = new
-            self._renewed = time.monotonic()
+            self._renewed = self._clock()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.renew_every_s):
@@ -393,7 +394,7 @@ class Lease:
             except StorageError as e:
                 return self._give_up(e)
             except _RenewFailed as failed:  # storage trouble: retried while the lease cannot be stale yet
-                silent, fault = time.monotonic() - self._renewed, storage_fault(failed.error)
+                silent, fault = self._clock() - self._renewed, storage_fault(failed.error)
                 detail = fault or one_line(failed.error)[:150]
                 log.warning("renewing the run lease on %s failed (%s); retrying", failed.store.where, detail)
                 if silent + self.renew_every_s >= self.stale_after_s:  # stop before another run may take it

@@ -53,7 +53,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -62,11 +61,12 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator, Mapping, MutableMapping, Optional
 
+from helpers import free_port
+
 __all__ = [
     "Emulator",
     "EmulatorError",
     "UNSET_VARS",
-    "free_port",
     "gcs_emulator_fixture",
     "reset_gcs_client_caches",
     "shorten_client_retries",
@@ -161,13 +161,6 @@ runpy.run_module("gcp_storage_emulator", run_name="__main__", alter_sys=True)
 
 class EmulatorError(RuntimeError):
     pass
-
-
-def free_port(host: str = HOST) -> int:
-    """A currently unused TCP port on ``host`` (inherently racy, but short)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _append_no_proxy(value: Optional[str]) -> str:
@@ -558,16 +551,12 @@ def start_gcs_emulator(
 @contextlib.contextmanager
 def gs_bucket(tmp_dir: os.PathLike | str, bucket: str):
     """A running emulator that this process talks to, with `bucket` created; yields an fsspec
-    "gs" filesystem. Skips the test when gcsfs was imported earlier in the process without the
-    emulator switch (apply_env cannot take effect then)."""
+    "gs" filesystem. EmulatorError when gcsfs was imported earlier in the process without the
+    emulator switch (apply_env cannot take effect then: conftest.py sets it first)."""
     import fsspec  # pylint: disable=import-outside-toplevel
-    import pytest  # pylint: disable=import-outside-toplevel
 
     with start_gcs_emulator(tmp_dir) as emu:
-        try:
-            emu.apply_env()
-        except EmulatorError as e:
-            pytest.skip(str(e))
+        emu.apply_env()
         emu.create_bucket(bucket)
         yield fsspec.filesystem("gs")
 

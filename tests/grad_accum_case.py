@@ -26,10 +26,10 @@ TOKENS, PUZZLES = 6, 5  # token ids drawn from [1, TOKENS), puzzle ids from [0, 
 
 def _task(family: str):
     """(task, seq_len) of a tiny model of `family`."""
+    from helpers import SMALL_TRM
     from runtime.task import DataShape
 
-    trm = dict(hidden=32, heads=2, L_layers=1, H_cycles=2, L_cycles=2, puzzle_emb_ndim=32, puzzle_emb_len=2,
-               forward_dtype="float32", halt_max_steps=2, halt_exploration_prob=0.0, mlp_t=False, pos_encodings="rope")
+    trm = SMALL_TRM | dict(heads=2, halt_max_steps=2)
     if family == "trm":
         from models.recursive_reasoning.task import build_task
         from models.recursive_reasoning.trm import TRMConfig

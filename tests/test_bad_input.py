@@ -6,37 +6,9 @@ UserError's message is the line the script prints."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-from conftest import base_overrides, run_pretrain, train
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def assert_one_line_error(proc, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    assert proc.stderr.rstrip().splitlines()[-1] == errors[0]  # the last thing said, nothing after it
-    assert "Traceback" not in proc.stderr and "compiled train step" not in proc.stderr + proc.stdout
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
-
-
-def assert_user_error(result, *needles: str) -> str:
-    """An in-process run refused with exit 2 before compiling, its message one line with `needles`."""
-    assert result.code == 2 and result.error, (result.code, result.log[-3000:])
-    assert "\n" not in result.error and "compiled train step" not in result.log, result.error
-    for needle in needles:
-        assert needle in result.error, result.error
-    return result.error
+from helpers import assert_exit_one_line, assert_user_error, base_overrides, free_port, run_pretrain, train
 
 
 @pytest.mark.parametrize("override,needles", [
@@ -47,7 +19,7 @@ def assert_user_error(result, *needles: str) -> str:
     ("run.wandb.mode=onine", ["run.wandb.mode", "offline"]),
 ])
 def test_config_errors(override, needles):
-    assert_one_line_error(run_pretrain([override], check=False), *needles)
+    assert_exit_one_line(run_pretrain([override], check=False), 2, *needles)
 
 
 def test_mesh_that_does_not_match_devices(sudoku_dir, tmp_path):
@@ -63,13 +35,13 @@ def test_batch_that_does_not_divide(sudoku_dir, tmp_path):
 def test_missing_dataset(tmp_path):
     proc = run_pretrain([f"data.path={tmp_path}/nope", "data.generate_if_missing=false", f"run.root={tmp_path}"],
                         check=False)
-    assert_one_line_error(proc, f"{tmp_path}/nope", "build_sudoku")  # a trainer error, printed by the script
+    assert_exit_one_line(proc, 2, f"{tmp_path}/nope", "build_sudoku")  # a trainer error, printed by the script
 
 
 def test_unreachable_coordinator(tmp_path):
     proc = run_pretrain([f"distributed.coordinator_address=127.0.0.1:{free_port()}", "distributed.num_processes=2",
                          "distributed.process_id=1", "distributed.initialization_timeout_s=3"], check=False)
-    assert_one_line_error(proc, "did not answer within 3s")
+    assert_exit_one_line(proc, 2, "did not answer within 3s")
 
 
 def test_partial_distributed_values():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Trained, base_overrides, child_env, run_pretrain, train
+from helpers import REPO, Trained, base_overrides, child_env, run_pretrain, train
 
 NOT_OURS = "holds no .podrunner-generated marker"
 
@@ -337,7 +337,7 @@ def test_builder_never_writes_into_a_folder_it_did_not_build(dataset_copy, capsy
 def test_boundary_values_keep_their_meaning():
     """The smallest accepted values (_RULES) are accepted, and cadence 0 (steps or epochs) means
     only at the end."""
-    from conftest import compose_config
+    from helpers import compose_config
     from runtime.config import derive
 
     config = compose_config(["train.steps=10", "train.eval_every=0", "train.checkpoint_every_epochs=0",

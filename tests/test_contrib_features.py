@@ -18,15 +18,9 @@ from models.recursive_reasoning.task import ACTTask
 from models.recursive_reasoning import (HRM, TRM, HRMConfig, InnerCarry, TRMConfig, act_loss, act_step, dummy_batch,
                                         init_params, initial_carry)
 from models.recursive_reasoning.layers import local_global_mask, make_net_fn
+from helpers import small_trm
 
 VOCAB, PUZZLES = 11, 5
-
-
-def small_trm(**kw) -> TRMConfig:
-    base = {"hidden": 32, "heads": 4, "L_layers": 1, "H_cycles": 2, "L_cycles": 2, "puzzle_emb_ndim": 32,
-            "puzzle_emb_len": 2, "forward_dtype": "float32", "halt_max_steps": 4, "halt_exploration_prob": 0.0,
-            "mlp_t": False, "pos_encodings": "rope"}
-    return TRMConfig(**(base | kw))
 
 
 def make_batch(b=4, seq=9, seed=0):

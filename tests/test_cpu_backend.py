@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 from runtime.cpu_backend import YNN_DOTS_ONLY, tune_cpu_backend
 
 PROBE = """

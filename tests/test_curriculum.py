@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import base_overrides, read_jsonl, train
+from helpers import base_overrides, compose_config, read_jsonl, train
 from runtime.config import RampConfig, cycles_at, ramp_value
 from runtime.errors import UserError
 from runtime.builder import curriculum_metrics, curriculum_stages
-from test_config import composed
 
 
 def test_ramp_values_at_given_steps():
@@ -23,23 +22,23 @@ def test_ramp_values_at_given_steps():
 
 def test_curriculum_stage_values_and_boundaries():
     """contrib01's schedule: H 1->3 and L 2->6 over the first 20% (floor: equal shares)."""
-    config = composed("+experiment=contrib01/curriculum", experiment="contrib01/curriculum")
+    config = compose_config(["+experiment=contrib01/curriculum"])
     total = 1000  # the ramp spans 200 steps
     assert cycles_at(config, 0, total) == (1, 2)
     assert cycles_at(config, 49, total) == (1, 2) and cycles_at(config, 50, total) == (1, 3)
     assert cycles_at(config, 100, total) == (2, 4)
     assert cycles_at(config, 199, total) == (2, 5) and cycles_at(config, 200, total) == (3, 6)
     assert cycles_at(config, 999, total) == (3, 6)
-    fixed = composed("+experiment=contrib01/fixed", experiment="contrib01/fixed")
+    fixed = compose_config(["+experiment=contrib01/fixed"])
     assert {cycles_at(fixed, s, total) for s in (0, 500, 999)} == {(3, 6)}
     assert curriculum_metrics(fixed, 10, total) == {}
     assert curriculum_metrics(config, 100, total) == {"train/H_cycles": 2, "train/L_cycles": 4}
-    annealed = composed("+experiment=contrib02/annealed", experiment="contrib02/annealed")
+    annealed = compose_config(["+experiment=contrib02/annealed"])
     assert curriculum_metrics(annealed, 500, total)["train/halt_exploration_prob"] == pytest.approx(0.175)
 
 
 def test_each_stage_is_built_once_with_its_cycles():
-    config = composed("+experiment=contrib01/curriculum", experiment="contrib01/curriculum")
+    config = compose_config(["+experiment=contrib01/curriculum"])
     built = []
 
     def build(arch):
@@ -52,9 +51,9 @@ def test_each_stage_is_built_once_with_its_cycles():
     assert built == [(1, 2), (1, 3), (2, 4), (2, 5)]  # each distinct pair once, in order
     assert stages[-1] is final and stages[0] is stages[1] is not final  # (3, 6) is the arch's own Steps
     assert len({id(s) for s in stages}) == 5
-    fixed = composed("+experiment=contrib01/fixed", experiment="contrib01/fixed")
+    fixed = compose_config(["+experiment=contrib01/fixed"])
     assert curriculum_stages(fixed, 1000, final, build)(0) is final
-    three = composed("curriculum.L_cycles.start=2", "curriculum.L_cycles.end=6", "arch=trm_mlp")  # dotted keys work too
+    three = compose_config(["curriculum.L_cycles.start=2", "curriculum.L_cycles.end=6", "arch=trm_mlp"])  # dotted keys work too
     assert cycles_at(three, 0, 10) == (3, 2)
 
 
@@ -65,7 +64,7 @@ def test_each_stage_is_built_once_with_its_cycles():
 ])
 def test_bad_curriculum_is_one_line(override, message):
     with pytest.raises(UserError, match=message):
-        composed("+experiment=baseline/trm_sudoku_extreme", override)
+        compose_config(["+experiment=baseline/trm_sudoku_extreme", override])
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from data_pipeline.batching import eval_batch_indices, global_batch_indices
 from experiments.local_pod import run_local_pod
 

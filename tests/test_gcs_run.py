@@ -11,10 +11,9 @@ import time
 import pytest
 from google.cloud import storage
 
-from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
+from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, REPO, assert_user_error, base_overrides, child_env,
+                     kill_after_step, resumed_step, train, train_losses)
 from gcs_emulator import start_gcs_emulator
-from test_bad_input import assert_user_error
-from test_train_loop import kill_after_step, resumed_step
 
 pytestmark = pytest.mark.slow
 

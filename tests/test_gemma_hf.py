@@ -8,6 +8,7 @@ Vocabulary padding is masked to -inf; ids outside the vocabulary are an error, n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import transformers
 from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
-from conftest import REPO, compose_config
+from helpers import REPO, compose_config, raises_one_line
 from models.gemma import Gemma, GemmaConfig, generate
 from models.gemma.checkpoint_arch import model_differences
 from models.gemma.hf_config import HF_DEFAULTS, arch_from_hf, hf_config
@@ -29,6 +30,8 @@ from runtime.errors import EXIT_USER_ERROR, UserError
 from runtime.task import DataShape
 
 PRESETS = ["gemma1_2b", "gemma1_7b", "gemma2_2b", "gemma3_1b", "gemma3_4b", "gemma_tiny"]
+
+one_line = functools.partial(raises_one_line, UserError, code=EXIT_USER_ERROR)
 
 
 def preset(name: str, **changes) -> GemmaConfig:
@@ -40,16 +43,6 @@ def preset(name: str, **changes) -> GemmaConfig:
 def same_model(a: GemmaConfig, b: GemmaConfig, skip=()) -> list[str]:
     """The checkpoint-determined fields on which a and b mean different models."""
     return [k for k in model_differences(a, b) if k not in skip]
-
-
-def one_line(fn, *needles) -> str:
-    with pytest.raises(UserError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg and e.value.exit_code == EXIT_USER_ERROR, msg
-    for n in needles:
-        assert n in msg, (n, msg)
-    return msg
 
 
 # ------------------------------------------------------------------ config.json, both ways, no weights

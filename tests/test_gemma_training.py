@@ -15,7 +15,7 @@ import flax.linen as nn
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, child_env, read_jsonl, run_pretrain, train, train_losses
+from helpers import REPO, child_env, read_jsonl, run_pretrain, train, train_losses
 
 pytestmark = pytest.mark.slow
 

@@ -23,6 +23,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
+from helpers import raises_one_line  # noqa: E402
 from models.gemma import weights as W  # noqa: E402
 from models.gemma.checkpoint_arch import model_differences  # noqa: E402
 from models.gemma.config import GemmaConfig  # noqa: E402
@@ -186,17 +187,8 @@ def ckpts(tmp_path_factory):
 
 
 def mesh8():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 CPU devices")
+    assert jax.device_count() >= 8, "conftest gives the session 8 CPU devices"
     return Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))  # as runtime/sharding.py
-
-
-def model_module():
-    try:
-        from models.gemma.model import Gemma
-    except ImportError:
-        return None
-    return Gemma
 
 
 # ----------------------------------------------------------------------------- 1. HF == Kaggle (== logits)
@@ -211,10 +203,7 @@ def test_hf_and_kaggle_load_the_same_tree(ckpts, name):
     assert_tree(from_file, hf_expected(ref, name), cfg.param_dtype)
     assert_tree(from_kaggle, ref, cfg.param_dtype)
 
-    Gemma = model_module()
-    if Gemma is None:
-        pytest.skip("models/gemma/model.py not there: logits not compared")
-    from models.gemma.model import init_params
+    from models.gemma.model import Gemma, init_params
 
     boxed = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     assert {p: tuple(getattr(v, "value", v).shape) for p, v in flat(boxed).items()} == shapes(cfg)
@@ -370,47 +359,37 @@ def test_load_from_gcs_emulator(ckpts, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 5. bad input
-def one_line_error(fn, *match):
-    with pytest.raises(W.WeightsError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for m in match:
-        assert m in msg, (m, msg)
-    return msg
-
-
 def test_bad_input_one_line_errors(ckpts, tmp_path):
     cfg, ref, hf, kaggle = ckpts["g2"]
     load = W.load_params
-    one_line_error(lambda: load(str(tmp_path / "missing"), cfg), str(tmp_path / "missing"), "arch.checkpoint")
+    raises_one_line(W.WeightsError, lambda: load(str(tmp_path / "missing"), cfg), str(tmp_path / "missing"), "arch.checkpoint")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "weights.bin").write_bytes(b"x")
-    one_line_error(lambda: load(str(tmp_path / "junk"), cfg), "unknown checkpoint layout", "weights.bin")
-    one_line_error(lambda: load(str(hf), cfg, fmt="kaggle"), "checkpoint_format")
+    raises_one_line(W.WeightsError, lambda: load(str(tmp_path / "junk"), cfg), "unknown checkpoint layout", "weights.bin")
+    raises_one_line(W.WeightsError, lambda: load(str(hf), cfg, fmt="kaggle"), "checkpoint_format")
     # Shapes that do not match the config name the tensor and the config value to change.
     wide = dataclasses.replace(cfg, num_heads=8)
-    one_line_error(lambda: load(str(hf), wide), "model.layers.0.self_attn.q_proj.weight", "(64, 32)", "arch.num_heads")
-    one_line_error(lambda: load(str(kaggle), dataclasses.replace(cfg, hidden_dim=40)),
+    raises_one_line(W.WeightsError, lambda: load(str(hf), wide), "model.layers.0.self_attn.q_proj.weight", "(64, 32)", "arch.num_heads")
+    raises_one_line(W.WeightsError, lambda: load(str(kaggle), dataclasses.replace(cfg, hidden_dim=40)),
                    "transformer/layer_0/mlp/gating_einsum/w", "arch.hidden_dim")
-    one_line_error(lambda: load(str(hf), dataclasses.replace(cfg, embed_dim=16)), "model.embed_tokens.weight", "arch.embed_dim")
+    raises_one_line(W.WeightsError, lambda: load(str(hf), dataclasses.replace(cfg, embed_dim=16)), "model.embed_tokens.weight", "arch.embed_dim")
     # Version / depth mismatches.
-    one_line_error(lambda: load(str(hf), dataclasses.replace(cfg, version=1)), "feedforward_layernorm", "Gemma 2")
-    one_line_error(lambda: load(str(hf), dataclasses.replace(cfg, version=3)), "self_attn.q_norm", "Gemma 2")
-    one_line_error(lambda: load(str(hf), dataclasses.replace(cfg, num_layers=4)), "model.layers.3.", "3 layers")
-    one_line_error(lambda: load(str(kaggle), dataclasses.replace(cfg, num_layers=2)), "transformer/layer_2/", "3 layers")
+    raises_one_line(W.WeightsError, lambda: load(str(hf), dataclasses.replace(cfg, version=1)), "feedforward_layernorm", "Gemma 2")
+    raises_one_line(W.WeightsError, lambda: load(str(hf), dataclasses.replace(cfg, version=3)), "self_attn.q_norm", "Gemma 2")
+    raises_one_line(W.WeightsError, lambda: load(str(hf), dataclasses.replace(cfg, num_layers=4)), "model.layers.3.", "3 layers")
+    raises_one_line(W.WeightsError, lambda: load(str(kaggle), dataclasses.replace(cfg, num_layers=2)), "transformer/layer_2/", "3 layers")
     # A missing tensor.
     tensors = load_file(str(hf))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / "partial.safetensors"))
-    one_line_error(lambda: load(str(tmp_path / "partial.safetensors"), cfg), "model.layers.1.mlp.up_proj.weight",
+    raises_one_line(W.WeightsError, lambda: load(str(tmp_path / "partial.safetensors"), cfg), "model.layers.1.mlp.up_proj.weight",
                    "partial.safetensors")
     # Sharded HF folder with a shard gone.
     W.export_hf(nest(ref), cfg, str(tmp_path / "sharded"), max_shard_bytes=8000)
     first = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
     (tmp_path / "sharded" / first["model.norm.weight"]).unlink()
-    one_line_error(lambda: load(str(tmp_path / "sharded"), cfg), first["model.norm.weight"])
+    raises_one_line(W.WeightsError, lambda: load(str(tmp_path / "sharded"), cfg), first["model.norm.weight"])
     # Kaggle K == H checkpoint with a config that says otherwise.
     cfg1, _, _, kaggle1 = ckpts["g1_mha"]
-    one_line_error(lambda: load(str(kaggle1), dataclasses.replace(cfg1, num_kv_heads=2)), "qkv_einsum", "arch.num_kv_heads")
+    raises_one_line(W.WeightsError, lambda: load(str(kaggle1), dataclasses.replace(cfg1, num_kv_heads=2)), "qkv_einsum", "arch.num_kv_heads")
     shutil.rmtree(tmp_path / "junk")

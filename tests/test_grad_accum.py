@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import grad_accum_case
-from conftest import REFERENCE_EXTRA, REPO, base_overrides, child_env, compose_config, train, train_losses
+from helpers import REFERENCE_EXTRA, REPO, base_overrides, child_env, compose_config, train, train_losses
 
 
 def assert_same_updates(full: dict[str, np.ndarray], accum: dict[str, np.ndarray]) -> None:

@@ -264,7 +264,7 @@ def test_import_matches_reference_forward(case, tmp_path):
 
 
 def test_function_form_model_starts_from_imported_states_and_overrides_build_it(tmp_path):
-    from conftest import compose_config
+    from helpers import compose_config
 
     a = CASES["trm_mlp_t"][1]
     sd = make_state_dict("trm", a)

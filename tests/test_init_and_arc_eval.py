@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, child_env, read_jsonl, train
+from helpers import REPO, child_env, read_jsonl, train
 
 pytestmark = pytest.mark.slow
 

@@ -21,99 +21,19 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from experiments.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
+from helpers import LAUNCH, POD_SECRET as SECRET, POD_WORKERS as WORKERS, pid_alive, target, wait_for
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LAUNCH = REPO_ROOT / "experiments" / "launch.py"
-FAKE_GCLOUD_DIR = Path(__file__).resolve().parent / "fake_gcloud"
-SECRET = "wandb-secret-7f3a9c"
 HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
-WORKERS = 2
 TRICKY = ['run.name="a b \'c\'"', "data.path=/x y/$HOME/`id`", "train.steps=5"]
-
-STUB = """\
-import hashlib, json, os, sys, time
-keys = ("PODRUNNER_RUN_ID", "TPU_WORKER_ID", "STUB_VENV", "PYTHONUNBUFFERED", "EXTRA")
-secret = lambda v: v and "sha256:" + hashlib.sha256(v.encode()).hexdigest()
-info = {"argv": sys.argv[1:], "pid": os.getpid(), "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in keys}}
-info["env"].update({k: secret(os.environ.get(k)) for k in ("WANDB_API_KEY", "HF_TOKEN")})
-home = os.environ["HOME"]
-with open(os.path.join(home, "stub_run.json"), "w") as f:
-    json.dump(info, f)
-worker = os.environ["TPU_WORKER_ID"]
-print(f"stub worker {worker} argv={json.dumps(sys.argv[1:])}", flush=True)
-if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
-    print(f"12:00:00 INFO run id {os.environ['STUB_RUN_ID']} (resumed from the checkpoint)", flush=True)
-for step in (1, 2, 3):
-    print(f"step {step}", flush=True)
-time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
-deadline = time.monotonic() + 120  # never outlive a test that failed before saying "go"
-while os.environ.get("STUB_WAIT") and not os.path.exists(os.path.join(home, "go")) and time.monotonic() < deadline:
-    time.sleep(0.05)  # until the test has looked at the running pod
-sys.exit(3 if os.environ.get("STUB_FAIL_WORKER") == worker else 0)
-"""
 
 
 def hashed(value: str) -> str:
     return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
-
-
-@pytest.fixture
-def pod(tmp_path: Path):
-    """Fake workers with a stand-in repo at ~/repo, and the environment to launch with."""
-    root = tmp_path / "workers"
-    homes = [root / f"worker-{i}" for i in range(WORKERS)]
-    for home in homes:
-        venv_bin = home / "repo" / ".venv" / "bin"
-        venv_bin.mkdir(parents=True)
-        # Like a real activate: our python first on PATH.
-        (venv_bin / "activate").write_text(f"export STUB_VENV=1 PATH={Path(sys.executable).parent}:$PATH\n")
-        (venv_bin / "python").symlink_to(sys.executable)
-        (home / "repo" / "pretrain_jax.py").write_text(STUB)
-        (home / "repo" / "setup_tpu.sh").write_text("echo setup_tpu.sh: ok on $(hostname)\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "PODRUNNER_", "FAKE_GCLOUD_", "HF_"))}
-    (tmp_path / "tmp").mkdir()  # the launcher's temporary files, inside what the tests inspect
-    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
-               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS=str(WORKERS),
-               FAKE_GCLOUD_LOCAL_ONLY="WANDB_API_KEY,HF_TOKEN", TMPDIR=str(tmp_path / "tmp"),
-               WANDB_API_KEY=SECRET, PYTHONUNBUFFERED="1",
-               PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile", PODRUNNER_TPU_DEVICES="~/fake-accel*")
-    started: list[subprocess.Popen] = []
-
-    class Pod:
-        def __init__(self) -> None:
-            self.root, self.homes, self.env, self.tmp = root, homes, env, tmp_path
-
-        def launch(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=tmp_path, env=env,
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
-
-        def gcloud_calls(self) -> list[list[str]]:
-            log = tmp_path / "gcloud.jsonl"
-            return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-        def spawn(self, home: Path, script: str) -> subprocess.Popen:
-            """A process "on" a worker: HOME is that worker's (that is how stop/status scope it)."""
-            proc = subprocess.Popen(["bash", "-c", script], cwd=home, env=dict(env, HOME=str(home)),
-                                    start_new_session=True)
-            started.append(proc)
-            return proc
-
-    yield Pod()
-    for proc in started:  # whatever a failing test left behind
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def target(*extra: str) -> list[str]:
-    return ["--tpu", "my-tpu", "--zone", "us-central2-b", *extra]
 
 
 def running(proc: subprocess.Popen, wait: float = 5.0) -> bool:
@@ -123,20 +43,6 @@ def running(proc: subprocess.Popen, wait: float = 5.0) -> bool:
         return False
     except subprocess.TimeoutExpired:
         return True
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 # --- pod --------------------------------------------------------------------------------------
@@ -233,7 +139,7 @@ def test_secrets_never_on_a_command_line_nor_in_a_file(pod):
     launcher = start_pod_launch(pod, "--run-id", "s1", "--forward-env", "HF_TOKEN")
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
-        wait_for(lambda: all(d.exists() for d in dumps), 60)
+        wait_for(lambda: all(d.exists() for d in dumps), timeout=60, what="the stub trainers to start")
         stubs = {json.loads(d.read_text())["pid"] for d in dumps}
         for secret in (SECRET, HF_SECRET):  # while the pod runs
             assert command_lines_holding(secret.encode()) == []
@@ -347,7 +253,7 @@ def test_ctrl_c_stops_the_run_on_every_worker(pod, who):
     launcher = start_pod_launch(pod, "--run-id", "int1", "--interrupt-grace", "5")
     try:
         dumps = [home / "stub_run.json" for home in pod.homes]
-        wait_for(lambda: all(d.exists() for d in dumps))
+        wait_for(lambda: all(d.exists() for d in dumps), timeout=60, what="the stub trainers to start")
         pids = [json.loads(d.read_text())["pid"] for d in dumps]
         if who == "terminal":
             os.killpg(launcher.pid, signal.SIGINT)
@@ -362,7 +268,7 @@ def test_ctrl_c_stops_the_run_on_every_worker(pod, who):
     assert "stopping the run on all workers" in out
     for pid in pids:
         assert f"killed pid {pid}" in out
-        wait_for(lambda: not pid_alive(pid), 5)
+        wait_for(lambda: not pid_alive(pid), timeout=30, what=f"pid {pid} to be gone")
 
 
 # --- stop -------------------------------------------------------------------------------------
@@ -381,7 +287,7 @@ def test_stop_kills_stale_processes_and_removes_the_lockfile(pod):
     elsewhere.mkdir()
     foreign = pod.spawn(elsewhere, 'exec -a "python pretrain_jax.py" sleep 303')  # another login
     wait_for(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith((b"python", b"sleep"))
-                         for p in [*stale, *holders, foreign]))
+                         for p in [*stale, *holders, foreign]), timeout=30, what="the stand-ins to exec")
 
     r = pod.launch("stop", *target())
     assert r.returncode == 0, r.stdout + r.stderr
@@ -406,7 +312,8 @@ def test_stop_keeps_a_lockfile_another_login_still_holds(pod):
     elsewhere = pod.tmp / "someone-else"
     elsewhere.mkdir()
     holder = pod.spawn(elsewhere, f"exec sleep 304 < {shlex.quote(str(w0 / 'libtpu_lockfile'))}")
-    wait_for(lambda: Path(f"/proc/{holder.pid}/cmdline").read_bytes().startswith(b"sleep"))
+    wait_for(lambda: Path(f"/proc/{holder.pid}/cmdline").read_bytes().startswith(b"sleep"), timeout=30,
+             what="the holder to exec")
     r = pod.launch("stop", *target())
     assert r.returncode == 1, r.stdout + r.stderr  # the TPU of worker 0 is not free
     assert f"kept {w0 / 'libtpu_lockfile'}: still open by pid [{holder.pid}]" in r.stdout
@@ -432,7 +339,8 @@ def test_status_reports_alive_and_last_step(pod):
     log = w1 / "podrunner-logs" / "r7" / "worker-t1v-n-my-tpu-w-1.log"
     log.parent.mkdir(parents=True)
     log.write_text("process 1/2, local devices 4\n  6%|#  | 6/100 [00:01<00:10]\r  7%|#  | 7/100 [00:02<00:10]\r")
-    wait_for(lambda: Path(f"/proc/{stale.pid}/cmdline").read_bytes().startswith(b"python"))
+    wait_for(lambda: Path(f"/proc/{stale.pid}/cmdline").read_bytes().startswith(b"python"), timeout=30,
+             what="the stand-in to exec")
 
     r = pod.launch("status", *target("--repo-dir", "~/repo"))
     assert r.returncode == 0, r.stdout + r.stderr

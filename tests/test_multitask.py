@@ -12,24 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import REPO, read_jsonl, train, train_losses
+from helpers import SMALL_TRM, compose_config, read_jsonl, train, train_losses
 from data_pipeline import maze
 from data_pipeline.batching import epoch_permutation
 from data_pipeline.puzzle_format import load_split
-from runtime.config import register_schemas, validate
+from runtime.config import register_schemas
 from runtime.errors import UserError
 
 register_schemas()
 
-TINY_TRM = dict(hidden=32, heads=2, L_layers=1, H_cycles=1, L_cycles=1, halt_max_steps=2, halt_exploration_prob=0.0,
-                puzzle_emb_ndim=32, puzzle_emb_len=1, pos_encodings="rope", mlp_t=False, forward_dtype="float32")
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return validate(compose(config_name="config", overrides=list(overrides)))
+TINY_TRM = SMALL_TRM | dict(heads=2, H_cycles=1, L_cycles=1, halt_max_steps=2, puzzle_emb_len=1)
 
 
 def cpu_mesh(n: int):
@@ -243,7 +236,7 @@ def test_sub_batch_checks():
     from runtime.registry import dataset_kind
 
     def check(*overrides, devices=8):
-        config = composed("data=sudoku_maze", "arch=trm_att", *overrides)
+        config = compose_config(["data=sudoku_maze", "arch=trm_att", *overrides])
         kind = dataset_kind(config.data.name)
         shape = kind.planned_shape(config.data, config)
         plan = derive(config, num_processes=1, num_devices=devices, train_examples=10_000)
@@ -258,7 +251,7 @@ def test_sub_batch_checks():
     with pytest.raises(UserError, match="whole number"):
         check("train.global_batch_size=15", devices=1)  # 7.5 + 7.5 rows round to 8 + 8
     with pytest.raises(UserError, match="batch_fraction=-1.0 must be > 0"):
-        composed("data=sudoku_maze", "data.tasks.maze.batch_fraction=-1")
+        compose_config(["data=sudoku_maze", "data.tasks.maze.batch_fraction=-1"])
 
 
 # ---------------------------------------------------------------------------- maze datasets
@@ -273,8 +266,8 @@ def test_generated_50x50_maze_dataset(tmp_path):
         return s.examples, s.vocab_size, s.seq_len, s.num_puzzle_identifiers
 
     info = types.SimpleNamespace(is_primary=True, process_count=1)
-    config = composed("data=maze_50x50", f"data.path={tmp_path / 'm50'}", "data.generate_puzzles=8",
-                      "data.generate_test_puzzles=2", "data.generate_num_aug=0")
+    config = compose_config(["data=maze_50x50", f"data.path={tmp_path / 'm50'}", "data.generate_puzzles=8",
+                      "data.generate_test_puzzles=2", "data.generate_num_aug=0"])
     assert dataset_shape(config)[:4] == (8, maze.VOCAB_SIZE, 2500, 1)  # before it is built
     ensure_dataset(config, info)
     train, test = load_split(str(tmp_path / "m50"), "train"), load_split(str(tmp_path / "m50"), "test")
@@ -287,8 +280,8 @@ def test_generated_50x50_maze_dataset(tmp_path):
             assert maze.path_length(answer) >= 10
     assert dataset_shape(config)[:4] == (8, 6, 2500, 1)  # from the built set
 
-    aug = composed("data=maze_50x50", f"data.path={tmp_path / 'aug'}", "data.generate_puzzles=2",
-                   "data.generate_test_puzzles=1", "data.generate_grid_size=9")
+    aug = compose_config(["data=maze_50x50", f"data.path={tmp_path / 'aug'}", "data.generate_puzzles=2",
+                   "data.generate_test_puzzles=1", "data.generate_grid_size=9"])
     assert dataset_shape(aug)[:3] == (16, 6, 81)
     ensure_dataset(aug, info)
     assert len(load_split(str(tmp_path / "aug"), "train")) == 16  # 2 mazes x 8 dihedral images

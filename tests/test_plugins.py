@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import compose_config
+from helpers import compose_config
 from runtime.errors import UserError
 from runtime.frozen import Freezable
 from runtime.registry import (DATASET_KINDS, MODEL_FAMILIES, DatasetKind, ModelFamily, dataset_kind,

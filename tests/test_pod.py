@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, train, train_losses
+from helpers import REPO, base_overrides, child_env, read_jsonl, train, train_losses
 from experiments.local_pod import run_local_pod
 from wandb_offline import read_offline_runs
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 from experiments import launch, programme, sweep
 from experiments.compose import changes, compose, flat, local_overrides, variants
 from experiments.programme import GROUPS, GroupFileError, load_group

@@ -19,7 +19,7 @@ import pytest
 from matplotlib.image import imread
 from omegaconf import OmegaConf
 
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 from experiments.analyze import analyze, collect_local
 from experiments.compose import compose, variants
 from experiments.programme import COMMON_METRICS, GROUPS

@@ -18,14 +18,9 @@ import pytest
 from models.recursive_reasoning import (HRM, HRMConfig, TRM, InnerCarry, TRMConfig, act_evaluate, act_loss, act_step,
                                         compile_seconds, dummy_batch, init_params, initial_carry, initial_states)
 from models.recursive_reasoning.layers import Block, apply_rope, count_params, rms_norm, rope_cos_sin, swiglu_width
+from helpers import small_trm
 
 VOCAB, SEQ, PUZZLES = 11, 9, 5
-
-
-def small_trm(**kw) -> TRMConfig:
-    base = dict(hidden=32, heads=4, L_layers=1, H_cycles=3, L_cycles=2, puzzle_emb_ndim=32, puzzle_emb_len=2,
-                forward_dtype="float32", halt_max_steps=4, halt_exploration_prob=0.0)
-    return TRMConfig(**(base | kw))
 
 
 def small_hrm(**kw) -> HRMConfig:

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, train, train_losses
-from test_bad_input import assert_user_error, free_port
-from test_train_loop import resumed_step
+from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, REPO, assert_user_error, base_overrides, child_env, free_port,
+                     resumed_step, train, train_losses)
 
 # A failed restore abandons Orbax's other reads; their late "Exception ignored" reports must not
 # reach stderr (runtime.checkpointing drops them): any that does fails the test.

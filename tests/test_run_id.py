@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_overrides, train
+from helpers import base_overrides, train
 
 pytestmark = pytest.mark.slow
 

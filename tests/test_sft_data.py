@@ -39,6 +39,7 @@ from data_pipeline.sft_format import load_sft_split
 from data_pipeline.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 from gcs_emulator import gs_bucket  # tests/ is on sys.path (conftest)
+from helpers import one_line
 
 REPO = Path(__file__).resolve().parents[1]
 ENGLISH = ["The quick brown fox jumps over the lazy dog.", "Show your work, then give the answer.",
@@ -56,12 +57,6 @@ def tok_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tok(tok_path) -> Tokenizer:
     return Tokenizer(tok_path)
-
-
-def one_line(err: pytest.ExceptionInfo) -> str:
-    message = str(err.value)
-    assert "\n" not in message, message
-    return message
 
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -88,13 +83,13 @@ def test_tokenizer_errors_are_one_line(tmp_path):
     missing = tmp_path / "nope" / "tokenizer.model"
     with pytest.raises(TokenizerError) as err:
         Tokenizer(missing)
-    assert str(missing) in one_line(err) and "train_tokenizer" in str(err.value)
+    assert str(missing) in one_line(err.value) and "train_tokenizer" in str(err.value)
 
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a model")
     with pytest.raises(TokenizerError) as err:
         Tokenizer(garbage)
-    assert str(garbage) in one_line(err)
+    assert str(garbage) in one_line(err.value)
 
     plain = tmp_path / "plain.model"  # a valid SentencePiece model without the turn pieces
     spm.SentencePieceTrainer.train(sentence_iterator=iter(ENGLISH * 20), model_prefix=str(tmp_path / "plain"),
@@ -102,7 +97,7 @@ def test_tokenizer_errors_are_one_line(tmp_path):
                                    minloglevel=2)
     with pytest.raises(TokenizerError) as err:
         Tokenizer(plain)
-    assert str(plain) in one_line(err) and "'<start_of_turn>'" in str(err.value)
+    assert str(plain) in one_line(err.value) and "'<start_of_turn>'" in str(err.value)
 
 
 # --- chat template -------------------------------------------------------------------------
@@ -270,7 +265,7 @@ def test_bad_jsonl_is_one_line_error(tok_path, tmp_path):
         path.write_text(json.dumps(good[0]) + "\n\n" + (bad if isinstance(bad, str) else json.dumps(bad)) + "\n")
         with pytest.raises(DatasetError) as err:
             read_jsonl(str(path))
-        message = one_line(err)
+        message = one_line(err.value)
         assert f"{path} line 3" in message and needle in message and '"messages"' in message
 
     proc = subprocess.run([sys.executable, "-m", "data_pipeline.build_sft", "--jsonl", str(path), "--tokenizer",
@@ -283,7 +278,7 @@ def test_bad_jsonl_is_one_line_error(tok_path, tmp_path):
 def test_missing_split_names_path_and_build_command(tmp_path):
     with pytest.raises(DatasetError) as err:
         load_sft_split(str(tmp_path / "sft"), "train")
-    message = one_line(err)
+    message = one_line(err.value)
     assert str(tmp_path / "sft" / "train" / "sft.json") in message and "python -m data_pipeline.build_sft" in message
 
 

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from helpers import REPO
 from runtime import sharding
 from runtime.sharding import logical_shardings, logical_spec, make_mesh
 

@@ -1,6 +1,6 @@
 """`launch.py pod --ship`: the working tree is packed (experiments/ship.py), copied to every worker
 and run there. Packing is tested on temporary git repos; the launch on the fake gcloud with the
-stub workers of test_launcher_pod.py (their ~/repo holds the committed stub and the .venv)."""
+stub workers of conftest's `pod` fixture (their ~/repo holds the committed stub and the .venv)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 
 from experiments.ship import Pack, ShipError, pack_tree, tree_files
-import test_launcher_pod
-from test_launcher_pod import target
+from helpers import target
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-pod = test_launcher_pod.pod  # the fixture: stub workers behind the fake gcloud
 PYPROJECT = '[project]\nname = "stub"\nversion = "0"\ndependencies = ["numpy"]\n'
 MARKER = "only-in-the-working-tree-4d1e"
 # The shipped trainer: imports a module that is not committed and records what it sees.

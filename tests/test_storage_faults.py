@@ -1,60 +1,22 @@
 """A full disk mid-run: one `error:` line, exit 6, no traceback on the console, metrics.jsonl
 holding whole lines only, and the last complete checkpoint intact and resumable.
 
-The disks are small tmpfs mounts (root or CAP_SYS_ADMIN; skipped otherwise), filled from the
+The disks are small tmpfs mounts (root or CAP_SYS_ADMIN, as in CI), filled from the
 test once the run has a complete checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, train
+from helpers import (base_overrides, error_line, fill, launch_pretrain, read_jsonl, resumed_step, small_disk, train,
+                     wait_for)
 from runtime.errors import storage_fault
-from test_train_loop import resumed_step
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A tmpfs of `size` mounted at `path`, unmounted afterwards (its contents are lost)."""
-    path.mkdir(parents=True)
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                 capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no mount command: cannot make a small disk to fill up")
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs to fill up (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)  # busy: detach now, free when unused
-
-
-def fill(disk: Path, leave: int) -> None:
-    """Take all but `leave` bytes of `disk`'s free space, in one allocation (no moment of a full
-    disk for writes that still fit)."""
-    with open(disk / "filler", "wb") as f:
-        for _ in range(20):
-            st = os.statvfs(disk)
-            try:
-                os.posix_fallocate(f.fileno(), 0, max(0, st.f_bavail * st.f_frsize - leave))
-                return
-            except OSError as e:  # the run wrote meanwhile: measure again
-                if e.errno != errno.ENOSPC:
-                    raise
-        raise AssertionError(f"could not fill {disk}")
 
 
 def console_of(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -84,22 +46,18 @@ def test_full_checkpoint_disk_is_one_line_and_the_last_checkpoint_resumes(sudoku
     overrides = base_overrides(sudoku_dir, tmp_path, steps=2000) + [
         "train.checkpoint_every=10", "run.checkpoint.keep=100", f"run.checkpoint.dir={disk / 'ckpt'}"]
     with small_disk(disk, "16M"):
-        proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_jax.py"), *overrides], cwd=REPO, env=child_env(8),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 240
-        while not (disk / "ckpt" / "10").is_dir():  # step 10 committed (renamed into place)
-            assert proc.poll() is None and time.monotonic() < deadline, console_of(proc)[-3000:]
-            time.sleep(0.02)
+        proc = launch_pretrain(overrides, merge_stderr=False)
+        wait_for((disk / "ckpt" / "10").is_dir, timeout=240, what="step 10 committed (renamed into place)",
+                 procs=[proc])
         fill(disk, leave=64 * 1024)  # a checkpoint (~600 KB) no longer fits
         console = console_of(proc)
         assert proc.returncode == 6, console[-3000:]
-        errors = [line for line in console.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and console.rstrip().endswith(errors[0]), console[-3000:]
+        error = error_line(console, last=True)
         assert re.search(r"checkpoint save of step \d+ to .*ckpt failed \(no space left on device\); the last complete "
-                         r"checkpoint: step \d+\. .*free space on", errors[0]), errors[0]
-        assert "Traceback" not in console and "orbax" not in console.lower(), console[-3000:]
+                         r"checkpoint: step \d+\. .*free space on", error), error
+        assert "orbax" not in console.lower(), console[-3000:]
         assert len(console.splitlines()) < 60, console  # the plan and parameter table, then the one line
-        last = int(re.search(r"last complete checkpoint: step (\d+)", errors[0]).group(1))
+        last = int(re.search(r"last complete checkpoint: step (\d+)", error).group(1))
         shutil.copytree(disk / "ckpt", tmp_path / "ckpt")  # what an operator does: move to a bigger disk
     detail = (tmp_path / "test" / "t" / "run.log").read_text()  # the libraries' reports, in the log file
     assert "Traceback" in detail and "No space left on device" in detail
@@ -128,4 +86,9 @@ def test_full_output_directory_is_one_line_and_metrics_keep_whole_lines(sudoku_d
         steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
         assert steps == list(range(1, failed))
         assert last == max(s for s in range(10, failed, 10))
-        assert json.loads((out / "run_manifest.json").read_text())["status"] in ("running", "failed")  # whole
+        # The manifest is replaced whole (temporary file, then rename), so it parses either way. Its status
+        # depends on where the cut-back metrics row ended on the tmpfs's pages: "failed" when that freed a
+        # page for the rewrite, "running" (the last one written) when the full disk refused it too.
+        status = json.loads((out / "run_manifest.json").read_text())["status"]
+        print(f"manifest status after the failure: {status}")
+        assert status in ("running", "failed"), status

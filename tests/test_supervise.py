@@ -15,18 +15,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REFERENCE_EXTRA, REFERENCE_STEPS, REPO, base_overrides, child_env, read_jsonl, train_losses
+from helpers import (FAKE_GCLOUD_DIR, LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, child_env, error_line,
+                     make_fake_workers, reached, train_losses, wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
 
-LAUNCH = REPO / "experiments" / "launch.py"
-FAKE_GCLOUD_DIR = Path(__file__).resolve().parent / "fake_gcloud"
 TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
 
 STUB = """\
@@ -43,23 +41,6 @@ while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.pat
     time.sleep(0.05)
 sys.exit(codes[min(n, len(codes)) - 1])
 """
-
-
-def make_workers(root: Path, workers: int, trainer: str | None) -> None:
-    """Each worker's ~/repo: a .venv whose python is ours, and the stub trainer (or, when
-    `trainer` is None, the real repository's files, linked)."""
-    for i in range(workers):
-        repo = root / f"worker-{i}" / "repo"
-        (repo / ".venv" / "bin").mkdir(parents=True)
-        (repo / ".venv" / "bin" / "activate").write_text(f"export PATH={Path(sys.executable).parent}:$PATH\n")
-        (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
-        (repo / "setup_tpu.sh").write_text("echo setup ok\n")
-        if trainer is not None:
-            (repo / "pretrain_jax.py").write_text(trainer)
-            continue
-        for entry in REPO.iterdir():
-            if not entry.name.startswith(".") and entry.name not in ("setup_tpu.sh", "outputs"):
-                (repo / entry.name).symlink_to(entry)
 
 
 @pytest.fixture
@@ -105,6 +86,18 @@ def plane(tmp_path: Path):
         def gcloud_calls(self) -> list[list[str]]:
             return [json.loads(line) for line in (tmp_path / "gcloud.jsonl").read_text().splitlines()]
 
+        def wait_launched(self, proc: subprocess.Popen, n: int) -> None:
+            """Until launch `n` runs on every worker: each stub has counted it, and the fake control
+            plane knows the workers' processes (what a preemption or a stop signals)."""
+            def launched() -> bool:
+                counts = [root / f"worker-{i}" / "launches" for i in range(2)]
+                if not all(c.exists() and c.read_text() == str(n) for c in counts):  # written, not just created
+                    return False
+                with fake_tpu.control(root) as state:
+                    return len(state["tpus"].get(TPU, {}).get("workers", [])) == 2
+
+            wait_for(launched, timeout=60, what=f"launch {n} on both workers", procs=[proc])
+
     yield Plane()
     for proc in started:
         if proc.poll() is None:
@@ -116,7 +109,7 @@ def plane(tmp_path: Path):
 
 @pytest.fixture
 def stub_plane(plane):
-    make_workers(plane.root, 2, STUB)
+    make_fake_workers(plane.root, 2, STUB)
     return plane
 
 
@@ -150,19 +143,13 @@ def test_a_refused_create_stops_it_with_one_error_line(stub_plane):
     args[args.index("v4-16")] = "v4-bogus"
     result = subprocess.run(args, env=stub_plane.env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0] and "Traceback" not in result.stderr
+    error_line(result.stderr, "INVALID_ARGUMENT")
     assert stub_plane.record()["status"] == "failed" and stub_plane.record()["launches"] == []
 
 
 def test_stopping_the_supervisor_stops_the_run(stub_plane):
     proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
-    count = stub_plane.root / "worker-0" / "launches"
-    deadline = time.monotonic() + 60
-    while not (count.exists() and count.read_text()) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    time.sleep(0.5)
+    stub_plane.wait_launched(proc, 1)
     proc.send_signal(signal.SIGTERM)  # systemctl stop
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, out
@@ -200,11 +187,7 @@ def test_a_lease_still_held_is_waited_out_not_fatal(stub_plane):
 
 def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
     first = stub_plane.start(stub_env={"STUB_CODES": "7,0", "STUB_WAIT_LAUNCH": "2"})
-    count = stub_plane.root / "worker-0" / "launches"
-    deadline = time.monotonic() + 60
-    while not (count.exists() and count.read_text() == "2") and time.monotonic() < deadline:
-        assert first.poll() is None, first.stdout.read()
-        time.sleep(0.05)
+    stub_plane.wait_launched(first, 2)
     os.kill(first.pid, signal.SIGKILL)  # mid-launch: the second launch is still running on the workers
     first.wait()
     result = stub_plane.supervise(stub_env={"STUB_CODES": "7,0,0"})
@@ -227,11 +210,7 @@ def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
 def test_queued_resource_and_preemption(stub_plane):
     stub_plane.env["FAKE_GCLOUD_QUEUE_POLLS"] = "2"
     proc = stub_plane.start("--queued-resource", "qr-1", stub_env={"STUB_CODES": "0", "STUB_WAIT_LAUNCH": "1"})
-    count = stub_plane.root / "worker-1" / "launches"
-    deadline = time.monotonic() + 60
-    while not (count.exists() and count.read_text()) and time.monotonic() < deadline:  # written, not just created
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
+    stub_plane.wait_launched(proc, 1)
     fake_tpu.preempt(stub_plane.root, TPU)  # the stub ignores SIGTERM's checkpoint: it just dies
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
@@ -347,19 +326,9 @@ def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
 
 # --- end to end: the real trainer on 2 fake workers x 4 CPU devices -------------------------------
 
-def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metrics.exists() and any(r.get("step", 0) >= step for r in read_jsonl(metrics)):
-            return
-        assert proc.poll() is None, "the supervisor ended early"
-        time.sleep(0.05)
-    raise AssertionError(f"no step {step} in {timeout} s")
-
-
 @pytest.mark.slow
 def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
-    make_workers(plane.root, 2, None)
+    make_fake_workers(plane.root, 2, None)
     overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
         "mesh=fsdp", "train.checkpoint_every=4", "distributed.initialization_timeout_s=60"]
     out = plane.tmp / "test" / "t"
@@ -369,13 +338,13 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
     reader.start()
     try:
         for step, fault in ((6, "preempt"), (20, "preempt"), (34, "kill")):
-            wait_for_step(out / "metrics.jsonl", step, proc)
+            wait_for(lambda: reached(out / "metrics.jsonl", step), timeout=240, what=f"step {step}")
+            assert proc.poll() is None, "the supervisor ended early"
             if fault == "preempt":
                 assert fake_tpu.preempt(plane.root, TPU), "no trainer to preempt"
             else:
                 assert fake_tpu.kill_worker(plane.root, TPU, 1), "no trainer to kill"
-            time.sleep(1)
-        proc.wait(timeout=150)
+        proc.wait(timeout=240)
     finally:
         proc.kill()
         reader.join(5)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, base_overrides, child_env, read_jsonl, train, train_losses
+from helpers import REPO, base_overrides, child_env, read_jsonl, train, train_losses
 
 # A tiny TRM-MLP with the reference optimizers (AdamATan2 + sign-SGD table + EMA).
 # halt_max_steps=3 with checkpoints every 4 steps: a resume lands mid-ACT (rows with steps > 0).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO, child_env
+from helpers import REPO, child_env
 
 
 def run(code: str) -> subprocess.CompletedProcess:
