@@ -235,7 +235,7 @@ def base_overrides(data: Path, root: Path, *, steps: int = 8, name: str = "t", w
 # Tests that stop and resume a run with these settings (and any checkpoint/mesh settings, which do
 # not change the losses) compare against its losses (conftest's reference_losses) instead of
 # training their own.
-REFERENCE_STEPS, REFERENCE_EXTRA = 60, ["optim.ema_rate=0.9"]
+REFERENCE_STEPS, REFERENCE_EXTRA = 30, ["optim.ema_rate=0.9"]
 
 
 # ----------------------------------------------------------------- the small recursive model

@@ -19,18 +19,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losses):
-    steps, reference = REFERENCE_STEPS, reference_losses  # one process x 8 devices, data parallel
+    steps, reference = REFERENCE_STEPS, reference_losses  # the reference: one process x 8 devices
     overrides = base_overrides(sudoku_dir, tmp_path, steps=steps) + REFERENCE_EXTRA + [
-        "mesh=fsdp", "train.checkpoint_every=50"]
+        "mesh=fsdp", "train.checkpoint_every=0"]  # saved at the end only: any earlier step is the preemption's
     out = tmp_path / "test" / "t"
     procs = start_pod(2, 4, overrides)
-    wait_for_step(out / "metrics.jsonl", 8, procs)
+    wait_for_step(out / "metrics.jsonl", 2, procs)
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)  # like a TPU maintenance event: every worker gets it
     results = finish(procs, 120)
     assert [r[0] for r in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     saved = saved_steps(out / "checkpoints")
-    assert len(saved) == 1 and 8 <= saved[0] < 50  # the preemption checkpoint, not a scheduled one
+    assert len(saved) == 1 and 2 <= saved[0] < steps  # the preemption checkpoint, not the final one
     assert f"checkpoint saved at step {saved[0]}" in results[0][1]
 
     procs = start_pod(2, 4, overrides)

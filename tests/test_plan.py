@@ -202,16 +202,19 @@ def test_cache_key_merges_values_not_shapes(tmp_path):
 
 @pytest.mark.slow
 def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path):
-    """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): no
-    smaller batch fixes that (each is compiled and stops at XLA's memory check); FSDP over the 8
-    chips does. (One wide layer: the cheapest such model to compile.)"""
+    """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): a
+    smaller batch per chip does not fix that (it is compiled and stops at XLA's memory check); FSDP
+    over the 8 chips does. (One wide layer: the cheapest such model to compile; 4 rows per chip,
+    so that one batch change is tried, not two: each costs 10-20 s of compile.)"""
     planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
-    job = plan.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8"))
+    job = plan.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8",
+                                        "train.global_batch_size=32"))
     (row,) = planner.plan([job])
     assert row.fits is False and row.total_gib > 15.75
     tried = [j for j in planner.lowered if j != job]
     assert [j.overrides[len(job.overrides):] for j in tried] == plan.fix_candidates(planner.lowered[job],
                                                                                    planner.compiled(job))
+    assert len(tried) == 2  # a smaller batch per chip, then FSDP
     fix = plan.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
     assert fix == tried[-1] and planner.compiled(fix).fits
     assert all(not planner.compiled(j).fits for j in tried[:-1])

@@ -239,7 +239,8 @@ def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
     data = tmp_path / "data"
     env = child_env(1, PODRUNNER_LOCAL_DATA=str(data))
     code = subprocess.call([sys.executable, "experiments/launch.py", "sweep", "exp02a", "--local", "--variants",
-                            "L2,L6", "--root", str(tmp_path), "--", *tiny(2), "data.generate_puzzles=20"],
+                            "L2,L6", "--root", str(tmp_path), "--", *tiny(1), "data.generate_puzzles=20",
+                            "train.global_batch_size=8"],  # the local scale's 64 costs 10 s a step at -O0
                            cwd=REPO, env=env, stdout=open(tmp_path / "sweep.log", "w"), stderr=subprocess.STDOUT)
     log = (tmp_path / "sweep.log").read_text()
     assert code == 0, log[-3000:]

@@ -4,7 +4,7 @@ run; no readable step, a failure every step shares, or one with no sign of damag
 a config that does not fit is refused and nothing is moved; a changed train.steps is logged and
 recorded in the manifest.
 
-One run of the shared reference config writes steps 20, 40 and 60 (module fixture); each test
+One run of the shared reference config writes three steps (module fixture); each test
 damages a copy of it and relaunches with the same overrides."""
 
 from __future__ import annotations
@@ -25,19 +25,21 @@ from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, REPO, assert_user_error, 
 # reach stderr (runtime.checkpointing drops them): any that does fails the test.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 CKPT = Path("test") / "t" / "checkpoints"
+FIRST, SECOND, LAST = REFERENCE_STEPS // 3, 2 * REFERENCE_STEPS // 3, REFERENCE_STEPS  # the steps saved
+SAVED = [str(FIRST), str(SECOND), str(LAST)]
 
 
 def overrides(sudoku_dir: Path, root: Path, *extra: str) -> list[str]:
     return base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
-        "train.checkpoint_every=20", "run.checkpoint.keep=3", *extra]
+        f"train.checkpoint_every={FIRST}", "run.checkpoint.keep=3", *extra]
 
 
 @pytest.fixture(scope="module")
 def trained(sudoku_dir, tmp_path_factory) -> Path:
-    """A finished reference run with checkpoints at steps 20, 40 and 60 (copy it before damaging it)."""
+    """A finished reference run with checkpoints at steps FIRST, SECOND and LAST (copy it before damaging it)."""
     root = tmp_path_factory.mktemp("trained")
     train(overrides(sudoku_dir, root))
-    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == ["20", "40", "60"]
+    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == SAVED
     return root
 
 
@@ -72,7 +74,7 @@ def remove_state_item(step: Path) -> None:
 
 
 def garble_meta(step: Path) -> None:
-    (step / "meta" / "metadata").write_text('{"step": 60, "run_id": "t-')
+    (step / "meta" / "metadata").write_text(f'{{"step": {LAST}, "run_id": "t-')
 
 
 def quarantined(ckpt: Path) -> list[Path]:
@@ -84,52 +86,52 @@ def quarantined(ckpt: Path) -> list[Path]:
 def test_unreadable_latest_step_is_quarantined_and_the_previous_one_resumed(
         damage, sudoku_dir, tmp_path, trained, reference_losses):
     root = copy_run(trained, tmp_path)
-    damage(root / CKPT / "60")
-    damaged = files_under(root / CKPT / "60")
+    damage(root / CKPT / str(LAST))
+    damaged = files_under(root / CKPT / str(LAST))
 
     result = train(overrides(sudoku_dir, root))
-    assert resumed_step(result.log) == 40
+    assert resumed_step(result.log) == SECOND
     warnings = [line for line in result.log.splitlines() if "is unreadable" in line]
-    assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 60 in {root / CKPT} is unreadable ("), result.log
+    assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step {LAST} in {root / CKPT} is unreadable ("), result.log
     (moved,) = quarantined(root / CKPT)
-    assert moved.name.startswith("quarantined-60-") and f"moved it to {moved}" in warnings[0]
+    assert moved.name.startswith(f"quarantined-{LAST}-") and f"moved it to {moved}" in warnings[0]
     assert files_under(moved) == damaged  # kept as it was, every file
-    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == ["20", "40", "60"]  # 60 saved again
-    assert train_losses(root / "test" / "t") == pytest.approx(reference_losses, rel=1e-5)  # 41..60 retrained
+    assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == SAVED  # LAST saved again
+    assert train_losses(root / "test" / "t") == pytest.approx(reference_losses, rel=1e-5)  # after SECOND retrained
     manifest = json.loads((root / "test" / "t" / "run_manifest.json").read_text())
-    assert manifest["resumed_from_step"] == 40
-    assert manifest["quarantined_checkpoints"] == [{"step": 60, "moved_to": str(moved)}]
+    assert manifest["resumed_from_step"] == SECOND
+    assert manifest["quarantined_checkpoints"] == [{"step": LAST, "moved_to": str(moved)}]
 
 
 @pytest.mark.slow
 def test_no_readable_step_left_is_one_line_and_moves_nothing(sudoku_dir, tmp_path, trained):
     root = copy_run(trained, tmp_path)
     ckpt = root / CKPT
-    truncate_array_file(ckpt / "60")  # found when restoring the state, after the model is built
-    garble_meta(ckpt / "40")  # found when reading the metadata again
-    remove_state_item(ckpt / "20")
+    truncate_array_file(ckpt / str(LAST))  # found when restoring the state, after the model is built
+    garble_meta(ckpt / str(SECOND))  # found when reading the metadata again
+    remove_state_item(ckpt / str(FIRST))
     before = files_under(ckpt)
 
     result = train(overrides(sudoku_dir, root), check=False)
-    assert_user_error(result, f"no checkpoint step in {ckpt} can be read: steps 60, 40, 20 (step 60: state: OUT_OF_RANGE",
+    assert_user_error(result, f"no checkpoint step in {ckpt} can be read: steps {LAST}, {SECOND}, {FIRST} (step {LAST}: state: OUT_OF_RANGE",
                       "nothing was moved", "backup", "new run.name")
     assert files_under(ckpt) == before and not quarantined(ckpt)
 
     # Every step moved aside (as an earlier version did): refused, never started over.
-    for step in ("20", "40", "60"):
+    for step in SAVED:
         (ckpt / step).rename(ckpt / f"quarantined-{step}-20250101T000000Z")
     again = train(overrides(sudoku_dir, root), check=False)
-    assert_user_error(again, f"no readable checkpoint is left in {ckpt}", "quarantined-60-")
+    assert_user_error(again, f"no readable checkpoint is left in {ckpt}", f"quarantined-{LAST}-")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("failure,needles", ids=["same-damage-every-step", "no-sign-of-damage"], argvalues=[
     # looks like damage, but every step fails so: a common cause, stop at the second step
     (lambda: ValueError('DATA_LOSS: Error reading "params" in OCDBT database'),
-     ["checkpoint steps 60, 40 in", "fail to read in the same way", "(step 60: state: DATA_LOSS"]),
+     [f"checkpoint steps {LAST}, {SECOND} in", "fail to read in the same way", f"(step {LAST}: state: DATA_LOSS"]),
     # no sign of damage at all (a code bug): stop at the first step
     (lambda: TypeError("restore() got an unexpected keyword argument 'args'"),
-     ["cannot read checkpoint step 60 in", "unexpected keyword argument", "nothing says its files are damaged"]),
+     [f"cannot read checkpoint step {LAST} in", "unexpected keyword argument", "nothing says its files are damaged"]),
 ])
 def test_a_restore_failure_on_every_step_moves_nothing(failure, needles, sudoku_dir, tmp_path, trained, monkeypatch):
     import orbax.checkpoint as ocp
@@ -156,30 +158,31 @@ def test_config_mismatch_is_refused_and_nothing_is_moved(sudoku_dir, tmp_path, t
 
     # A state that does not fit although the saved config agrees (e.g. the model code changed):
     # still a mismatch, not corruption.
-    meta_file = ckpt / "60" / "meta" / "metadata"
+    meta_file = ckpt / str(LAST) / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     meta["config"]["arch"]["hidden"] = 48
     meta_file.write_text(json.dumps(meta))
     before = files_under(ckpt)
     result = train(overrides(sudoku_dir, root, "arch.hidden=48"), check=False)
-    assert_user_error(result, "checkpoint step 60", "does not fit this run's state", "shape (", "config")
+    assert_user_error(result, f"checkpoint step {LAST}", "does not fit this run's state", "shape (", "config")
     assert files_under(ckpt) == before and not quarantined(ckpt)
 
 
 @pytest.mark.slow
 def test_changed_train_steps_is_logged_and_recorded(sudoku_dir, tmp_path, trained):
     root = copy_run(trained, tmp_path)
-    result = train(overrides(sudoku_dir, root, "train.steps=70"))
-    assert resumed_step(result.log) == 60
+    more = LAST + 10
+    result = train(overrides(sudoku_dir, root, f"train.steps={more}"))
+    assert resumed_step(result.log) == LAST
     lines = [line for line in result.log.splitlines() if "changed from" in line]
-    assert len(lines) == 1 and lines[0].startswith("train.steps changed from 60 to 70 at step 60: the cosine schedule "
-                                                   "now ends at step 70 (lr at step 61: "), result.log
+    assert len(lines) == 1 and lines[0].startswith(f"train.steps changed from {LAST} to {more} at step {LAST}: the cosine "
+                                                   f"schedule now ends at step {more} (lr at step {LAST + 1}: "), result.log
     out = root / "test" / "t"
     change = json.loads((out / "run_manifest.json").read_text())["schedule_change"]
-    assert change["at_step"] == 60 and change["total_steps_before"] == 60 and change["total_steps"] == 70
+    assert change["at_step"] == LAST and change["total_steps_before"] == LAST and change["total_steps"] == more
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/lr" in r}
-    assert change["lr_next_step"] == pytest.approx(rows[61]["train/lr"], rel=1e-5)  # the lr step 61 trained with
-    assert change["lr_last_step"] == pytest.approx(rows[70]["train/lr"], rel=1e-5)
+    assert change["lr_next_step"] == pytest.approx(rows[LAST + 1]["train/lr"], rel=1e-5)  # the lr it trained with
+    assert change["lr_last_step"] == pytest.approx(rows[more]["train/lr"], rel=1e-5)
     assert change["lr_next_step_before"] < change["lr_next_step"]  # the old schedule had reached its floor
 
 

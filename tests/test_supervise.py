@@ -337,7 +337,7 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        for step, fault in ((6, "preempt"), (20, "preempt"), (34, "kill")):
+        for step, fault in ((5, "preempt"), (14, "preempt"), (23, "kill")):
             wait_for(lambda: reached(out / "metrics.jsonl", step), timeout=240, what=f"step {step}")
             assert proc.poll() is None, "the supervisor ended early"
             if fault == "preempt":
