@@ -45,9 +45,10 @@ def _labelled_wait(label: str):
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, clock=time.monotonic):
         self.timeout_s = timeout_s
-        self._last = None  # (monotonic time, completed step, phase) of the latest beat
+        self._clock = clock  # seconds; a test steps its own
+        self._last = None  # (clock time, completed step, phase) of the latest beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -59,18 +60,25 @@ class Watchdog:
 
     def beat(self, completed_step: int, phase: str = "train") -> None:
         global _latest
-        self._last = (time.monotonic(), completed_step, phase)
+        self._last = (self._clock(), completed_step, phase)
         _latest = (completed_step, phase)
 
     def stop(self) -> None:
         self._stop.set()
 
+    def stalled(self) -> tuple[float, int, str] | None:
+        """The latest beat (time, completed step, phase) when it is more than timeout_s old, else
+        None (also before the first beat: compile is not watched)."""
+        last = self._last
+        return last if last is not None and self._clock() - last[0] > self.timeout_s else None
+
     def _watch(self) -> None:
         label, wait = None, None
         while True:
-            last = self._last
-            if last is not None and time.monotonic() - last[0] > self.timeout_s:
+            last = self.stalled()
+            if last is not None:
                 self._fire(*last)
+            last = self._last
             new_label = "not started" if last is None else f"last completed step {last[1]}, in step {last[1] + 1} ({last[2]})"
             if new_label != label:
                 label, wait = new_label, _labelled_wait(new_label)
@@ -78,7 +86,7 @@ class Watchdog:
                 return
 
     def _fire(self, since: float, step: int, phase: str) -> None:
-        print(f"watchdog: no progress for {time.monotonic() - since:.0f}s (limit {self.timeout_s:.0f}s): "
+        print(f"watchdog: no progress for {self._clock() - since:.0f}s (limit {self.timeout_s:.0f}s): "
               f"step {step + 1} stalled ({phase}; last completed step {step}). A worker probably died or hangs; "
               "dumping Python stacks and exiting", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
