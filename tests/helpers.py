@@ -388,8 +388,9 @@ secret = lambda v: v and "sha256:" + hashlib.sha256(v.encode()).hexdigest()
 info = {"argv": sys.argv[1:], "pid": os.getpid(), "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in keys}}
 info["env"].update({k: secret(os.environ.get(k)) for k in ("WANDB_API_KEY", "HF_TOKEN")})
 home = os.environ["HOME"]
-with open(os.path.join(home, "stub_run.json"), "w") as f:
+with open(os.path.join(home, "stub_run.json.tmp"), "w") as f:
     json.dump(info, f)
+os.replace(os.path.join(home, "stub_run.json.tmp"), os.path.join(home, "stub_run.json"))  # whole, or not there
 worker = os.environ["TPU_WORKER_ID"]
 print(f"stub worker {worker} argv={json.dumps(sys.argv[1:])}", flush=True)
 if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
