@@ -112,7 +112,10 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
                             f"steps there: {ckpt.all_steps() or 'none'}")
         meta = ckpt.read_meta(step)
         saved = OmegaConf.create(meta["config"])
-        saved.arch = OmegaConf.merge(OmegaConf.structured(family_of_saved(saved.arch).schema), saved.arch)
+        family = family_of_saved(saved.arch)
+        if family.pretrained:  # the weights and the arch they set are in this checkpoint: no base folder needed
+            saved.arch[family.pretrained] = None
+        saved.arch = OmegaConf.merge(OmegaConf.structured(family.schema), saved.arch)
         config = validate(saved)
         vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 1)  # not padding
         shape = DataShape(examples=int(meta["data_position"]["train_examples"]), vocab_size=vocab, seq_len=8)
