@@ -305,7 +305,10 @@ def build_arc_dataset(
         pairs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "test": []}
         for kind in ("train", "test"):
             dest = "test" if (kind == "test" and held_out) else "train"
-            pairs[dest].extend((as_grid(p["input"]), as_grid(p["output"])) for p in task[kind])
+            try:
+                pairs[dest].extend((as_grid(p["input"]), as_grid(p["output"])) for p in task[kind])
+            except ValueError as e:
+                raise ValueError(f"puzzle {name!r}: {e}; fix or remove that puzzle") from None
         grids = [g for split in ("train", "test") for pair in pairs[split] for g in pair]
         puzzles.append(_Puzzle(name, pairs, draw_augmentations(grids, num_aug, rng, name)))
 

@@ -349,6 +349,8 @@ _RULES: dict[str, Rule] = {
     "data.generate_puzzles": (_at_least(1), ""),
     "data.generate_test_puzzles": (_at_least(1), ""),
     "data.generate_num_aug": (_at_least(0), ""),
+    "data.generate_min_givens": (_within(17, 81), "fewer than 17 givens never have a unique solution"),
+    "data.generate_grid_size": (_at_least(5), "the smallest maze; null = the builder's 30"),
     "data.generate_seed": (_at_least(0), ""),
     "distributed.port": (_within(1, 65535), ""),
     "distributed.num_processes": (_at_least(1), ""),

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from runtime.errors import UserError, one_line
+from runtime.errors import OutputDirError, UserError, one_line
 
 DEFAULT_GCS_TIMEOUT_S = 15.0
 PROBE_DIR = ".preflight"  # gs://: <prefix>/.preflight/<host>-<pid>; local: <dir>/.preflight-<host>-<pid>
@@ -49,6 +49,7 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
     if is_primary:
         check_wandb(config.run.wandb.mode)
         check_run_dir(output_dir, "output directory", "run.name (or run.root)", local_entries)
+        check_nothing_in_the_way(output_dir, wandb=config.run.wandb.mode != "disabled")
         check_run_dir(checkpoint_dir, "checkpoint directory", ckpt_setting,
                       gcs.entries if checkpoint_dir.startswith("gs://") else local_entries, steps=True)
         check_output_dir(output_dir)
@@ -175,6 +176,21 @@ def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bo
     shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
     raise UserError(f"{what} {directory} already holds files ({shown}) and no {RUN_MARKER} marker of an earlier run, "
                     f"so nothing is written there; choose another {setting}, or empty that folder first")
+
+
+# What process 0 writes in the output directory: name -> written as a folder (W&B's) or a file.
+_OUTPUT_ENTRIES = {"metrics.jsonl": False, "run.log": False, "run_manifest.json": False, "wandb": True}
+
+
+def check_nothing_in_the_way(output_dir: str, *, wandb: bool) -> None:
+    """A folder where the run writes a file (metrics.jsonl, run.log, the manifest), or a file
+    where it writes a folder (W&B's, when W&B is on), would fail the run mid-way: a storage fault
+    (exit 6), said in one line before anything is written."""
+    for name, is_dir in local_entries(output_dir).items():
+        if name in _OUTPUT_ENTRIES and is_dir != _OUTPUT_ENTRIES[name] and (wandb or name != "wandb"):
+            stands, goes = ("a file", "folder") if _OUTPUT_ENTRIES[name] else ("a folder", "file")
+            raise OutputDirError(f"cannot write {os.path.join(output_dir, name)}: {stands} stands where the run writes "
+                                 f"its {goes}; move it out of the output directory and relaunch the same command")
 
 
 # --------------------------------------------------------------------------- local paths

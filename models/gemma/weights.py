@@ -375,8 +375,9 @@ def _same_bytes(fs, a: tuple[str, dict, int], b: tuple[str, dict, int], chunk: i
     with fs.open(fa, "rb") as x, fs.open(fb, "rb") as y:
         x.seek(sa + a0)
         y.seek(sb + b0)
-        for _ in range(0, a1 - a0, chunk):
-            if x.read(chunk) != y.read(chunk):
+        for start in range(0, a1 - a0, chunk):
+            size = min(chunk, a1 - a0 - start)
+            if x.read(size) != y.read(size):
                 return False
     return True
 
