@@ -124,7 +124,7 @@ def test_names_that_become_paths_are_checked(data, tmp_path, override, needle):
     (["supervise", "--run-id", "r", "--poll-seconds", "0"], "--poll-seconds 0 is out of range: it must be > 0"),
     (["pod", "--tpu", "t", "--zone", "z", "--interrupt-grace", "-5"], "--interrupt-grace -5 is out of range"),
     (["stop", "--tpu", "t", "--zone", "z", "--grace", "-1"], "--grace -1 is out of range"),
-    (["local", "-n", "1", "--port", "0"], "--port 0 is out of range"),
+    (["supervise", "--run-id", "r", "--stop-grace", "-1"], "--stop-grace -1 is out of range"),
     (["pod", "--tpu", "t", "--zone", "z", "--forward-env", "PODRUNNER_UNSET_SECRET"],
      "PODRUNNER_UNSET_SECRET is not set in this environment"),
 ])
