@@ -97,6 +97,8 @@ def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str,
 def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Config, int, Any]:
     """(config, step, params) of a run's checkpoint (default: its latest step), restored on
     this machine's devices with the run's own config (its model family from the registry)."""
+    import os
+
     from omegaconf import OmegaConf
 
     from runtime.checkpointing import Checkpoints
@@ -104,6 +106,9 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
     from runtime.errors import UserError
     from runtime.registry import family_of_saved
 
+    if "://" not in checkpoint_dir and not os.path.isdir(checkpoint_dir):  # Orbax would create it
+        raise UserError(f"checkpoint directory {checkpoint_dir} does not exist; point it at a run's checkpoints "
+                        "(<run.root>/<group>/<name>/checkpoints, or its run.checkpoint.dir)")
     ckpt = Checkpoints(checkpoint_dir, keep=1_000_000, async_save=False)
     try:
         step = ckpt.latest_step() if step is None else step

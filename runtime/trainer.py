@@ -142,8 +142,12 @@ def check_host_memory(abstract_state: Any, platform: str) -> None:
     deep in XLA or the kernel's OOM killer."""
     if platform != "cpu":
         return
-    need = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize * len(leaf.sharding.addressable_devices)
-               for leaf in jax.tree.leaves(abstract_state))
+    need = 0
+    for leaf in jax.tree.leaves(abstract_state):
+        sharding = getattr(leaf, "sharding", None)
+        shard, copies = (leaf.shape, 1) if sharding is None else (sharding.shard_shape(leaf.shape),
+                                                                  len(sharding.addressable_devices))
+        need += math.prod(shard) * getattr(leaf.dtype, "itemsize", 4) * copies
     have = available_host_bytes()
     if have is not None and need > have:
         raise UserError(f"the train state needs {need / 2**30:.1f} GiB of host memory on these CPU devices (parameters, "

@@ -99,7 +99,9 @@ def test_export_never_writes_into_a_folder_it_did_not_create(tmp_path, capsys):
     cli_refused(capsys, main, [*ckpt, "--out", str(tmp_path / "a-file")], EXIT_USER_ERROR, "is a file, not a folder")
     cli_refused(capsys, main, [*ckpt, "--out", str(tmp_path / "new"), "--step", "-1"], EXIT_USER_ERROR,
                 "--step -1 is out of range")
-    assert tree_hash(tmp_path) == before and not (tmp_path / "no-run").exists()
+    cli_refused(capsys, main, [*ckpt, "--out", str(tmp_path / "new")], EXIT_USER_ERROR,
+                f"checkpoint directory {tmp_path / 'no-run'} does not exist")
+    assert tree_hash(tmp_path) == before and not (tmp_path / "no-run").exists() and not (tmp_path / "new").exists()
 
 
 # --------------------------------------------------------------------- 2. names that become paths

@@ -30,15 +30,10 @@ class MazeKind(PuzzleKind):
         build_maze_dataset(data.path, **{k: v for k, (v, _) in self.build_parameters(data).items()})
 
     def build_parameters(self, data: Any) -> dict[str, tuple[Any, str]]:
-        return {"generate": (data.generate_puzzles + data.generate_test_puzzles,
-                             "data.generate_puzzles + data.generate_test_puzzles"),
-                "source_csv": (None, "a run generates its mazes"),
-                "test_size": (data.generate_test_puzzles, "data.generate_test_puzzles"),
-                "subsample_size": (None, "a run keeps every generated maze"),
-                "aug": (data.generate_num_aug > 0, "data.generate_num_aug"),
-                "size": (data.generate_grid_size or maze.DEFAULT_SIZE, "data.generate_grid_size"),
-                "loop_fraction": (maze.DEFAULT_LOOP_FRACTION, "the builder's default"),
-                "seed": (data.generate_seed, "data.generate_seed")}
+        return self.generated_split(data) | {
+            "aug": (data.generate_num_aug > 0, "data.generate_num_aug"),
+            "size": (data.generate_grid_size or maze.DEFAULT_SIZE, "data.generate_grid_size"),
+            "loop_fraction": (maze.DEFAULT_LOOP_FRACTION, "the builder's default")}
 
     def generated_shape(self, data: Any) -> DataShape:
         side = data.generate_grid_size or maze.DEFAULT_SIZE

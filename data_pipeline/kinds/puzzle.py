@@ -123,6 +123,17 @@ class PuzzleKind(DatasetKind):
         the setting it comes from: parameter -> (value, setting)."""
         raise NotImplementedError
 
+    @staticmethod
+    def generated_split(data: Any) -> dict[str, tuple[Any, str]]:
+        """The parameters every grid builder (build_sudoku, build_maze) gets from a run: how many
+        puzzles, generated, how many held out, none subsampled, the seed."""
+        return {"generate": (data.generate_puzzles + data.generate_test_puzzles,
+                             "data.generate_puzzles + data.generate_test_puzzles"),
+                "source_csv": (None, "a run generates its puzzles"),
+                "test_size": (data.generate_test_puzzles, "data.generate_test_puzzles"),
+                "subsample_size": (None, "a run keeps every generated puzzle"),
+                "seed": (data.generate_seed, "data.generate_seed")}
+
     def generated_shape(self, data: Any) -> DataShape:
         raise NotImplementedError
 

@@ -23,14 +23,8 @@ class SudokuKind(PuzzleKind):
         build_sudoku.build_sudoku_dataset(data.path, **{k: v for k, (v, _) in self.build_parameters(data).items()})
 
     def build_parameters(self, data: Any) -> dict[str, tuple[Any, str]]:
-        return {"generate": (data.generate_puzzles + data.generate_test_puzzles,
-                             "data.generate_puzzles + data.generate_test_puzzles"),
-                "source_csv": (None, "a run generates its puzzles"),
-                "test_size": (data.generate_test_puzzles, "data.generate_test_puzzles"),
-                "subsample_size": (None, "a run keeps every generated puzzle"),
-                "num_aug": (data.generate_num_aug, "data.generate_num_aug"),
-                "min_givens": (data.generate_min_givens, "data.generate_min_givens"),
-                "seed": (data.generate_seed, "data.generate_seed")}
+        return self.generated_split(data) | {"num_aug": (data.generate_num_aug, "data.generate_num_aug"),
+                                             "min_givens": (data.generate_min_givens, "data.generate_min_givens")}
 
     def generated_shape(self, data: Any) -> DataShape:
         return DataShape(examples=data.generate_puzzles * (1 + data.generate_num_aug),
