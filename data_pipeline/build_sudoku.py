@@ -18,12 +18,20 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline.marker import build_target, claim, finish
-from data_pipeline.puzzle_format import PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
+from data_pipeline.puzzle_format import DatasetError, PuzzleDatasetMetadata, builder_cli, write_identifiers, write_split
 from data_pipeline.sources import choose, load_splits, read_qa_rows
 from data_pipeline.sudoku import DEFAULT_MIN_GIVENS, augment, generate_puzzle
+from runtime.ranges import Rule, at_least, check_args, within
 
 SEQ_LEN = 81
 VOCAB_SIZE = 11  # pad 0, blank 1, digits 1..9 -> 2..10
+
+# Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
+_RULES: dict[str, Rule] = {
+    "--generate": (at_least(2), "at least one train and one test puzzle"), "--test-size": (at_least(1), ""),
+    "--subsample-size": (at_least(1), ""), "--num-aug": (at_least(0), "0 = no augmentation"),
+    "--min-givens": (within(17, 81), "fewer than 17 givens never have a unique solution"), "--seed": (at_least(0), ""),
+}
 
 # ASCII byte -> digit (0 = blank); 255 flags a character that is not allowed.
 _CHAR_TO_DIGIT = np.full(256, 255, dtype=np.uint8)
@@ -48,10 +56,37 @@ def _parse_grids(strings: list[str]) -> np.ndarray:
     return digits.reshape(len(strings), SEQ_LEN)
 
 
+# The 27 units (rows, columns, boxes) of a grid, as cell indices [27, 9].
+_UNITS = np.array([[r * 9 + c for c in range(9)] for r in range(9)] + [[r * 9 + c for r in range(9)] for c in range(9)]
+                  + [[(b // 3 * 3 + i // 3) * 9 + b % 3 * 3 + i % 3 for i in range(9)] for b in range(9)])
+
+
+def unsolved_rows(puzzles: np.ndarray, solutions: np.ndarray, chunk: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+    """(rows whose solution changes a given, rows whose solution breaks the rules: a digit twice
+    in a row, column or box), as indices; checked in chunks (a million rows at once would take
+    gigabytes)."""
+    contradicts = np.flatnonzero(((puzzles != 0) & (puzzles != solutions)).any(axis=1))
+    invalid = []
+    for start in range(0, len(solutions), chunk):
+        digits = solutions[start:start + chunk][:, _UNITS].astype(np.uint16)  # [n, 27, 9]
+        seen = np.bitwise_or.reduce(np.left_shift(1, digits - 1, dtype=np.uint16), axis=2)
+        invalid.append(start + np.flatnonzero((seen != 0x1FF).any(axis=1)))
+    return contradicts, np.concatenate(invalid) if invalid else np.zeros(0, np.int64)
+
+
 def read_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(puzzles, solutions) as [N, 81] uint8 digits from a source,q,a,rating CSV."""
-    rows = read_qa_rows(path, _row_problem)
-    return _parse_grids([q for q, _ in rows]), _parse_grids([a for _, a in rows])
+    """(puzzles, solutions) as [N, 81] uint8 digits from a source,q,a,rating CSV; a row whose
+    answer is not a solution of its puzzle is a ValueError naming its line."""
+    lines: list[int] = []
+    rows = read_qa_rows(path, _row_problem, lines)
+    puzzles, solutions = _parse_grids([q for q, _ in rows]), _parse_grids([a for _, a in rows])
+    contradicts, invalid = unsolved_rows(puzzles, solutions)
+    for bad, what in ((contradicts, "its answer ('a') changes a given digit of its puzzle ('q')"),
+                      (invalid, "its answer ('a') repeats a digit in a row, column or box")):
+        if len(bad):
+            raise ValueError(f"{path} line {lines[bad[0]]}: {what}, so it is no solution ({len(bad)} such rows); fix "
+                             "or remove those rows")
+    return puzzles, solutions
 
 
 def _load_sources(
@@ -161,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-givens", type=int, default=DEFAULT_MIN_GIVENS, help="givens left in generated puzzles")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_args(args, _RULES, DatasetError)
     out = build_sudoku_dataset(
         args.output_dir,
         generate=args.generate,

@@ -52,6 +52,9 @@ def build_target(root: str, builder: str, missing: str | None = None, inputs: Se
     files, which may sit in `root` (an SFT set's JSONL and tokenizer)."""
     fs, base = _fs(root)
     if not fs.exists(base):
+        if "://" not in str(root) and os.path.lexists(base):  # a link that leads nowhere: makedirs would fail late
+            raise DatasetError(f"{root} is a symbolic link that leads nowhere (a loop, or its target is missing); "
+                               "point the path at a real folder, or fix the link")
         return ABSENT
     if not fs.isdir(base):
         raise DatasetError(f"{root} is a file, not a dataset folder; choose another path for the dataset")
@@ -82,6 +85,47 @@ def run_build_target(root: str, builder: str, missing: str) -> str:
         return build_target(root, builder, missing)
     except DatasetError as e:
         raise UserError(str(e)) from e
+
+
+def generated_difference(root: str, builder: str, wanted: Mapping[str, tuple[Any, str]]) -> str | None:
+    """How the set `builder` generated at `root` (its marker) differs from the one a run asks for,
+    in words ("generate=60 there, 2200 here (data.generate_puzzles + data.generate_test_puzzles)");
+    None when it does not (or `root` holds no marker of `builder`: nothing to compare with).
+    `wanted`: parameter -> (the run's value, the setting it comes from). A parameter an older
+    marker does not record is not compared."""
+    marker = read_marker(root)
+    if marker is None or marker.get("builder") != builder:
+        return None
+    recorded = marker.get("parameters") or {}
+    for key, (value, setting) in wanted.items():
+        if key in recorded and recorded[key] != _plain(value):
+            return f"{key}={recorded[key]!r} there, {_plain(value)!r} here ({setting})"
+    return None
+
+
+def check_generated(root: str, builder: str, wanted: Mapping[str, tuple[Any, str]], regenerate: bool) -> bool:
+    """For a run with data.generate_if_missing: whether the generated set at `root` must be built
+    again because its marker's parameters differ from the run's (data.regenerate=true), else a
+    UserError naming the first parameter that differs; False when they agree."""
+    from runtime.errors import UserError
+
+    difference = generated_difference(root, builder, wanted)
+    if difference is None:
+        return False
+    if not regenerate:
+        raise UserError(f"data.path={root} holds a set {builder} generated with other parameters: {difference}; "
+                        "point data.path at a new folder for this set, set the data.generate_* values of the set "
+                        "there, or data.regenerate=true to replace it with a new build")
+    return True
+
+
+def remove_generated(root: str, builder: str) -> None:
+    """Delete the set `builder` generated at `root` (its marker says so), before building it again."""
+    marker = read_marker(root)
+    if marker is None or marker.get("builder") != builder:
+        raise DatasetError(f"{root} holds no {MARKER} marker of {builder}, so nothing there is deleted")
+    fs, base = _fs(root)
+    fs.rm(base, recursive=True)
 
 
 def claim(root: str, builder: str, parameters: Mapping[str, Any], inputs: Sequence[str | None] = ()) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Mapping, Sequence
@@ -41,17 +42,28 @@ class DatasetError(ValueError):
 
 def builder_cli(main: Callable[..., None]) -> Callable[..., None]:
     """A dataset builder's `main`: bad input (a missing or malformed source file, an output folder
-    that is not the builder's) is one `error:` line on stderr and exit 2, not a traceback."""
+    that is not the builder's, a number out of range) is one `error:` line on stderr and exit 2,
+    not a traceback; a progress bar the failure cut short is ended first, so that the line
+    starts a line of its own."""
 
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> None:
         try:
             main(argv)
         except (ValueError, OSError) as e:  # DatasetError is a ValueError; FileNotFoundError an OSError
+            end_progress_bars()
             print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
 
     return wrapped
+
+
+def end_progress_bars() -> None:
+    """Close the tqdm bars still open (each ends its line): what is printed next starts a line."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 @dataclass(frozen=True)
@@ -80,8 +92,15 @@ class PuzzleDatasetMetadata:
         if missing:
             raise DatasetError(f"dataset.json lacks fields {missing}")
         d = {n: d[n] for n in names}  # extra keys from other writers are ignored
+        check_whole_numbers(d, {"vocab_size": 1, "seq_len": 1, "num_puzzle_identifiers": 1, "total_groups": 0,
+                                "total_puzzles": 0, "pad_id": 0, "blank_identifier_id": 0}, optional=("ignore_label_id",))
+        if not isinstance(d["sets"], list) or not all(isinstance(n, str) and n for n in d["sets"]):
+            raise DatasetError(f"sets={d['sets']!r} must be a list of set names")
         d["sets"] = tuple(d["sets"])
-        d["mean_puzzle_examples"] = float(d["mean_puzzle_examples"])
+        try:
+            d["mean_puzzle_examples"] = float(d["mean_puzzle_examples"])
+        except (TypeError, ValueError):
+            raise DatasetError(f"mean_puzzle_examples={d['mean_puzzle_examples']!r} is not a number") from None
         return cls(**d)
 
 
@@ -126,6 +145,46 @@ class PuzzleSplit:
     @property
     def labels(self) -> np.ndarray:
         return self._labels(self.raw_labels)
+
+
+def check_whole_numbers(fields: Mapping[str, object], minimum: Mapping[str, int], optional: Sequence[str] = ()) -> None:
+    """Each of `minimum`'s fields an integer (not a bool, a float or a string) at least its
+    minimum, each of `optional` an integer or null; else a DatasetError naming the field."""
+    for name in (*minimum, *optional):
+        value = fields[name]
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum.get(name, value):
+            bound = f" >= {minimum[name]}" if name in minimum else " or null"
+            raise DatasetError(f"{name}={value!r} must be an integer{bound}")
+
+
+def check_token_values(inputs: np.ndarray, labels: np.ndarray, vocab_size: int, ignore: int | None, where: str,
+                       chunk: int = 1 << 16) -> None:
+    """Every input id in [0, vocab_size), every label there too or the ignore id, and at least one
+    label not ignored; else a DatasetError. Read in chunks of rows (memory-mapped arrays stay
+    mapped). An id outside the vocabulary would gather NaN or garbage on the device, an
+    all-ignored set trains on nothing."""
+    def first_bad(arr: np.ndarray, skip: int | None) -> int | None:
+        for start in range(0, arr.shape[0], chunk):
+            a = np.asarray(arr[start:start + chunk])
+            bad = (a < 0) | (a >= vocab_size)
+            if skip is not None:
+                bad &= a != skip
+            if bad.any():
+                return int(a[bad][0])
+        return None
+
+    for name, arr, skip in (("inputs", inputs, None), ("labels", labels, ignore)):
+        value = first_bad(arr, skip)
+        if value is not None:
+            other = f" or the ignore id {ignore}" if skip is not None else ""
+            raise DatasetError(f"{where}: {name} hold {value}, outside [0, vocab_size={vocab_size}){other}; rebuild the "
+                               "dataset with the vocabulary its metadata names")
+    if labels.size and ignore is not None and not any(
+            (np.asarray(labels[start:start + chunk]) != ignore).any() for start in range(0, labels.shape[0], chunk)):
+        raise DatasetError(f"{where}: every label is the ignore id {ignore}, so there is nothing to learn; rebuild the "
+                           "dataset with its targets")
 
 
 def _join(root: str, *parts: str) -> str:
@@ -173,6 +232,7 @@ def validate_arrays(arrays: Mapping[str, np.ndarray], metadata: PuzzleDatasetMet
         raise bad(f"group_indices must rise from 0 to {pidx.size - 1} puzzles")
     if pids.size and (pids.min() < 0 or pids.max() >= metadata.num_puzzle_identifiers):
         raise bad(f"puzzle_identifiers outside [0, {metadata.num_puzzle_identifiers})")
+    check_token_values(inputs, labels, metadata.vocab_size, metadata.ignore_label_id, where)
 
 
 def write_split(
@@ -191,8 +251,6 @@ def write_split(
     for name in FIELDS:
         arr = np.asarray(arrays[name])
         dtype = np.int32 if name in _INDEX_FIELDS else token_dtype
-        if name in ("inputs", "labels") and arr.size and (arr.min() < 0 or arr.max() >= metadata.vocab_size):
-            raise DatasetError(f"{_join(root, split)}: {name} holds ids outside [0, vocab_size={metadata.vocab_size})")
         with fs.open(_join(where, f"{set_name}__{name}.npy"), "wb") as f:
             np.save(f, arr.astype(dtype, copy=False))
     with fs.open(_join(where, "dataset.json"), "w") as f:
@@ -214,6 +272,11 @@ def read_split_metadata(root: str, split: str, filename: str, parse, hint: str, 
     file whose presence means the root holds the other format (a one-line pointer to `hint`)."""
     fs, base, local = _fs(root)
     path = _join(root, split, filename)  # as the user wrote it, for messages
+    if local:
+        for where in (base, _join(base, split), _join(base, split, filename)):
+            if os.path.lexists(where) and not os.path.exists(where):
+                raise DatasetError(f"{where} is a symbolic link that leads nowhere (a loop, or its target is missing); "
+                                   "fix the link, or point the data path at a real dataset folder")
     if not fs.exists(_join(base, split, filename)):
         if misfit and fs.exists(_join(base, split, misfit)):
             raise DatasetError(f"{_join(root, split)} holds {misfit}, not a {kind} split ({filename}); build one "

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, fields
 import fsspec
 import numpy as np
 
-from data_pipeline.puzzle_format import DatasetError, _fs, _join, read_split_metadata
+from data_pipeline.puzzle_format import (DatasetError, _fs, _join, check_token_values, check_whole_numbers,
+                                         read_split_metadata)
 from runtime.task import IGNORE_LABEL
 
 BUILD_HINT = ("python -m data_pipeline.build_sft --jsonl TRAIN.jsonl --tokenizer MODEL --seq-len 256 --output-dir {root}"
@@ -63,6 +64,10 @@ class SFTMetadata:
         missing = [n for n in required if n not in d]
         if missing:
             raise DatasetError(f"sft.json lacks fields {missing}")
+        check_whole_numbers(d, {"vocab_size": 1, "seq_len": 2, "pad_id": 0, "eos_id": 0, "end_of_turn_id": 0,
+                                "num_rows": 0, "num_examples": 0, "num_truncated": 0, "num_dropped": 0})
+        if not isinstance(d["packed"], bool):
+            raise DatasetError(f"packed={d['packed']!r} must be true or false")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @property
@@ -111,7 +116,8 @@ class SFTSplit:
 
 def validate_sft(arrays: Mapping[str, np.ndarray], metadata: SFTMetadata, answers: Sequence[str] | None,
                  where: str) -> None:
-    """Raise DatasetError unless shapes and dtypes agree with metadata (no full value scan)."""
+    """Raise DatasetError unless shapes and dtypes agree with metadata and the ids with its
+    vocabulary (check_token_values: a scan of inputs and labels, in chunks)."""
     def bad(msg: str) -> DatasetError:
         return DatasetError(f"{where}: {msg}; rebuild the split with `{BUILD_HINT.format(root='DIR')}`")
 
@@ -128,6 +134,7 @@ def validate_sft(arrays: Mapping[str, np.ndarray], metadata: SFTMetadata, answer
             raise bad(f"{name} has shape {tuple(arr.shape)}, expected {list(want)} (num_rows, seq_len from sft.json)")
     if not metadata.packed and (answers is None or len(answers) != n):
         raise bad(f"answers.json holds {None if answers is None else len(answers)} answers for {n} rows")
+    check_token_values(arrays["inputs"], arrays["labels"], metadata.vocab_size, metadata.ignore_label_id, where)
 
 
 def write_sft_split(root: str, split: str, arrays: Mapping[str, np.ndarray], metadata: SFTMetadata,
@@ -136,12 +143,6 @@ def write_sft_split(root: str, split: str, arrays: Mapping[str, np.ndarray], met
     so a split with sft.json is complete)."""
     where = _join(root, split)
     validate_sft(arrays, metadata, answers, where)
-    inputs, labels = np.asarray(arrays["inputs"]), np.asarray(arrays["labels"])
-    if inputs.size and (inputs.min() < 0 or inputs.max() >= metadata.vocab_size):
-        raise DatasetError(f"{where}: inputs hold ids outside [0, vocab_size={metadata.vocab_size})")
-    targets = labels[labels != IGNORE_LABEL]
-    if targets.size and (targets.min() < 0 or targets.max() >= metadata.vocab_size):
-        raise DatasetError(f"{where}: labels hold ids outside [0, vocab_size={metadata.vocab_size}) other than {IGNORE_LABEL}")
     fs, base, _ = _fs(root)
     fs.makedirs(_join(base, split), exist_ok=True)
     for name in metadata.array_names:

@@ -14,9 +14,11 @@ DEFAULT_TEST_FRACTION = 0.1  # held out when the source is not already split
 Pairs = tuple[np.ndarray, np.ndarray]
 
 
-def read_qa_rows(path: Path, check: Callable[[str, str], str | None] | None = None) -> list[tuple[str, str]]:
+def read_qa_rows(path: Path, check: Callable[[str, str], str | None] | None = None,
+                 lines: list[int] | None = None) -> list[tuple[str, str]]:
     """The (q, a) strings of a source,q,a,rating CSV. `check(q, a)` returns what is wrong with a
-    row (or None); a bad row is a ValueError naming the file and its line."""
+    row (or None); a bad row is a ValueError naming the file and its line. `lines`, when given,
+    receives each row's line number (for checks made later on all rows at once)."""
     try:
         f = open(path, newline="")
     except FileNotFoundError:
@@ -33,6 +35,8 @@ def read_qa_rows(path: Path, check: Callable[[str, str], str | None] | None = No
             if problem:
                 raise ValueError(f"{path} line {reader.line_num}: {problem}; fix or remove that row")
             rows.append((q, a))
+            if lines is not None:
+                lines.append(reader.line_num)
     if not rows:
         raise ValueError(f"{path}: no rows after the header; pass a CSV with at least one puzzle")
     return rows

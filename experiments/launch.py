@@ -36,6 +36,22 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 from experiments import pod  # noqa: E402
 from experiments.local_pod import run_local_pod  # noqa: E402
 from runtime.errors import EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
+from runtime.ranges import Rule, above, at_least, check_args, within  # noqa: E402
+
+# Ranges of every subcommand's numeric options (as runtime/config.py's _RULES for the Hydra
+# settings), checked before anything starts: `plan --jobs -1` would plan in-process and hang,
+# a negative grace would kill workers before they checkpoint.
+_RULES: dict[str, dict[str, Rule]] = {
+    "local": {"--processes": (at_least(1), ""), "--devices-per-process": (at_least(1), ""),
+              "--port": (within(1, 65534), "the start-up barrier listens on the port above it"),
+              "--timeout": (above(0), "seconds"), "--grace-period": (at_least(0), "0 = SIGKILL at once")},
+    "pod": {"--interrupt-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
+    "stop": {"--grace": (at_least(0), "0 = SIGKILL at once")},
+    "supervise": {"--max-restarts": (at_least(0), "0 = stop at the first failure"),
+                  "--poll-seconds": (above(0), ""), "--storage-backoff-seconds": (at_least(0), ""),
+                  "--stop-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
+    "plan": {"--jobs": (at_least(1), "compile processes")},
+}
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -55,12 +71,6 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """N processes on this machine, each with M fake CPU devices, joined as one JAX pod."""
-    for flag, value in (("--processes", args.processes), ("--devices-per-process", args.devices_per_process)):
-        if value < 1:
-            raise pod.PodError(f"{flag} {value} is out of range: it must be >= 1")
-    if (args.timeout is not None and not args.timeout > 0) or not args.grace_period >= 0:
-        raise pod.PodError(f"--timeout {args.timeout} / --grace-period {args.grace_period}: the timeout must be > 0 "
-                           "seconds and the grace period >= 0")
     return run_local_pod(
         args.processes,
         args.devices_per_process,
@@ -527,11 +537,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@_user_errors
+def check_options(args: argparse.Namespace) -> int:
+    """The numbers in range (_RULES) and every --forward-env name set, before anything starts."""
+    check_args(args, _RULES.get(args.command, {}), pod.PodError)
+    pod.check_forwarded(getattr(args, "forward_env", None) or (), os.environ)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ours, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(ours)
     args.overrides = overrides
-    return args.func(args)
+    return check_options(args) or args.func(args)
 
 
 if __name__ == "__main__":

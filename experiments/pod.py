@@ -142,6 +142,15 @@ def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, l
     return run_id, [*overrides, f"run.id={run_id}"], fixed
 
 
+def check_forwarded(forward: Iterable[str], environ: Mapping[str, str]) -> None:
+    """Every --forward-env NAME is set here: a typo'd or unexported name would reach the workers
+    as nothing at all, and the run would fail there (or worse, run without it)."""
+    unset = [name for name in dict.fromkeys(forward) if not environ.get(name)]
+    if unset:
+        raise PodError(f"--forward-env {unset[0]}: {unset[0]} is not set in this environment, so there is nothing to "
+                       f"forward; export it first, or drop --forward-env {unset[0]}")
+
+
 def remote_env(extra: Mapping[str, str], forward: Iterable[str],
                environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """(plain, secret) variables for the workers. Secrets: SECRET_ENV plus `forward`, taken from
@@ -149,6 +158,7 @@ def remote_env(extra: Mapping[str, str], forward: Iterable[str],
     for name in [*extra, *forward]:
         if not _ENV_NAME.fullmatch(name):
             raise PodError(f"{name!r} is not an environment variable name")
+    check_forwarded(forward, environ)
     secret = {k: environ[k] for k in dict.fromkeys([*SECRET_ENV, *forward]) if environ.get(k)}
     return dict(extra), secret
 

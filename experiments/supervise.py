@@ -173,7 +173,7 @@ class Supervision:
 
         try:
             with fsspec.open(self.mirror, "r") as f:
-                return json.loads(f.read())
+                return parse_record(f.read(), self.mirror)
         except FileNotFoundError:
             return None
 
@@ -193,9 +193,26 @@ class Supervision:
 
 def load(path: Path) -> dict | None:
     try:
-        return json.loads(Path(path).read_text())
+        return parse_record(Path(path).read_text(), path)
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:  # a folder by that name, no permission
+        raise pod.PodError(f"cannot read the supervision record {path} ({e.strerror or e}); fix or move it") from e
+
+
+def parse_record(text: str, where) -> dict:
+    """A supervision record's data; a truncated or garbled one is one line (PodError): the record is
+    the run's history, so it is never replaced silently."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise pod.PodError(f"the supervision record {where} is truncated or garbled ({e}); restore it (a copy "
+                           "beside the checkpoints, when they are on gs://), or move it away to start a new history "
+                           "for this run id") from None
+    if not isinstance(data, dict) or not isinstance(data.get("launches"), list):
+        raise pod.PodError(f"the supervision record {where} is not a supervision record (no list of launches); "
+                           "restore it, or move it away to start a new history for this run id")
+    return data
 
 
 # --- 1. the TPU ---------------------------------------------------------------------------------

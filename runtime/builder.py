@@ -97,6 +97,8 @@ def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str,
 def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Config, int, Any]:
     """(config, step, params) of a run's checkpoint (default: its latest step), restored on
     this machine's devices with the run's own config (its model family from the registry)."""
+    import os
+
     from omegaconf import OmegaConf
 
     from runtime.checkpointing import Checkpoints
@@ -104,6 +106,9 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
     from runtime.errors import UserError
     from runtime.registry import family_of_saved
 
+    if "://" not in checkpoint_dir and not os.path.isdir(checkpoint_dir):  # Orbax would create it
+        raise UserError(f"checkpoint directory {checkpoint_dir} does not exist; point it at a run's checkpoints "
+                        "(<run.root>/<group>/<name>/checkpoints, or its run.checkpoint.dir)")
     ckpt = Checkpoints(checkpoint_dir, keep=1_000_000, async_save=False)
     try:
         step = ckpt.latest_step() if step is None else step
@@ -112,7 +117,10 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
                             f"steps there: {ckpt.all_steps() or 'none'}")
         meta = ckpt.read_meta(step)
         saved = OmegaConf.create(meta["config"])
-        saved.arch = OmegaConf.merge(OmegaConf.structured(family_of_saved(saved.arch).schema), saved.arch)
+        family = family_of_saved(saved.arch)
+        if family.pretrained:  # the weights and the arch they set are in this checkpoint: no base folder needed
+            saved.arch[family.pretrained] = None
+        saved.arch = OmegaConf.merge(OmegaConf.structured(family.schema), saved.arch)
         config = validate(saved)
         vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 1)  # not padding
         shape = DataShape(examples=int(meta["data_position"]["train_examples"]), vocab_size=vocab, seq_len=8)

@@ -20,18 +20,23 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runtime.errors import UserError, one_line
 from runtime.registry import arch_schemas, dataset_kind, family_of
+from runtime.run_ids import RUN_ID
 from runtime.task import AUTO_DTYPE, platform_compute_dtype
 from runtime.frozen import Freezable, freeze
 from runtime.grad_accum import micro_batch_error
 from runtime.metrics_sinks import WandbConsole, WandbMode
 from runtime.optimizers import OPTIMIZERS
+from runtime.ranges import INT32_MAX, Rule, name_problem, range_problem
+from runtime.ranges import above as _above
+from runtime.ranges import at_least as _at_least
+from runtime.ranges import within as _within
 
 
 @dataclass
@@ -51,6 +56,7 @@ class TaskDataConfig(Freezable):
     generate_min_givens: int = 30
     generate_grid_size: Optional[int] = None
     generate_seed: int = 0
+    regenerate: bool = False
 
 
 @dataclass
@@ -73,6 +79,9 @@ class DataConfig(Freezable):
     generate_min_givens: int = 30
     generate_grid_size: Optional[int] = None  # maze side (None = the builder's 30)
     generate_seed: int = 0
+    # A generated set at `path` is used only when its marker's parameters equal these; otherwise
+    # the run stops with one line naming the difference, and regenerate=true replaces it.
+    regenerate: bool = False
     # SFT (name=sft): token length of a generated set (and of compile-only plans without data);
     # the tokenizer (default <path>/tokenizer.model); greedy-generation eval on the first N prompts.
     seq_len: int = 128
@@ -304,30 +313,18 @@ _CHOICES = {
 }
 
 
-def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v >= low), f">= {low}"
-
-
-def _within(low: float, high: float, *, high_open: bool = False) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: low <= v < high if high_open else low <= v <= high), f"in [{low}, {high}{')' if high_open else ']'}"
-
-
-def _above(low: float) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v > low), f"> {low}"
-
-
 # Ranges of the numeric settings (a null, where the schema allows one, is always fine), with what
 # the boundary value means. Checked before anything runs, so a nonsense number is one line rather
 # than a crash, a hang or a silently odd run (run.checkpoint.keep=0 would delete every checkpoint).
-_RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
+_RULES: dict[str, Rule] = {
     "train.seed": (_at_least(0), ""),
-    "train.global_batch_size": (_at_least(1), ""),
+    "train.global_batch_size": (_at_least(1, at_most=INT32_MAX), ""),
     "train.grad_accum_steps": (_at_least(1), "1 = no accumulation"),
-    "train.steps": (_above(0), "or steps=null with train.epochs > 0"),
+    "train.steps": (_above(0, at_most=INT32_MAX), "steps count in int32; or steps=null with train.epochs > 0"),
     "train.epochs": (_above(0), "or epochs=null with train.steps > 0"),
     "train.log_every": (_at_least(1), "the last step is always logged"),
-    "train.eval_every": (_at_least(0), "0 = only at the end"),
-    "train.checkpoint_every": (_at_least(0), "0 = only at the end"),
+    "train.eval_every": (_at_least(0, at_most=INT32_MAX), "0 = only at the end"),
+    "train.checkpoint_every": (_at_least(0, at_most=INT32_MAX), "0 = only at the end"),
     "train.eval_every_epochs": (_at_least(0), "0 = only at the end; null = use train.eval_every"),
     "train.checkpoint_every_epochs": (_at_least(0), "0 = only at the end; null = use train.checkpoint_every"),
     "train.profile_start_step": (_at_least(0), "null = no trace"),
@@ -352,6 +349,8 @@ _RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
     "data.generate_puzzles": (_at_least(1), ""),
     "data.generate_test_puzzles": (_at_least(1), ""),
     "data.generate_num_aug": (_at_least(0), ""),
+    "data.generate_min_givens": (_within(17, 81), "fewer than 17 givens never have a unique solution"),
+    "data.generate_grid_size": (_at_least(5), "the smallest maze; null = the builder's 30"),
     "data.generate_seed": (_at_least(0), ""),
     "distributed.port": (_within(1, 65535), ""),
     "distributed.num_processes": (_at_least(1), ""),
@@ -366,16 +365,16 @@ _RULES: dict[str, tuple[tuple[Callable[[Any], bool], str], str]] = {
 
 def check_ranges(config: Config) -> None:
     """Every `_RULES` setting within its range (each task of a mixture too); else one UserError."""
-    for key, ((ok, bound), meaning) in _RULES.items():
+    for key, rule in _RULES.items():
         section, _, name = key.rpartition(".")
         owners = {section: _get(config, section)}
         if section == "data":
             owners |= {f"data.tasks.{t}": task for t, task in config.data.tasks.items()}
         for where, owner in owners.items():
             value = getattr(owner, name, None)
-            if value is not None and not ok(value):
-                raise UserError(f"{where}.{name}={value!r} is out of range: it must be {bound}"
-                                f"{' (' + meaning + ')' if meaning else ''}")
+            problem = None if value is None else range_problem(value, rule)
+            if problem:
+                raise UserError(f"{where}.{name}={value!r} is out of range: {problem}")
 
 
 def _check_no_added_keys(node: DictConfig, where: str) -> None:
@@ -454,6 +453,7 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
         raise UserError(f"mesh sizes data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]}: use positive sizes and at most one -1")
     dataset_kind(config.data.name).validate(config.data)
 
+    check_path_names(config)
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
         config.run.group = group or (experiment or "default")
@@ -462,6 +462,25 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
         if sweep_job:
             config.run.name += "_" + re.sub(r"[^A-Za-z0-9_.=,+-]", "-", sweep_job)
     return freeze(config)
+
+
+# Settings that name one folder (or a W&B run's folder): <run.root>/<run.group>/<run.name>, a
+# dataset's <data.path>/<split>. Null takes the default (the experiment's names, the checkpoint's id).
+_PATH_NAMES = ("run.group", "run.name", "data.train_split", "data.eval_split")
+
+
+def check_path_names(config: Config) -> None:
+    """Each of _PATH_NAMES that is set is one safe folder name (runtime/ranges.py name_problem):
+    run.name=../../x would write outside run.root, run.name='' beside the group's other runs."""
+    for key in _PATH_NAMES:
+        value = _get(config, key)
+        problem = None if value is None else name_problem(str(value))
+        if problem:
+            raise UserError(f"{key}={value!r} cannot name a folder: {problem}; choose another {key}")
+    run_id = config.run.id
+    if run_id is not None and not RUN_ID.fullmatch(str(run_id)):
+        raise UserError(f"run.id={run_id!r} is not a run id: use 1-64 letters, digits, '.', '_' or '-', starting with "
+                        "a letter or digit (it names the W&B run and its folders)")
 
 
 def _check_curriculum(config: Config) -> None:

@@ -87,10 +87,10 @@ def explicit_values(cfg: DistributedConfig, env: Mapping[str, str]) -> Optional[
         given = [v is not None and v != "" for v in (address, count, pid)]
         if all(given):
             return _checked(source, str(address), count, pid, cfg.port, hostnames if source == TPU_METADATA else ())
-        if any(given) and source == "config":
-            missing = [n for n, g in zip(("coordinator_address", "num_processes", "process_id"), given) if not g]
-            raise UserError(f"distributed.{', distributed.'.join(missing)} missing: give all three of "
-                            "coordinator_address, num_processes, process_id, or none")
+        if any(given) and source in _PARTS:  # half a coordinator is a mistake, never "single process"
+            names = _PARTS[source]
+            missing = [n for n, g in zip(names, given) if not g]
+            raise UserError(f"{', '.join(missing)} missing: give all three of {', '.join(names)}, or none")
     endpoints = worker_metadata(env)
     if endpoints is not None:
         worker, hosts = endpoints
@@ -99,6 +99,9 @@ def explicit_values(cfg: DistributedConfig, env: Mapping[str, str]) -> Optional[
 
 
 TPU_METADATA = "TPU worker metadata"
+# The sources whose three values must come together (their names as the user sets them).
+_PARTS = {"config": ("distributed.coordinator_address", "distributed.num_processes", "distributed.process_id"),
+          "environment": ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
 
 
 def _checked(source: str, address: str, count, pid, port: int, hosts: Sequence[str] = ()) -> Explicit:

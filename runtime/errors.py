@@ -45,7 +45,10 @@ class OutputDirError(StorageError):
 _STORAGE_FAULTS = ((errno.ENOSPC, "No space left on device", "no space left on device"),
                    (errno.EDQUOT, "Disk quota exceeded", "disk quota exceeded"),
                    (errno.EACCES, "Permission denied", "permission denied"),
-                   (errno.EROFS, "Read-only file system", "read-only file system"))
+                   (errno.EROFS, "Read-only file system", "read-only file system"),
+                   # what stands where the run writes: a folder named like its file, or a file on its path
+                   (errno.EISDIR, "Is a directory", "a folder stands where a file goes"),
+                   (errno.ENOTDIR, "Not a directory", "a file stands where a folder goes"))
 
 
 def storage_fault(exc: BaseException) -> str | None:
@@ -67,6 +70,8 @@ def storage_fix(fault: str | None, where: str) -> str:
         return f"free space on {where}"
     if fault in ("permission denied", "read-only file system"):
         return f"make {where} writable for this user"
+    if fault in ("a folder stands where a file goes", "a file stands where a folder goes"):
+        return f"move what is in the way out of {where}"
     return f"restore access to {where}"
 
 

@@ -1,51 +1,119 @@
 """Export a run's checkpoint in its model family's interchange format (Gemma: Hugging Face
-safetensors + config.json, LoRA merged):
+safetensors + config.json + generation_config.json, LoRA merged):
 
     python -m runtime.export --checkpoint-dir outputs/gemma_sft/tiny_cpu/checkpoints --out hf-model [--step N]
 
 The run's own config (saved in every checkpoint) rebuilds the state; the parameters are
-restored into their shardings and handed to the family's `Task.export`. On a pod, run it on
-every worker (like training) so each restores its shards.
+restored into their shardings and handed to the family's `Task.export`. The checkpoint alone
+is enough: the pretrained weights the run started from (arch.checkpoint) are not read again.
+On a pod, run it on every worker (like training) so each restores its shards.
+
+`--out` is written only when it is new, empty, or an earlier export (its EXPORT_MARKER, which
+lists the files it wrote: those are replaced, files of that earlier export the new one does
+not write are removed), unless `--overwrite` (the export's files replace those of the same
+name; nothing else is touched). A write that fails is one line, exit 6.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import posixpath
 import sys
 from typing import Optional
 
-from runtime.errors import EXIT_USER_ERROR, UserError, one_line
+from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
+from runtime.ranges import Rule, at_least, check_args
+
+EXPORT_MARKER = ".podrunner-export"
+_RULES: dict[str, Rule] = {"--step": (at_least(0), ""), "--vocab-size": (at_least(1), "embedding rows")}
 
 
-def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, **options) -> int:
-    """Export step `step` (default: the latest) of `checkpoint_dir`; returns the step exported."""
+def _fs(path: str):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path)
+    return fs, root.rstrip("/") or root
+
+
+def earlier_export(out_dir: str, overwrite: bool) -> Optional[list[str]]:
+    """The files an earlier export into `out_dir` wrote (its marker's list; [] for a new or empty
+    folder); a UserError for a file, or for a folder of other files without `overwrite`."""
+    fs, root = _fs(out_dir)
+    try:
+        if not fs.exists(root):
+            return []
+        if not fs.isdir(root):
+            raise UserError(f"--out {out_dir} is a file, not a folder; give a new folder (or an earlier export's)")
+        entries = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
+        if EXPORT_MARKER in entries:
+            with fs.open(posixpath.join(root, EXPORT_MARKER)) as f:
+                return list(json.load(f).get("files", []))
+    except UserError:
+        raise
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read --out {out_dir} ({storage_fault(e) or one_line(e)[:200]}); check the path and "
+                        "its access") from e
+    if entries and not overwrite:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise UserError(f"--out {out_dir} already holds files ({shown}) and no {EXPORT_MARKER} marker of an earlier "
+                        "export, so nothing is written there; choose a new folder, or add --overwrite to replace the "
+                        "files an export writes (config.json, model*.safetensors, ...)")
+    return []
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, overwrite: bool = False,
+                      **options) -> int:
+    """Export step `step` (default: the latest) of `checkpoint_dir` into `out_dir`; returns the
+    step exported. UserError (exit 2) for bad input, StorageError (exit 6) for a failed write."""
     from runtime.builder import load_run_params
     from runtime.registry import family_of
     from runtime.task import DataShape
 
+    before = earlier_export(out_dir, overwrite)
     config, step, params = load_run_params(checkpoint_dir, step)
     task = family_of(config.arch).build_task(config.arch, DataShape(examples=0, vocab_size=1, seq_len=8))
-    task.export(params, out_dir, **options)
+    fs, root = _fs(out_dir)
+    try:
+        written = list(task.export(params, out_dir, data=config.data, **options) or [])
+        for name in sorted(set(before) - set(written)):  # an earlier export's files this one does not replace
+            if fs.exists(posixpath.join(root, name)):
+                fs.rm(posixpath.join(root, name))
+        if written:
+            with fs.open(posixpath.join(root, EXPORT_MARKER), "w") as f:
+                json.dump({"checkpoint_dir": checkpoint_dir, "step": step, "files": written}, f, indent=1)
+    except OSError as e:
+        fault = storage_fault(e)
+        raise StorageError(f"cannot write the export to {out_dir} ({fault or one_line(e)[:200]}); "
+                           f"{storage_fix(fault, out_dir)} and export again") from e
     return step
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint-dir", required=True, help="the run's checkpoint directory (local or gs://)")
-    ap.add_argument("--out", required=True, help="output folder (local or gs://)")
+    ap.add_argument("--out", required=True, help="output folder (local or gs://): new, empty or an earlier export")
+    ap.add_argument("--overwrite", action="store_true", help="write into a folder that holds other files (files of "
+                    "the same names are replaced, the rest left alone)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--vocab-size", type=int, help="embedding rows to write (default: the rows in use, without "
                     "padding: arch.real_vocab_size or arch.vocab_size)")
+    ap.add_argument("--tokenizer", help="the tokenizer whose special token ids the export records (default: the "
+                    "run's, from its data config)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        step = export_checkpoint(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
-                                 vocab_size=args.vocab_size)
-    except (UserError, ValueError) as e:
+        check_args(args, _RULES, UserError)
+        step = export_checkpoint(args.checkpoint_dir, args.out, step=args.step, overwrite=args.overwrite,
+                                 dtype=args.dtype, vocab_size=args.vocab_size, tokenizer=args.tokenizer)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except ValueError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return UserError.exit_code
     print(f"exported step {step} of {args.checkpoint_dir} to {args.out}")
     return 0
 

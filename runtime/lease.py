@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from runtime import liveness
 from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
+from runtime.preflight import RUN_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,15 @@ class LocalStore:
             _remove(self.path)
             raise
         return raw
+
+    def mark(self, raw: bytes) -> None:
+        """Leave the run directory's marker (preflight.RUN_MARKER), unless one is there already."""
+        try:
+            fd = os.open(os.path.join(os.path.dirname(self.path), RUN_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
 
     def renew(self, raw: bytes, version: Any) -> Any:
         if self.read()[1] != version:
@@ -238,6 +248,16 @@ class GcsStore:
     def create(self, raw: bytes) -> Any:
         return self._write(raw, 0)
 
+    def mark(self, raw: bytes) -> None:
+        """Leave the run directory's marker (preflight.RUN_MARKER), unless one is there already."""
+        from google.api_core.exceptions import PreconditionFailed
+
+        blob = self._blob().bucket.blob(self.name[:-len(LEASE_FILE)] + RUN_MARKER)
+        try:
+            blob.upload_from_string(raw, content_type="application/json", if_generation_match=0, **self._kw())
+        except PreconditionFailed:
+            pass
+
     def renew(self, raw: bytes, version: Any) -> Any:
         return self._write(raw, version)
 
@@ -291,6 +311,9 @@ class Lease:
         try:
             for i, (store, what, setting) in enumerate(self.targets):
                 self._versions[i] = self._acquire_one(store, what, setting)
+            marker = json.dumps({"run": self.record["run"], "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+            for store, _, _ in self.targets:  # a later run knows the folder as a run directory of ours
+                _io(store, "mark", lambda: store.mark(marker))
         except BaseException:
             self.release()
             raise

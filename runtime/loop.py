@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -45,6 +45,9 @@ class LoopContext:
     seq_len: int  # tokens per row, for throughput figures
     init_states: Any = None  # kept in every checkpoint's metadata (resume rebuilds the same model)
     evaluators: Sequence[Evaluator] = field(default_factory=list)
+    # Installed when the run starts (a SIGTERM during the first compile is a preemption too); None:
+    # the loop installs its own.
+    preemption: Optional[PreemptionWatcher] = None
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -157,7 +160,8 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
         return 0, "completed", None
     run = _Progress(ctx, state, position)
     run.start_timer(position)
-    preemption, watchdog = PreemptionWatcher(), Watchdog(ctx.config.train.watchdog_timeout_s).start()
+    preemption = ctx.preemption or PreemptionWatcher()
+    watchdog = Watchdog(ctx.config.train.watchdog_timeout_s).start()
     batch, step = run.first_batch, position
     try:
         for step in range(position, total):
@@ -194,5 +198,6 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
         raise
     finally:
         watchdog.stop()
-        preemption.close()
+        if ctx.preemption is None:
+            preemption.close()
     return 0, "completed", run.train_metrics | run.eval_metrics

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from runtime.errors import UserError, one_line
+from runtime.errors import OutputDirError, UserError, one_line
 
 DEFAULT_GCS_TIMEOUT_S = 15.0
 PROBE_DIR = ".preflight"  # gs://: <prefix>/.preflight/<host>-<pid>; local: <dir>/.preflight-<host>-<pid>
@@ -45,10 +45,14 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
               gcs_timeout_s: float = DEFAULT_GCS_TIMEOUT_S) -> None:
     """Check W&B credentials, the output dir, the checkpoint dir and the dataset; raise UserError."""
     gcs = _Gcs(gcs_timeout_s)
+    ckpt_setting = "run.checkpoint.dir" if config.run.checkpoint.dir else "run.root (or set run.checkpoint.dir)"
     if is_primary:
         check_wandb(config.run.wandb.mode)
+        check_run_dir(output_dir, "output directory", "run.name (or run.root)", local_entries)
+        check_nothing_in_the_way(output_dir, wandb=config.run.wandb.mode != "disabled")
+        check_run_dir(checkpoint_dir, "checkpoint directory", ckpt_setting,
+                      gcs.entries if checkpoint_dir.startswith("gs://") else local_entries, steps=True)
         check_output_dir(output_dir)
-    ckpt_setting = "run.checkpoint.dir" if config.run.checkpoint.dir else "run.root (or set run.checkpoint.dir)"
     if checkpoint_dir.startswith("gs://"):
         gcs.check_writable(checkpoint_dir, ckpt_setting)
     elif "://" in checkpoint_dir:
@@ -124,6 +128,69 @@ def check_wandb_key_shape(key: str) -> None:
     if problem:
         raise UserError(f"WANDB_API_KEY is malformed ({problem.rstrip('.')}); copy the key again from "
                         "https://wandb.ai/authorize (or your W&B host's /authorize page), or use run.wandb.mode=offline")
+
+
+# ------------------------------------------------------------------------- run directories
+
+# What says a folder is a run directory of this project: the marker process 0 writes when it takes
+# the lease (runtime/lease.py), or what earlier runs left (the manifest, a lease record, a probe).
+RUN_MARKER = ".podrunner-run"
+_RUN_FILES = (RUN_MARKER, "run_manifest.json", ".lease.json", PROBE_DIR)
+# What an Orbax step folder holds (a damaged one at least one of them).
+_STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
+
+
+def _checkpoint_entry(name: str) -> bool:
+    """A name Orbax or the quarantine gives a checkpoint directory's entries (runtime/checkpointing.py)."""
+    return name.isdigit() or name.startswith("quarantined-") or ".orbax-checkpoint-tmp" in name
+
+
+def local_entries(directory: str) -> dict[str, bool]:
+    """name -> is a folder, of what `directory` holds ({} when it does not exist)."""
+    try:
+        with os.scandir(directory) as it:
+            return {e.name: e.is_dir() for e in it}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except OSError as e:  # a symlink loop, no permission
+        raise UserError(f"cannot list {directory} ({os_reason(e)}); fix the path or its permissions") from e
+
+
+def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bool = False) -> None:
+    """A run directory is written only when it is new, empty or an earlier run's (RUN_MARKER or
+    the files earlier runs left); any other folder is someone's and is refused before anything is
+    written. `steps`: in a checkpoint directory, every step-named entry must be a step folder this
+    project wrote: Orbax replaces a file `20` with step 20, and deletes old steps past keep."""
+    names = entries(directory)
+    # Empty folders hold nothing to lose (an earlier attempt that stopped before writing left them).
+    names = {n: d for n, d in names.items() if not (d and not n.isdigit() and not entries(f"{directory.rstrip('/')}/{n}"))}
+    if steps:
+        for name, is_dir in sorted(names.items()):
+            if name.isdigit() and not (is_dir and _STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}"))):
+                kind = "folder" if is_dir else "file"
+                raise UserError(f"{what} {directory} holds a {kind} {name} that is no checkpoint step of this project, "
+                                "and a run would replace or delete it; move it out of that directory, or choose "
+                                f"another {setting}")
+    if not names or set(names) & set(_RUN_FILES) or (steps and all(map(_checkpoint_entry, names))):
+        return
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    raise UserError(f"{what} {directory} already holds files ({shown}) and no {RUN_MARKER} marker of an earlier run, "
+                    f"so nothing is written there; choose another {setting}, or empty that folder first")
+
+
+# What process 0 writes in the output directory: name -> written as a folder (W&B's) or a file.
+_OUTPUT_ENTRIES = {"metrics.jsonl": False, "run.log": False, "run_manifest.json": False, "wandb": True}
+
+
+def check_nothing_in_the_way(output_dir: str, *, wandb: bool) -> None:
+    """A folder where the run writes a file (metrics.jsonl, run.log, the manifest), or a file
+    where it writes a folder (W&B's, when W&B is on), would fail the run mid-way: a storage fault
+    (exit 6), said in one line before anything is written."""
+    for name, is_dir in local_entries(output_dir).items():
+        if name in _OUTPUT_ENTRIES and is_dir != _OUTPUT_ENTRIES[name] and (wandb or name != "wandb"):
+            stands, goes = ("a file", "folder") if _OUTPUT_ENTRIES[name] else ("a folder", "file")
+            raise OutputDirError(f"cannot write {os.path.join(output_dir, name)}: {stands} stands where the run writes "
+                                 f"its {goes}; move it out of the output directory and relaunch the same command")
 
 
 # --------------------------------------------------------------------------- local paths
@@ -277,6 +344,20 @@ class _Gcs:
             raise self._unreachable(url, e) from e
         self._checked[name] = bucket
         return bucket
+
+    def entries(self, url: str) -> dict[str, bool]:
+        """name -> is a folder, of the objects and prefixes directly under `url` ({} when none)."""
+        bucket = self.bucket(url, "run.checkpoint.dir", need_metadata=True)
+        _, prefix = split_gs(url)
+        prefix = f"{prefix}/" if prefix else ""
+        try:
+            listing = bucket.client.list_blobs(bucket, prefix=prefix, delimiter="/", **self._kw())
+            names = {blob.name[len(prefix):]: False for blob in listing}
+            names.update({p[len(prefix):].rstrip("/"): True for p in listing.prefixes})
+        except Exception:  # noqa: BLE001 - refused or unreachable: check_writable, next, says which in one line
+            return {}
+        names.pop("", None)
+        return names
 
     def check_writable(self, url: str, setting: str) -> None:
         """Write, read back and delete `<prefix>/.preflight/<host>-<pid>`."""

@@ -40,6 +40,12 @@ class _QuietFileHandler(logging.FileHandler):
         os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)  # other workers of a pod: their own disk
         return super()._open()
 
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except OSError:  # opening the file failed (its disk is gone): dropped, like a failed write
+            pass
+
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         pass
 
@@ -48,6 +54,11 @@ class _QuietFileHandler(logging.FileHandler):
 def library_logs_to(path: str) -> Iterator[None]:
     """Log to `path`; the storage libraries' loggers and unraisable exceptions only there.
     Restored afterwards."""
+    if os.path.lexists(path) and not os.path.isfile(path):  # a folder (or dangling link) of that name: not ours
+        from runtime.errors import OutputDirError
+
+        raise OutputDirError(f"cannot write {path} (a folder stands where a file goes); move what is in the way out "
+                             "of the output directory and relaunch the same command to resume")
     handler = _QuietFileHandler(path, delay=True, encoding="utf-8")  # no file until something is logged
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()

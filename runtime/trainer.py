@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from typing import Any
@@ -31,6 +32,7 @@ from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
 from runtime.loop import LoopContext, train_loop
 from runtime.metrics_sinks import MetricsSinks
+from runtime.preemption import PreemptionWatcher
 from runtime.preflight import preflight
 from runtime.registry import dataset_kind
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
@@ -124,6 +126,36 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
                     f"has {new.get(key)!r}; use the same value to resume, or a new run.name (or run.checkpoint.dir) to start fresh")
 
 
+def available_host_bytes() -> int | None:
+    """This machine's available memory (MemAvailable of /proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def check_host_memory(abstract_state: Any, platform: str) -> None:
+    """On CPU devices the train state lives in host memory, one shard per local device (a
+    replicated array once per device): a state larger than the memory available is one line
+    naming the size and the fix, before anything is allocated, rather than an allocation failure
+    deep in XLA or the kernel's OOM killer."""
+    if platform != "cpu":
+        return
+    need = 0
+    for leaf in jax.tree.leaves(abstract_state):
+        sharding = getattr(leaf, "sharding", None)
+        shard, copies = (leaf.shape, 1) if sharding is None else (sharding.shard_shape(leaf.shape),
+                                                                  len(sharding.addressable_devices))
+        need += math.prod(shard) * getattr(leaf.dtype, "itemsize", 4) * copies
+    have = available_host_bytes()
+    if have is not None and need > have:
+        raise UserError(f"the train state needs {need / 2**30:.1f} GiB of host memory on these CPU devices (parameters, "
+                        f"optimizer state and EMA, a copy per device where replicated) but {have / 2**30:.1f} GiB is "
+                        "available; use a smaller model (arch sizes), mesh=fsdp to shard it, or plan it for a TPU "
+                        "with compile_only=<topology>")
+
+
 def read_init_states(config: Config, meta: dict | None) -> Any:
     """The model's recurrent init states: from the checkpoint being resumed, else from the
     imported directory (train.init_params_from), else None (the family's own)."""
@@ -166,6 +198,10 @@ def new_state(config: Config, steps):
     if pretrained is not None:
         log.info("pretrained weights from the arch's checkpoint")
         return steps.init_from(rng, pretrained)
+    if config.train.eval_only:  # a random init's numbers would look like a result
+        raise UserError(f"train.eval_only=true but there is nothing to evaluate: no checkpoint in {run_dirs(config)[1]}, "
+                        "no train.init_params_from and no pretrained weights (arch.checkpoint); point one of them at "
+                        "a trained model, or drop train.eval_only")
     return steps.init(rng)
 
 
@@ -264,15 +300,29 @@ def run(config: Config) -> int:
     preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
     # Before anything is written to the run's directories: one run at a time writes there.
     lease = hold_run_lease(config, info.is_primary, info.process_count, output_dir, checkpoint_dir)
+    preemption = PreemptionWatcher()  # from here on a SIGTERM (a preemption) ends the run cleanly, compiles included
     try:
         with library_logs_to(run_log_path(output_dir, info.process_index)):
-            return run_leased(config, info, checkpoint_dir, lease)
+            return run_leased(config, info, checkpoint_dir, lease, preemption)
     finally:
+        preemption.close()
         if lease is not None:
             lease.release()
 
 
-def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None) -> int:
+def preempted_early(preemption: PreemptionWatcher) -> bool:
+    """Whether a SIGTERM came before the first step (one process; a pod's processes agree on the
+    step through JAX's preemption service instead): nothing was trained in this launch, so
+    nothing new is saved."""
+    if not preemption.signalled:
+        return False
+    log.warning("preempted (SIGTERM) before the first step: nothing was trained in this launch, so nothing new is "
+                "saved; relaunch the same command to go on")
+    return True
+
+
+def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None,
+               preemption: PreemptionWatcher) -> int:
     kind = dataset_kind(config.data.name)
     ensure_dataset(config, info)
     train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
@@ -286,6 +336,10 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     init_states = read_init_states(config, meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
+    check_host_memory(steps.abstract_state, info.platform)
+    if preempted_early(preemption):
+        ckpt.close()
+        return 0
     evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
@@ -299,7 +353,12 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     config_dict = to_dict(config)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
-    sinks = open_sinks(config, plan, info, run_id, position, config_dict, manifest_lib.source_commit(manifest))
+    try:
+        sinks = open_sinks(config, plan, info, run_id, position, config_dict, manifest_lib.source_commit(manifest))
+    except BaseException:  # metrics.jsonl or W&B files cannot be written: stop what was started, then say so
+        feeder.close()
+        _best_effort(ckpt.close, "closing the checkpoint manager")
+        raise
     status, exit_code, final = "failed", EXIT_FAILURE, None
     unhook = liveness.on_abrupt_exit(lambda code: record_abrupt_end(manifest, plan, code)) if info.is_primary else None
     try:
@@ -310,9 +369,12 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
             return exit_code
+        if preempted_early(preemption):  # the signal came while the state was built (the first compile)
+            status, exit_code = "preempted", 0
+            return exit_code
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
-                          init_states=init_states, evaluators=evaluators)
+                          init_states=init_states, evaluators=evaluators, preemption=preemption)
         exit_code, status, final = train_loop(ctx, state, position)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         if status == "completed":

@@ -305,6 +305,31 @@ def one_line(error: BaseException, *needles: str, code: int | None = None) -> st
     return message
 
 
+def cli_refused(capsys, main: Callable[[list[str]], object], argv: list[str], code: int, *needles: str) -> str:
+    """A command's `main(argv)` run in this process ends with exit `code` (returned or through
+    SystemExit) and exactly one `error:` line on stderr, at the start of a line (after a progress
+    bar's carriage return too) and last, holding `needles`; that line is returned."""
+    try:
+        got = main(argv)
+    except SystemExit as e:
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == code, (got, err[-3000:])
+    assert "\rerror:" not in err and (err.startswith("error:") or "\nerror:" in err), err[-3000:]
+    return error_line(err.replace("\r", ""), *needles, last=True)
+
+
+def tree_hash(root: os.PathLike) -> dict[str, str]:
+    """sha256 of every file under `root`, by relative path; but the run's log files
+    (run.log, run.process<k>.log), to which every launch appends its library logs by design."""
+    import hashlib
+    import re
+
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not re.fullmatch(r"run(\.process\d+)?\.log", p.name)}
+
+
 def raises_one_line(kind: type[BaseException], fn: Callable[[], object], *needles: str, code: int | None = None) -> str:
     """`fn()` raises `kind` whose message is one line with `needles` (see one_line)."""
     import pytest

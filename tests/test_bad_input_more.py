@@ -10,8 +10,6 @@ the script and launcher themselves run as subprocesses only where the command li
 
 from __future__ import annotations
 
-import hashlib
-import re
 import shutil
 import subprocess
 import sys
@@ -19,16 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, Trained, base_overrides, child_env, run_pretrain, train
+from helpers import REPO, Trained, base_overrides, child_env, cli_refused, run_pretrain, train, tree_hash
 
 NOT_OURS = "holds no .podrunner-generated marker"
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    """sha256 of every file under `root`, by relative path; but the run's log files
-    (run.log, run.process<k>.log), to which every launch appends its library logs by design."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not re.fullmatch(r"run(\.process\d+)?\.log", p.name)}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +255,7 @@ def test_yaml_syntax_error_in_an_experiment(trained, sudoku_dir, tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [(["--processes", "0"], "--processes 0"), (["-n", "-2"], "--processes -2"),
                                          (["-n", "1", "-m", "0"], "--devices-per-process 0"),
-                                         (["-n", "1", "--timeout", "0"], "the timeout must be > 0")])
+                                         (["-n", "1", "--timeout", "0"], "--timeout 0")])
 def test_local_launcher_counts(argv, needle):
     proc = subprocess.run([sys.executable, str(REPO / "experiments" / "launch.py"), "local", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=60, env=child_env())
@@ -274,11 +265,7 @@ def test_local_launcher_counts(argv, needle):
 
 def builder_error(capsys, main, argv: list[str]) -> str:
     """A builder's main(argv) refused: exit 2 and one `error:` line on stderr, which is returned."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.splitlines() == [err.strip()] and err.startswith("error: "), err
-    return err
+    return cli_refused(capsys, main, argv, 2)
 
 
 SUDOKU_ROW = "." * 80 + "1"

@@ -383,3 +383,142 @@ def test_hf_round_trip(hf_models, tmp_path, version):
     assert type(exported) is type(model)
     after = assert_matches_hf(tuned, fns, exported, tokens)
     assert np.abs(after - before).max() > 1e-3  # the step changed the model, so the export carries it
+
+
+# ------------------------------------------------------------------ config.json read as strictly as transformers
+@pytest.mark.parametrize("change,needle,transformers_refuses", [
+    ({"num_hidden_layers": 4.7}, "num_hidden_layers=4.7 is not an integer", True),
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers=4.0 is not an integer", True),
+    ({"sliding_window": "8"}, "sliding_window='8' is not an integer or null", True),
+    ({"head_dim": 256.0}, "head_dim=256.0 is not an integer", True),
+    ({"query_pre_attn_scalar": 256.0}, "query_pre_attn_scalar=256.0 is not an integer", True),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is not a number", True),
+    ({"final_logit_softcapping": "30"}, "final_logit_softcapping='30' is not a number or null", True),
+    ({"rope_theta": "abc"}, "rope_theta='abc' is not a number", False),  # transformers loads it: we are stricter
+])
+def test_config_json_is_read_as_strictly_as_transformers(change, needle, transformers_refuses):
+    config = GEMMA2 | change
+    one_line(lambda: arch_from_hf(config, "ckpt/config.json"), "ckpt/config.json", needle)
+    if transformers_refuses:
+        with pytest.raises(Exception):
+            transformers.AutoConfig.for_model(**config)
+
+
+def with_files(src: Path, dst: Path, config_changes: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of the checkpoint folder `src` with its config.json changed and tensors added (or replaced)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file as save_torch
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text()) | (config_changes or {})
+    (dst / "config.json").write_text(json.dumps(config))
+    if tensors:
+        save_torch(load_file(str(dst / "model.safetensors")) | tensors, str(dst / "model.safetensors"),
+                   metadata={"format": "pt"})
+    return dst
+
+
+def forward(cfg: GemmaConfig):
+    return jax.jit(lambda p, t: Gemma(cfg).apply({"params": p}, t))
+
+
+TOKENS = np.random.default_rng(5).integers(0, 300, (2, SEQ)).astype(np.int32)
+
+
+def test_a_vocab_size_beyond_the_table_is_refused_or_padded_for_real(hf_models, tmp_path):
+    """config.json's vocab_size above the embedding's rows: transformers refuses the folder, and so
+    does the config (one line, before anything is built); arch.vocab_size pads it instead, with
+    rows that are masked for real: logits equal transformers' on the real ids, -inf beyond."""
+    from models.gemma.weights import load_params
+
+    path, model = hf_models[2]
+    wide = with_files(path, tmp_path / "wide", {"vocab_size": 400})
+    one_line(lambda: arch_of("arch=gemma", f"arch.checkpoint={wide}"), "vocab_size=400 but model.embed_tokens.weight "
+             "has 300 rows", "set vocab_size to 300 in config.json", "arch.vocab_size=400")
+    with pytest.raises(Exception, match="size mismatch|mismatched sizes|ignore_mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(wide)
+    cfg = arch_of("arch=gemma", f"arch.checkpoint={path}", "arch.vocab_size=320", "arch.dtype=float32",
+                  "arch.remat=none")
+    assert (cfg.vocab_size, cfg.real_vocab_size) == (320, 300)
+    logits = np.asarray(forward(cfg)(load_params(str(path), cfg), TOKENS))
+    assert np.abs(logits[..., :300] - hf_logits(model, TOKENS)).max() < 1e-5
+    assert np.all(logits[..., 300:] == -np.inf)
+    # Asked for directly, zero rows the model would use unmasked are refused.
+    one_line(lambda: load_params(str(path), dataclasses.replace(cfg, real_vocab_size=None)),
+             "the embedding has 300 rows but the model uses 320 ids", "arch.real_vocab_size=300")
+
+
+def test_an_untied_lm_head_is_refused_and_a_tied_copy_loads(hf_models, tmp_path):
+    import torch
+
+    from models.gemma.weights import load_params
+
+    path, model = hf_models[2]
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    untied = with_files(path, tmp_path / "untied", tensors={"lm_head.weight": torch.randn_like(embedding)})
+    one_line(lambda: arch_of("arch=gemma", f"arch.checkpoint={untied}"), "lm_head.weight that differs from "
+             "model.embed_tokens.weight", "transformers uses even with tie_word_embeddings=true")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(untied, attn_implementation="eager")  # why: it uses it
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+
+    tied = with_files(path, tmp_path / "tied", tensors={"lm_head.weight": embedding})
+    cfg = arch_of("arch=gemma", f"arch.checkpoint={tied}", "arch.dtype=float32", "arch.remat=none")
+    ours = np.asarray(forward(cfg)(load_params(str(tied), cfg), TOKENS))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tied, attn_implementation="eager").eval()
+    assert np.abs(ours - hf_logits(theirs, TOKENS)).max() < 1e-5
+
+
+def test_gemma3_has_no_attention_softcap(hf_models, tmp_path, caplog):
+    """As in the reference Gemma 3 and transformers: attn_logit_softcapping in a Gemma 3 config.json
+    is ignored (one warning line), the logits equal transformers'; asked for as an override, refused."""
+    from models.gemma.weights import load_params
+
+    path, _ = hf_models[3]
+    capped = with_files(path, tmp_path / "capped", {"attn_logit_softcapping": 0.5})
+    with caplog.at_level("WARNING", logger="models.gemma.hf_config"):
+        cfg = arch_of("arch=gemma", f"arch.checkpoint={capped}", "arch.dtype=float32", "arch.remat=none")
+    assert cfg.attn_logit_softcap is None
+    warned = [r.getMessage() for r in caplog.records if "attn_logit_softcapping" in r.getMessage()]
+    assert len(warned) == 1 and "is ignored: Gemma 3 has no attention soft-cap" in warned[0], warned
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(capped, attn_implementation="eager").eval()
+    ours = np.asarray(forward(cfg)(load_params(str(capped), cfg), TOKENS))
+    assert np.abs(ours - hf_logits(theirs, TOKENS)).max() < 1e-5
+    one_line(lambda: arch_of("arch=gemma3_1b", "arch.attn_logit_softcap=50"),
+             "arch.attn_logit_softcap=50.0 with arch.version=3", "arch.attn_logit_softcap=null")
+
+
+def test_a_shape_error_names_config_json_when_it_is_what_is_wrong(hf_models, tmp_path):
+    """The arch comes from config.json: an override that disagrees is refused, so the hint must
+    name config.json, not an override."""
+    from models.gemma.weights import load_params
+
+    path, _ = hf_models[2]
+    wrong = with_files(path, tmp_path / "wrong", {"num_attention_heads": 2})
+    cfg = arch_of("arch=gemma", f"arch.checkpoint={wrong}")
+    msg = one_line(lambda: load_params(str(wrong), cfg), "self_attn.q_proj.weight", "its config.json says",
+                   "num_attention_heads=2, which its tensors contradict", "correct config.json")
+    assert "set arch." not in msg
+
+
+def test_export_carries_positions_token_ids_and_generation_config(hf_models, tmp_path):
+    """max_position_embeddings from the checkpoint's config.json, the special ids and stop ids
+    from the tokenizer (generation_config.json), and transformers loads it to the same logits."""
+    from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+    from models.gemma.weights import load_params
+
+    path, _ = hf_models[2]
+    short = with_files(path, tmp_path / "short", {"max_position_embeddings": 256})
+    cfg = arch_of("arch=gemma", f"arch.checkpoint={short}", "arch.dtype=float32", "arch.remat=none")
+    assert cfg.max_position_embeddings == 256
+    params = load_params(str(short), cfg)
+    vocab = train_tokenizer([f"user {i} + {i} = {2 * i}" for i in range(200)], tmp_path / "tok.model", 300)
+    tokenizer = Tokenizer(vocab)
+    GemmaTask(cfg).export(params, str(tmp_path / "out"), dtype="float32", tokenizer=vocab)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (config.max_position_embeddings, config.pad_token_id, config.eos_token_id, config.bos_token_id) == (
+        256, tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert generation.eos_token_id == [tokenizer.eos_id, tokenizer.end_of_turn_id]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert np.abs(np.asarray(forward(cfg)(params, TOKENS)) - hf_logits(exported, TOKENS)).max() < 1e-5

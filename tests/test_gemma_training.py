@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -81,7 +83,7 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     from runtime.checkpointing import Checkpoints
 
     # "Pretrained" weights in Hugging Face layout (random, bf16-representable).
-    cfg = tiny_config()
+    cfg = tiny_config(max_position_embeddings=256)  # a value the export must carry, not transformers' default
     rng = np.random.default_rng(7)  # random norms too (init has them at zero), so every mapping matters
     base = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.2, a.shape), jnp.bfloat16).astype(jnp.float32),
                         nn.meta.unbox(init_params(cfg, jax.random.key(7))))
@@ -117,10 +119,19 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
     lora_sizes = sorted(np.size(v) for k, v in flat.items() if "lora_" in k)
     assert sorted(x.size for x in opt_leaves) == sorted(lora_sizes * 2)  # Adam's mu and nu, adapters only
 
-    # Export merges the adapters; the exported model reloads to the merged model's logits.
+    # Export merges the adapters; the exported model reloads to the merged model's logits. The run's
+    # checkpoint is enough: the pretrained folder it started from is gone by then.
+    shutil.rmtree(hf)
     out = tmp_path / "exported"
     assert export_main(["--checkpoint-dir", str(tmp_path / "g" / "lora" / "checkpoints"), "--out", str(out),
                         "--dtype", "float32"]) == 0
+    from data_pipeline.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(sft_dir / "tokenizer.model")  # the run's: the special ids come from it
+    written = json.loads((out / "config.json").read_text())
+    assert (written["max_position_embeddings"], written["eos_token_id"]) == (256, tokenizer.eos_id)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.eos_id, tokenizer.end_of_turn_id]
     lcfg = tiny_config(lora_rank=4, lora_alpha=8.0, vocab_size=640, real_vocab_size=512)
     merged = merge_lora(jax.tree.map(jnp.asarray, params), lcfg)
     reloaded = load_params(str(out), cfg)  # the export drops the padding: 512 rows again

@@ -75,7 +75,7 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
     assert pod.gcloud_calls() == []  # nothing ran
 
     del pod.env["WANDB_API_KEY"], pod.env["HF_TOKEN"]  # no secrets: no copy, nothing read on the workers
-    r = pod.launch("pod", *target("--run-id", "r1", "--forward-env", "HF_TOKEN", "--dry-run"))
+    r = pod.launch("pod", *target("--run-id", "r1", "--dry-run"))
     assert len(r.stdout.splitlines()) == 1 and "SECRETS" not in r.stdout
     assert "; python pretrain_jax.py run.id=r1; } 2>&1" in r.stdout
 

@@ -27,9 +27,13 @@ class MazeKind(PuzzleKind):
             log.warning("maze augmentation adds the 7 other dihedral images of each maze (generate_num_aug=7); "
                         "generate_num_aug=%d is treated as 7", data.generate_num_aug)
         log.info("building a generated %dx%d maze dataset at %s", side, side, data.path)
-        build_maze_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
-                           test_size=data.generate_test_puzzles, aug=data.generate_num_aug > 0, size=side,
-                           seed=data.generate_seed)
+        build_maze_dataset(data.path, **{k: v for k, (v, _) in self.build_parameters(data).items()})
+
+    def build_parameters(self, data: Any) -> dict[str, tuple[Any, str]]:
+        return self.generated_split(data) | {
+            "aug": (data.generate_num_aug > 0, "data.generate_num_aug"),
+            "size": (data.generate_grid_size or maze.DEFAULT_SIZE, "data.generate_grid_size"),
+            "loop_fraction": (maze.DEFAULT_LOOP_FRACTION, "the builder's default")}
 
     def generated_shape(self, data: Any) -> DataShape:
         side = data.generate_grid_size or maze.DEFAULT_SIZE

@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from data_pipeline.marker import build_note, run_build_target
+from data_pipeline.marker import build_note, check_generated, remove_generated, run_build_target
 from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata, load_split
 from runtime.errors import UserError, one_line
 from runtime.preflight import check_buildable, check_npy_readable, os_reason, principal_in
@@ -76,11 +76,21 @@ class PuzzleKind(DatasetKind):
     def ensure_built(self, data: Any) -> None:
         if not self.can_generate or not data.generate_if_missing or data.path.startswith("gs://"):
             return
+        if self.differs_from_build(data):  # data.regenerate=true: the old build goes
+            log.info("data.path=%s: replacing the generated set there (data.regenerate=true)", data.path)
+            remove_generated(data.path, self.builder)
         if not self.is_built(data):
             reason = self.build_target(data)
             log.info("data.path=%s %s: building a generated %s set there (data.generate_if_missing=true)%s",
                      data.path, reason, self.name, build_note(reason))
             self.build(data)
+
+    def differs_from_build(self, data: Any) -> bool:
+        """Whether the generated set at data.path (its marker) was built with other parameters than
+        data.generate_* ask for and data.regenerate allows replacing it; a UserError naming the
+        difference when it does not. (Built or half-built: a set whose dataset.json went missing
+        is never rebuilt silently with other sizes.)"""
+        return check_generated(data.path, self.builder, self.build_parameters(data), data.regenerate)
 
     def build_target(self, data: Any) -> str:
         """Why the run may build at data.path; UserError for a folder that is not a generated set."""
@@ -89,10 +99,11 @@ class PuzzleKind(DatasetKind):
     def preflight(self, data: Any, gcs: Any) -> None:
         root = str(data.path)
         remote = "://" in root
-        if not remote and self.can_generate and data.generate_if_missing and not self.is_built(data):
-            self.build_target(data)  # never over a folder that is not a generated set
-            check_buildable(root)  # the run builds it; only where it goes is checked
-            return
+        if not remote and self.can_generate and data.generate_if_missing:
+            if self.differs_from_build(data) or not self.is_built(data):
+                self.build_target(data)  # never over a folder that is not a generated set
+                check_buildable(root)  # the run builds it; only where it goes is checked
+                return
         if root.startswith("gs://"):
             gcs.bucket(root, "data.path", need_metadata=False)  # fast, bounded
         for split in dict.fromkeys([data.train_split, data.eval_split]):
@@ -104,7 +115,24 @@ class PuzzleKind(DatasetKind):
         return os.path.exists(os.path.join(data.path, data.train_split, self.metadata_file))
 
     def build(self, data: Any) -> None:
+        """Build the set at data.path: the builder called with `build_parameters`."""
         raise NotImplementedError
+
+    def build_parameters(self, data: Any) -> dict[str, tuple[Any, str]]:
+        """The builder's parameters for data.generate_*, as its marker records them, each with
+        the setting it comes from: parameter -> (value, setting)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def generated_split(data: Any) -> dict[str, tuple[Any, str]]:
+        """The parameters every grid builder (build_sudoku, build_maze) gets from a run: how many
+        puzzles, generated, how many held out, none subsampled, the seed."""
+        return {"generate": (data.generate_puzzles + data.generate_test_puzzles,
+                             "data.generate_puzzles + data.generate_test_puzzles"),
+                "source_csv": (None, "a run generates its puzzles"),
+                "test_size": (data.generate_test_puzzles, "data.generate_test_puzzles"),
+                "subsample_size": (None, "a run keeps every generated puzzle"),
+                "seed": (data.generate_seed, "data.generate_seed")}
 
     def generated_shape(self, data: Any) -> DataShape:
         raise NotImplementedError

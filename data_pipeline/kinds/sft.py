@@ -7,7 +7,8 @@ import logging
 import os
 from typing import Any
 
-from data_pipeline.marker import build_note, run_build_target
+from data_pipeline.build_sft import BUILDER
+from data_pipeline.marker import build_note, check_generated, remove_generated, run_build_target
 from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata, load_sft_split
 from runtime.errors import UserError, one_line
@@ -48,7 +49,12 @@ class SFTKind(DatasetKind):
         return os.path.exists(os.path.join(data.path, data.train_split, "sft.json"))
 
     def ensure_built(self, data: Any) -> None:
-        if not data.generate_if_missing or data.path.startswith("gs://") or self.is_built(data):
+        if not data.generate_if_missing or data.path.startswith("gs://"):
+            return
+        if self.differs_from_build(data):  # data.regenerate=true: the old build goes
+            log.info("data.path=%s: replacing the generated set there (data.regenerate=true)", data.path)
+            remove_generated(data.path, BUILDER)
+        if self.is_built(data):
             return
         from data_pipeline.build_sft import build_generated_arithmetic
 
@@ -58,14 +64,22 @@ class SFTKind(DatasetKind):
         build_generated_arithmetic(data.path, data.generate_puzzles, data.generate_test_puzzles, data.seq_len,
                                    data.generate_seed)
 
+    def differs_from_build(self, data: Any) -> bool:
+        """As PuzzleKind.differs_from_build: the generated arithmetic set's parameters."""
+        wanted = {"generate_arithmetic": (data.generate_puzzles + data.generate_test_puzzles,
+                                          "data.generate_puzzles + data.generate_test_puzzles"),
+                  "num_eval": (data.generate_test_puzzles, "data.generate_test_puzzles"),
+                  "seq_len": (data.seq_len, "data.seq_len"), "seed": (data.generate_seed, "data.generate_seed")}
+        return check_generated(data.path, BUILDER, wanted, data.regenerate)
+
     def build_target(self, data: Any) -> str:
         """Why the run may build at data.path; UserError for a folder that is not a generated set."""
-        return run_build_target(data.path, "build_sft", f"{data.train_split}/sft.json")
+        return run_build_target(data.path, BUILDER, f"{data.train_split}/sft.json")
 
     def preflight(self, data: Any, gcs: Any) -> None:
         """Each split's sft.json parses (the arrays are checked on load)."""
         root = str(data.path)
-        if "://" not in root and data.generate_if_missing and not self.is_built(data):
+        if "://" not in root and data.generate_if_missing and (self.differs_from_build(data) or not self.is_built(data)):
             self.build_target(data)  # never over a folder that is not a generated set
             check_buildable(root)
             return

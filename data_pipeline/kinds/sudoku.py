@@ -20,9 +20,11 @@ class SudokuKind(PuzzleKind):
     mixable = True  # may be a task of data.name=multitask
 
     def build(self, data: Any) -> None:
-        build_sudoku.build_sudoku_dataset(data.path, generate=data.generate_puzzles + data.generate_test_puzzles,
-                                          test_size=data.generate_test_puzzles, num_aug=data.generate_num_aug,
-                                          min_givens=data.generate_min_givens, seed=data.generate_seed)
+        build_sudoku.build_sudoku_dataset(data.path, **{k: v for k, (v, _) in self.build_parameters(data).items()})
+
+    def build_parameters(self, data: Any) -> dict[str, tuple[Any, str]]:
+        return self.generated_split(data) | {"num_aug": (data.generate_num_aug, "data.generate_num_aug"),
+                                             "min_givens": (data.generate_min_givens, "data.generate_min_givens")}
 
     def generated_shape(self, data: Any) -> DataShape:
         return DataShape(examples=data.generate_puzzles * (1 + data.generate_num_aug),

@@ -20,17 +20,18 @@ import dataclasses
 import json
 import posixpath
 import re
+import struct
 from typing import Any
 
 from models.gemma.config import GemmaConfig
-from models.gemma.hf_config import HF_FIELDS, WeightsError, arch_from_hf
+from models.gemma.hf_config import HF_FIELDS, WeightsError, arch_from_hf, max_positions
 
 _DEFAULTS = GemmaConfig()
 
 
 def read_checkpoint_arch(path: str, fmt: str = "auto") -> tuple[str, dict[str, Any]]:
     """(kind, the GemmaConfig fields the checkpoint determines)."""
-    from models.gemma.weights import locate
+    from models.gemma.weights import check_hf_tensors, locate
 
     kind, fs, files = locate(path, fmt)
     if kind == "kaggle":
@@ -46,7 +47,17 @@ def read_checkpoint_arch(path: str, fmt: str = "auto") -> tuple[str, dict[str, A
                            "safetensors: copy it there") from None
     except (OSError, ValueError) as e:
         raise WeightsError(f"{where}: cannot read ({type(e).__name__}: {e}); check the file and its access") from e
-    return kind, arch_from_hf(config, where)
+    if not isinstance(config, dict):
+        raise WeightsError(f"{where}: not a JSON object; a Hugging Face config.json holds the model's settings")
+    fields = arch_from_hf(config, where)
+    try:
+        check_hf_tensors(fs, files, fields["vocab_size"], where)
+    except (OSError, ValueError, struct.error) as e:
+        if isinstance(e, WeightsError):
+            raise
+        raise WeightsError(f"{where}: cannot read the safetensors headers beside it ({type(e).__name__}: {e}); "
+                           "check that the checkpoint is complete") from e
+    return kind, fields
 
 
 def _kaggle_fields(path: str, folder: str) -> dict[str, Any]:
@@ -87,6 +98,8 @@ def _effective(cfg: GemmaConfig, name: str) -> Any:
         return getattr(cfg, name) if any(kinds) else None
     if name == "query_pre_attn_scalar":
         return cfg.query_pre_attn_scalar or cfg.head_dim
+    if name == "max_position_embeddings":
+        return max_positions(cfg)
     return getattr(cfg, name)
 
 

@@ -63,8 +63,11 @@ class GemmaConfig(Freezable):
     rope_base_global: float = 10_000.0
     rope_scale_global: float = 1.0  # linear position scaling on global layers (Gemma3-4B: 8)
     query_pre_attn_scalar: Optional[float] = None  # queries scaled by this ** -0.5; None = head_dim
-    attn_logit_softcap: Optional[float] = None  # Gemma 2: 50
+    attn_logit_softcap: Optional[float] = None  # Gemma 2: 50 (Gemma 3 has none: QK-norm instead)
     final_logit_softcap: Optional[float] = None  # Gemma 2: 30
+    # Positions the model was trained for (config.json's max_position_embeddings; RoPE itself has no
+    # limit). Carried to the export; None = transformers' default for the version.
+    max_position_embeddings: Optional[int] = None
     dtype: str = "auto"  # activations / matmuls; auto: bfloat16 on TPU/GPU, float32 on CPU
     param_dtype: str = "float32"  # stored parameters (the optimizer updates these)
     remat: str = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch

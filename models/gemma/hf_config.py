@@ -15,6 +15,7 @@ HF's Gemma classes cannot express. tests/test_gemma_hf.py checks both against tr
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from models.gemma.config import NORM_EPS, GemmaConfig
@@ -23,11 +24,13 @@ from runtime.errors import UserError
 ACTIVATION = "gelu_pytorch_tanh"
 MODEL_TYPES = {"gemma": 1, "gemma2": 2, "gemma3_text": 3}
 ARCHITECTURES = {1: "GemmaForCausalLM", 2: "Gemma2ForCausalLM", 3: "Gemma3ForCausalLM"}
+ARCH_MODEL_TYPE = {v: k for k, v in MODEL_TYPES.items()}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 # transformers' defaults (5.x config classes) for the keys read here, by model_type; a test
 # compares them with transformers' own.
-_COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, head_dim=256)
+_COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, head_dim=256,
+               max_position_embeddings=8192)
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": dict(_COMMON, vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=16, hidden_act=ACTIVATION, rope_theta=10_000.0),
@@ -38,13 +41,21 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(_COMMON, vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                         num_attention_heads=8, num_key_value_heads=4, hidden_activation=ACTIVATION,
                         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+                        max_position_embeddings=131_072,
                         sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None,
                         sliding_window_pattern=6),
 }
 # Fields of GemmaConfig a config.json determines (all others are the run's choice).
 HF_FIELDS = ("version", "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
              "global_every", "sliding_window", "rope_base_local", "rope_base_global", "rope_scale_global",
-             "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+             "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "max_position_embeddings")
+# transformers' Gemma special token ids, for an export whose tokenizer cannot be read (a warning says so).
+GEMMA_TOKEN_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+
+log = logging.getLogger(__name__)
+
+
+_UNSET = object()
 
 
 class WeightsError(UserError, ValueError):
@@ -62,23 +73,59 @@ def arch_from_hf(config: dict, where: str) -> dict[str, Any]:
         raise WeightsError(f"{where}: model_type={model_type!r} is not a Gemma 1/2/3 text model (gemma, gemma2, "
                            "gemma3_text, or gemma3 with a text_config); point arch.checkpoint at a Gemma checkpoint")
     defaults = HF_DEFAULTS[model_type]
-    get = lambda key: c.get(key, defaults.get(key))  # noqa: E731
+    get = _Strict(c, defaults, where)
     version = MODEL_TYPES[model_type]
     _refuse_unsupported(c, get, version, where)
     out: dict[str, Any] = dict(
-        version=version, num_layers=int(get("num_hidden_layers")), embed_dim=int(get("hidden_size")),
-        hidden_dim=int(get("intermediate_size")), num_heads=int(get("num_attention_heads")),
-        num_kv_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")), vocab_size=int(get("vocab_size")))
+        version=version, num_layers=get.int("num_hidden_layers"), embed_dim=get.int("hidden_size"),
+        hidden_dim=get.int("intermediate_size"), num_heads=get.int("num_attention_heads"),
+        num_kv_heads=get.int("num_key_value_heads"), head_dim=get.int("head_dim"), vocab_size=get.int("vocab_size"),
+        max_position_embeddings=get.int("max_position_embeddings"))
     kinds = _layer_types(c, get, version, out["num_layers"], where)
-    out.update(_pattern(kinds, get("sliding_window_pattern"), get("sliding_window"), where))
-    out.update(_rope(c, version, kinds, where))
+    out.update(_pattern(kinds, get.int("sliding_window_pattern", null=True), get.int("sliding_window", null=True), where))
+    out.update(_rope(c, get, version, kinds, where))
     if version >= 2:
-        soft = lambda key: None if get(key) is None else float(get(key))  # noqa: E731
-        out.update(query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-                   attn_logit_softcap=soft("attn_logit_softcapping"), final_logit_softcap=soft("final_logit_softcapping"))
+        out.update(query_pre_attn_scalar=float(get.int("query_pre_attn_scalar")),
+                   attn_logit_softcap=get.float("attn_logit_softcapping", null=True),
+                   final_logit_softcap=get.float("final_logit_softcapping", null=True))
     else:  # HF Gemma 1 scales queries by head_dim ** -0.5 and has no soft-caps
         out.update(query_pre_attn_scalar=None, attn_logit_softcap=None, final_logit_softcap=None)
+    if version == 3 and out["attn_logit_softcap"] is not None:
+        log.warning("%s: attn_logit_softcapping=%g is ignored: Gemma 3 has no attention soft-cap (QK-norm takes its "
+                    "place), in the reference implementation as in transformers", where, out["attn_logit_softcap"])
+        out["attn_logit_softcap"] = None
     return out
+
+
+class _Strict:
+    """A config.json's values (transformers' defaults for keys it leaves out), read as strictly as
+    transformers' own config classes: an integer field must be a JSON integer (4.7, 4.0 and "8"
+    are refused, as transformers refuses them), a float field a JSON number; either fails in one
+    line naming the key, never a traceback or a silently truncated value."""
+
+    def __init__(self, config: dict, defaults: dict, where: str):
+        self.config, self.defaults, self.where = config, defaults, where
+
+    def __call__(self, key: str) -> Any:
+        return self.config.get(key, self.defaults.get(key))
+
+    def int(self, key: str, *, null: bool = False, value: Any = _UNSET) -> Optional[int]:
+        value = self(key) if value is _UNSET else value
+        if value is None and null:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WeightsError(f"{self.where}: {key}={value!r} is not an integer{' or null' if null else ''} (transformers "
+                               f"refuses it too); write {key} as a whole number in the config.json")
+        return value
+
+    def float(self, key: str, *, null: bool = False, value: Any = _UNSET) -> Optional[float]:
+        value = self(key) if value is _UNSET else value
+        if value is None and null:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WeightsError(f"{self.where}: {key}={value!r} is not a number{' or null' if null else ''}; write {key} "
+                               "as a JSON number in the config.json")
+        return float(value)
 
 
 def _refuse(where: str, what: str) -> WeightsError:
@@ -86,8 +133,8 @@ def _refuse(where: str, what: str) -> WeightsError:
                         "without it (or convert it with transformers first)")
 
 
-def _refuse_unsupported(c: dict, get, version: int, where: str) -> None:
-    if float(get("rms_norm_eps")) != NORM_EPS:
+def _refuse_unsupported(c: dict, get: _Strict, version: int, where: str) -> None:
+    if get.float("rms_norm_eps") != NORM_EPS:
         raise _refuse(where, f"rms_norm_eps={get('rms_norm_eps')} (every Gemma uses {NORM_EPS})")
     if get("tie_word_embeddings") is False:
         raise _refuse(where, "tie_word_embeddings=false (an untied output layer)")
@@ -101,11 +148,13 @@ def _refuse_unsupported(c: dict, get, version: int, where: str) -> None:
         raise _refuse(where, f"{key}={act!r} (Gemma uses {ACTIVATION})")
 
 
-def _layer_types(c: dict, get, version: int, layers: int, where: str) -> list[str]:
+def _layer_types(c: dict, get: _Strict, version: int, layers: int, where: str) -> list[str]:
     kinds = c.get("layer_types")
     if kinds is None:  # transformers' defaults: Gemma 2 alternates from a local layer 0; Gemma 3 every 6th global
-        every = {1: 1, 2: 2, 3: int(get("sliding_window_pattern") or 6)}[version]
+        every = {1: 1, 2: 2, 3: get.int("sliding_window_pattern", null=True) or 6}[version]
         kinds = [FULL if (i + 1) % every == 0 else SLIDING for i in range(layers)]
+    elif not isinstance(kinds, list):
+        raise WeightsError(f"{where}: layer_types={kinds!r} is not a list; expected {layers} of {FULL!r} / {SLIDING!r}")
     if version == 1 and any(k != FULL for k in kinds):
         raise _refuse(where, "sliding-window layers in a Gemma 1 config")
     unknown = sorted(set(kinds) - {FULL, SLIDING})
@@ -120,28 +169,32 @@ def _pattern(kinds: list[str], hint: Optional[int], window: Optional[int], where
     is_full = [k == FULL for k in kinds]
     if all(is_full):
         return {"global_every": 1, "sliding_window": None}
-    if not window or int(window) < 1:
+    if not window or window < 1:
         raise WeightsError(f"{where}: sliding-window layers but sliding_window={window!r}; the config is incomplete")
-    hints = [int(hint)] if hint else []
+    hints = [hint] if hint else []
     for p in hints + list(range(2, len(kinds) + 2)):
         if is_full == [(i + 1) % p == 0 for i in range(len(kinds))]:
-            return {"global_every": p, "sliding_window": int(window)}
+            return {"global_every": p, "sliding_window": window}
     raise _refuse(where, f"layer_types={kinds} (not every p-th layer global)")
 
 
-def _rope_kind(params: dict, where: str, layers: str) -> tuple[float, float]:
+def _rope_kind(params: dict, get: _Strict, where: str, layers: str) -> tuple[float, float]:
     """(theta, linear factor) of one RoPE parameter dict."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if get.float("partial_rotary_factor", value=params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _refuse(where, f"partial_rotary_factor={params['partial_rotary_factor']} on {layers} layers")
     if kind not in ("default", "linear"):
         raise _refuse(where, f"rope_type={kind!r} on {layers} layers (only default and linear RoPE)")
-    return float(params["rope_theta"]), float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+    theta = get.float("rope_theta", value=params["rope_theta"])
+    return theta, get.float("factor", value=params.get("factor", 1.0)) if kind == "linear" else 1.0
 
 
-def _rope(c: dict, version: int, kinds: list[str], where: str) -> dict[str, float]:
+def _rope(c: dict, get: _Strict, version: int, kinds: list[str], where: str) -> dict[str, float]:
     """RoPE bases and the global layers' linear scaling, from 5.x rope_parameters or the legacy keys."""
     params = c.get("rope_parameters") or {}
+    for name, value in (("rope_parameters", params), ("rope_scaling", c.get("rope_scaling") or {})):
+        if not isinstance(value, dict):
+            raise WeightsError(f"{where}: {name}={value!r} is not a JSON object; fix the config.json")
     if version == 3:
         nested = isinstance(params, dict) and (FULL in params or SLIDING in params)
         full = dict(params.get(FULL) or {}) if nested else dict(params)
@@ -155,8 +208,8 @@ def _rope(c: dict, version: int, kinds: list[str], where: str) -> dict[str, floa
         if "partial_rotary_factor" in c:
             full.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
         local = full
-    base_global, scale = _rope_kind(full, where, "global")
-    base_local, local_scale = _rope_kind(local, where, "sliding-window")
+    base_global, scale = _rope_kind(full, get, where, "global")
+    base_local, local_scale = _rope_kind(local, get, where, "sliding-window")
     if local_scale != 1.0 and SLIDING in kinds:
         raise _refuse(where, "linear RoPE scaling on sliding-window layers")
     return {"rope_base_global": base_global, "rope_scale_global": scale, "rope_base_local": base_local}
@@ -188,20 +241,28 @@ def _check_expressible(cfg: GemmaConfig) -> None:
                    f"({cfg.num_heads})")
 
 
-def hf_config(cfg: GemmaConfig, vocab: Optional[int] = None, dtype: str = "bfloat16") -> dict:
-    """The Hugging Face config.json for cfg (`vocab` rows; default the unpadded vocabulary)."""
+def max_positions(cfg: GemmaConfig) -> int:
+    """cfg.max_position_embeddings, or transformers' default for its version when unset."""
+    return cfg.max_position_embeddings or HF_DEFAULTS[ARCH_MODEL_TYPE[cfg.version]]["max_position_embeddings"]
+
+
+def hf_config(cfg: GemmaConfig, vocab: Optional[int] = None, dtype: str = "bfloat16",
+              token_ids: Optional[dict[str, int]] = None) -> dict:
+    """The Hugging Face config.json for cfg (`vocab` rows; default the unpadded vocabulary;
+    `token_ids`: pad/eos/bos_token_id, default GEMMA_TOKEN_IDS)."""
     _check_expressible(cfg)
     kinds = [FULL if cfg.is_global_layer(i) else SLIDING for i in range(cfg.num_layers)]
     rope_global = {"rope_type": "default", "rope_theta": float(cfg.rope_base_global)}
     if cfg.rope_scale_global != 1:
         rope_global = {"rope_type": "linear", "factor": float(cfg.rope_scale_global), "rope_theta": float(cfg.rope_base_global)}
     c: dict[str, Any] = dict(
-        architectures=[ARCHITECTURES[cfg.version]], model_type={v: k for k, v in MODEL_TYPES.items()}[cfg.version],
+        architectures=[ARCHITECTURES[cfg.version]], model_type=ARCH_MODEL_TYPE[cfg.version],
         vocab_size=int(vocab or cfg.vocab_in_use), hidden_size=cfg.embed_dim,
         intermediate_size=cfg.hidden_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=NORM_EPS, tie_word_embeddings=True,
-        attention_bias=False, attention_dropout=0.0, max_position_embeddings=8192 if cfg.version < 3 else 131072,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2, dtype=dtype)
+        attention_bias=False, attention_dropout=0.0, dtype=dtype,
+        max_position_embeddings=max_positions(cfg),
+        **{k: (token_ids or GEMMA_TOKEN_IDS)[k] for k in GEMMA_TOKEN_IDS})
     if cfg.version == 1:
         return c | dict(hidden_act=ACTIVATION, rope_parameters=rope_global)
     soft = lambda x: None if x is None else float(x)  # noqa: E731
@@ -213,3 +274,12 @@ def hf_config(cfg: GemmaConfig, vocab: Optional[int] = None, dtype: str = "bfloa
         return c | dict(rope_parameters=rope_global)
     return c | dict(rope_parameters={FULL: rope_global,
                                      SLIDING: {"rope_type": "default", "rope_theta": float(cfg.rope_base_local)}})
+
+
+def generation_config(token_ids: dict[str, Any]) -> dict:
+    """The generation_config.json transformers reads beside config.json: the special token ids,
+    generation stopping at every id of `stop_token_ids` when given (Gemma's <eos> and
+    <end_of_turn>), else at eos_token_id."""
+    stops = token_ids.get("stop_token_ids") or [token_ids["eos_token_id"]]
+    return {"bos_token_id": token_ids["bos_token_id"], "eos_token_id": stops[0] if len(stops) == 1 else stops,
+            "pad_token_id": token_ids["pad_token_id"]}

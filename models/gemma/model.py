@@ -149,7 +149,8 @@ class Attention(nn.Module):
             cache = (k, v)
         qg = q.reshape(B, T, K, H // K, hd)  # query head h reads kv head h // (H / K)
         logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), preferred_element_type=jnp.float32)
-        logits = softcap(logits, cfg.attn_logit_softcap)
+        if not cfg.qk_norm:  # Gemma 3 has no attention soft-cap (validate refuses one): QK-norm instead
+            logits = softcap(logits, cfg.attn_logit_softcap)
         logits = jnp.where(mask[:, None, None], logits, _NEG)
         probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype)).reshape(B, T, H, hd)

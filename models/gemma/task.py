@@ -94,13 +94,16 @@ class GemmaTask(Task):
 
 
     def export(self, params: Any, out_dir: str, *, dtype: str = "bfloat16", vocab_size: int | None = None,
-               **_: Any) -> None:
-        """Hugging Face safetensors + config.json, LoRA adapters merged into the base weights."""
+               tokenizer: str | None = None, data: Any = None, **_: Any) -> list[str]:
+        """Hugging Face safetensors + config.json + generation_config.json, LoRA adapters merged
+        into the base weights; the special token ids from `tokenizer` (default: the run's, from
+        `data`, its data config). Returns the files written."""
         from models.gemma.lora import merge_lora
         from models.gemma.weights import export_hf
 
-        export_hf(params, self.cfg, out_dir, dtype=dtype, vocab_size=vocab_size,
-                  merge=merge_lora if self.cfg.lora_rank > 0 else None)
+        return export_hf(params, self.cfg, out_dir, dtype=dtype, vocab_size=vocab_size,
+                         merge=merge_lora if self.cfg.lora_rank > 0 else None,
+                         token_ids=export_token_ids(tokenizer, data))
 
     def evaluators(self, context: EvalContext) -> list[Evaluator]:
         """Greedy generation on the first data.eval_generate_examples eval prompts (SFT sets)."""
@@ -118,6 +121,34 @@ class GemmaTask(Task):
         return [GenerationEval(generation_eval(self, context.eval_split, tokenizer, context.mesh, examples=examples,
                                                max_new_tokens=data.eval_max_new_tokens,
                                                batch_size=context.global_batch))]
+
+
+def export_token_ids(tokenizer: str | None, data: Any) -> dict[str, Any]:
+    """pad/eos/bos_token_id for an export: from `tokenizer`, else the run's tokenizer (an SFT run's
+    data.tokenizer or <data.path>/tokenizer.model), its <end_of_turn> a second stop id. A given
+    tokenizer that cannot be read is an error; the run's, a warning and transformers' Gemma ids."""
+    from data_pipeline.tokenizer import Tokenizer, TokenizerError
+    from models.gemma.hf_config import GEMMA_TOKEN_IDS
+
+    path = tokenizer
+    if path is None and getattr(data, "name", None) == "sft":
+        path = data.tokenizer or f"{str(data.path).rstrip('/')}/tokenizer.model"
+    if path is None:
+        logging.getLogger("runtime").warning("no tokenizer for the export's special token ids (the run's data has "
+                                             "none): writing Gemma's %s; pass --tokenizer to take them from yours",
+                                             GEMMA_TOKEN_IDS)
+        return dict(GEMMA_TOKEN_IDS)
+    try:
+        t = Tokenizer(path)
+    except TokenizerError as e:
+        if tokenizer is not None:
+            raise UserError(f"--tokenizer: {e}") from e
+        logging.getLogger("runtime").warning("the run's tokenizer %s cannot be read (%s): writing Gemma's special token "
+                                             "ids %s; pass --tokenizer to take them from yours", path, e,
+                                             GEMMA_TOKEN_IDS)
+        return dict(GEMMA_TOKEN_IDS)
+    stops = list(dict.fromkeys(i for i in (t.eos_id, t.end_of_turn_id) if i is not None and i >= 0))
+    return {"pad_token_id": t.pad_id, "eos_token_id": t.eos_id, "bos_token_id": t.bos_id, "stop_token_ids": stops}
 
 
 class GenerationEval(Evaluator):
@@ -247,6 +278,13 @@ def validate(arch: GemmaConfig) -> None:
     for name, value in positive.items():
         if value is not None and not value > 0:
             raise UserError(f"arch.{name}={value!r} is out of range: it must be > 0")
+    if arch.max_position_embeddings is not None:
+        check_at_least(arch, 1, "max_position_embeddings")
+    if arch.version == 3 and arch.attn_logit_softcap is not None:
+        raise UserError(f"arch.attn_logit_softcap={arch.attn_logit_softcap} with arch.version=3: Gemma 3 has no attention "
+                        "soft-cap (QK-norm takes its place, in the reference implementation as in transformers); set "
+                        "arch.attn_logit_softcap=null")
 
 
-register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate, compute_dtype="dtype"))
+register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate, compute_dtype="dtype",
+                                  pretrained="checkpoint"))

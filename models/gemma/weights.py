@@ -45,7 +45,7 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 
 from models.gemma.config import CHECKPOINT_FORMATS, GemmaConfig
-from models.gemma.hf_config import WeightsError, hf_config
+from models.gemma.hf_config import GEMMA_TOKEN_IDS, WeightsError, generation_config, hf_config
 from models.layers import dtype_from_name
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,24 @@ def _kaggle_plan(src: _KaggleSource, cfg: GemmaConfig) -> tuple[dict, dict, str]
     return plan, expect, r"transformer/layer_(\d+)/(.+)"
 
 
-def _fix(names, layer_re: str, cfg: GemmaConfig) -> str:
+# Our arch fields by the config.json keys that set them (hf_config.arch_from_hf).
+_HF_KEYS = {"vocab_size": "vocab_size", "embed_dim": "hidden_size", "hidden_dim": "intermediate_size",
+            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+            "num_layers": "num_hidden_layers", "version": "model_type"}
+
+
+def _set_fields(fields: list[str], cfg: GemmaConfig, described: Optional[dict]) -> str:
+    """How to make `fields` agree with the tensors: the arch overrides, unless cfg holds what the
+    checkpoint's own config.json says (arch.checkpoint reads it): then that file is wrong, and an
+    override that disagrees with it would be refused."""
+    if described is not None and all(described.get(f) == getattr(cfg, f) for f in fields):
+        keys = ", ".join(f"{_HF_KEYS.get(f, f)}={described[f]}" for f in fields)
+        return (f"its config.json says {keys}, which its tensors contradict: correct config.json to the tensors (or "
+                "use the checkpoint it came with)")
+    return " / ".join(f"set arch.{f}" for f in fields) + " to match the checkpoint"
+
+
+def _fix(names, layer_re: str, cfg: GemmaConfig, described: Optional[dict] = None) -> str:
     """The fix for a tensor-set mismatch: the version and depth the checkpoint looks like."""
     layers, kinds = set(), set()
     for n in names:
@@ -297,15 +314,18 @@ def _fix(names, layer_re: str, cfg: GemmaConfig) -> str:
         2 if any("pre_feedforward" in k or "post_attention_norm" in k for k in kinds) else 1)
     if (version, max(layers) + 1) == (cfg.version, cfg.num_layers):
         return "the checkpoint is incomplete; download it again"
-    return f"it looks like Gemma {version} with {max(layers) + 1} layers: set arch.version / arch.num_layers to match"
+    wrong = [f for f, v in (("version", version), ("num_layers", max(layers) + 1)) if getattr(cfg, f) != v]
+    return f"it looks like Gemma {version} with {max(layers) + 1} layers: {_set_fields(wrong, cfg, described)}"
 
 
-def _check(path: str, src, expect: dict, layer_re: str, cfg: GemmaConfig) -> None:
+def _check(path: str, src, expect: dict, layer_re: str, cfg: GemmaConfig, described: Optional[dict] = None) -> None:
+    """The tensors `expect`s (name -> symbolic shape) are there with cfg's shapes; else one line.
+    `described`: the arch fields the checkpoint's config.json gives, for the hint."""
     names = set(src.names())
     for name, syms in expect.items():
         if name not in names:
             raise WeightsError(f"{path}: tensor {name} is missing for Gemma {cfg.version} with {cfg.num_layers} "
-                               f"layers; {_fix(names, layer_re, cfg)}")
+                               f"layers; {_fix(names, layer_re, cfg, described)}")
         found, want = src.shape(name), _shape(syms, cfg)
         if syms[0] == "V":  # vocabulary rows are padded or truncated
             found, want, syms = found[1:], want[1:], syms[1:]
@@ -314,12 +334,81 @@ def _check(path: str, src, expect: dict, layer_re: str, cfg: GemmaConfig) -> Non
             fields = sorted({_FIELDS[c] for s in bad for c in s.split("*") if not c.isdigit()})
             vals = ", ".join(f"{f}={getattr(cfg, f)}" for f in fields)
             raise WeightsError(f"{path}: tensor {name} has shape {tuple(found)} but the config expects {tuple(want)} "
-                               f"= ({', '.join('*'.join(_FIELDS.get(c, c) for c in x.split('*')) for x in syms)}) with {vals}; set " + " / ".join(f"arch.{f}" for f in fields)
-                               + " to match the checkpoint")
+                               f"= ({', '.join('*'.join(_FIELDS.get(c, c) for c in x.split('*')) for x in syms)}) "
+                               f"with {vals}; {_set_fields(fields, cfg, described)}")
     extra = sorted(n for n in names if re.fullmatch(layer_re, n) and n not in expect)
     if extra:
         raise WeightsError(f"{path}: tensor {extra[0]} is not part of Gemma {cfg.version} with {cfg.num_layers} "
-                           f"layers; {_fix(names, layer_re, cfg)}")
+                           f"layers; {_fix(names, layer_re, cfg, described)}")
+
+
+def described_arch(fs, first_file: str) -> Optional[dict]:
+    """The arch fields the config.json beside an HF checkpoint's files gives (None without a
+    readable one): what the error hints compare the config with."""
+    from models.gemma.hf_config import arch_from_hf
+
+    try:
+        with fs.open(posixpath.join(posixpath.dirname(first_file), "config.json")) as f:
+            return arch_from_hf(json.load(f), "config.json")
+    except Exception:  # noqa: BLE001 - no config.json, or one the arch check already reported
+        return None
+
+
+# ----------------------------------------------------------------------------- safetensors headers
+def safetensors_header(fs, file: str) -> dict[str, Any]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), with the byte
+    offset of its data in "__data_start__"; read without the tensors (local or gs://)."""
+    with fs.open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    header["__data_start__"] = 8 + length
+    return header
+
+
+def _same_bytes(fs, a: tuple[str, dict, int], b: tuple[str, dict, int], chunk: int = 64 << 20) -> bool:
+    """Whether two tensors (file, header entry, data start) hold the same bytes, read in chunks."""
+    (fa, ea, sa), (fb, eb, sb) = a, b
+    if ea["dtype"] != eb["dtype"] or ea["shape"] != eb["shape"]:
+        return False
+    (a0, a1), (b0, _) = ea["data_offsets"], eb["data_offsets"]
+    with fs.open(fa, "rb") as x, fs.open(fb, "rb") as y:
+        x.seek(sa + a0)
+        y.seek(sb + b0)
+        for start in range(0, a1 - a0, chunk):
+            size = min(chunk, a1 - a0 - start)
+            if x.read(size) != y.read(size):
+                return False
+    return True
+
+
+def check_hf_tensors(fs, files: list[str], vocab_size: int, where: str) -> None:
+    """What config.json cannot say about the tensors, checked before anything is built (as
+    transformers does when it loads them): the embedding has config.json's vocab_size rows
+    (transformers refuses another count; padding is arch.vocab_size's job, masked), and an
+    `lm_head.weight`, which transformers uses instead of the tied embedding, equals the embedding
+    (this implementation ties them, so another one is refused, not dropped)."""
+    headers = {}
+    for file in files:
+        header = safetensors_header(fs, file)
+        headers.update({name: (file, entry, header["__data_start__"]) for name, entry in header.items()
+                        if name != "__data_start__"})
+    prefix = _hf_prefix(headers)
+    embedding = headers.get(f"{prefix}embed_tokens.weight")
+    if embedding is None:
+        return  # not a Gemma checkpoint's tensors: loading says which is missing
+    rows = embedding[1]["shape"][0]
+    if rows != vocab_size:
+        raise WeightsError(f"{where}: vocab_size={vocab_size} but {prefix}embed_tokens.weight has {rows} rows "
+                           f"(transformers refuses this checkpoint too); set vocab_size to {rows} in config.json, and "
+                           f"pad with arch.vocab_size={vocab_size} if you want a larger table (its extra rows masked)")
+    head = next((headers[n] for n in ("lm_head.weight", f"{prefix.replace('model.', '', 1)}lm_head.weight")
+                 if n in headers), None)
+    if head is not None and not _same_bytes(fs, head, embedding):
+        raise WeightsError(f"{where}: the checkpoint holds an lm_head.weight that differs from {prefix}embed_tokens.weight "
+                           "(an untied output layer, which transformers uses even with tie_word_embeddings=true); this "
+                           "Gemma ties the output to the embedding, so it would be another model: use a checkpoint "
+                           "without lm_head.weight, or with one equal to the embedding")
 
 
 # ----------------------------------------------------------------------------- locating files
@@ -438,6 +527,7 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
     Returns only the base params (no LoRA leaves).
     """
     kind, fs, files = locate(path, fmt)
+    described = described_arch(fs, files[0]) if kind == "hf" else None
     if kind == "hf" and not _is_local(fs):
         files = _cache_locally(path, fs, files)
     dtype = jnp.dtype(dtype_from_name(cfg.param_dtype))
@@ -453,8 +543,12 @@ def load_params(path: str, cfg: GemmaConfig, shardings: Any = None, *, fmt: str 
             raise WeightsError(f"{path}: no model.embed_tokens.weight (nor a language_model. variant); "
                                "this is not a Gemma Hugging Face checkpoint")
         plan, expect, layer_re = (_hf_plan if kind == "hf" else _kaggle_plan)(src, cfg)
-        _check(path, src, expect, layer_re, cfg)
+        _check(path, src, expect, layer_re, cfg, described)
         emb_rows = src.shape(plan["embedder/input_embedding"])[0]
+        if cfg.vocab_in_use > emb_rows:  # zero rows the model would use as ids: refused, never unmasked
+            raise WeightsError(f"{path}: the embedding has {emb_rows} rows but the model uses {cfg.vocab_in_use} ids "
+                               f"(arch.vocab_size / arch.real_vocab_size), so ids >= {emb_rows} would be zero rows, "
+                               f"unmasked; set arch.real_vocab_size={emb_rows} to mask them as padding")
         if emb_rows > cfg.vocab_size:
             log.warning("%s: embedding has %d rows, keeping the first arch.vocab_size=%d", path, emb_rows,
                         cfg.vocab_size)
@@ -537,13 +631,15 @@ def _hf_shapes(cfg: GemmaConfig, vocab: int) -> dict[str, tuple[int, ...]]:
 
 def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfloat16",
               max_shard_bytes: int = 2 << 30, vocab_size: Optional[int] = None,
-              merge: Optional[Callable] = None) -> list[str]:
-    """Writes params as a Hugging Face checkpoint (safetensors, index when sharded, config.json).
+              merge: Optional[Callable] = None, token_ids: Optional[dict[str, Any]] = None) -> list[str]:
+    """Writes params as a Hugging Face checkpoint (safetensors, index when sharded, config.json,
+    generation_config.json).
 
     Local path or gs://. Every process must call it (gathers are collective); process 0 writes,
     holding one tensor at a time. `vocab_size` truncates the embedding rows (default: the rows in
-    use, cfg.vocab_in_use, so padding is dropped); `merge(params, cfg)`
-    folds LoRA leaves in first. Returns the files written (on process 0).
+    use, cfg.vocab_in_use, so padding is dropped); `merge(params, cfg)` folds LoRA leaves in
+    first; `token_ids`: pad/eos/bos_token_id (the tokenizer's; default transformers' Gemma ids).
+    Returns the files written (on process 0).
     """
     import fsspec
 
@@ -552,7 +648,8 @@ def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfl
     vocab = vocab_size or cfg.vocab_in_use  # padding rows are not part of the model
     if not 0 < vocab <= cfg.vocab_size:
         raise WeightsError(f"vocab_size={vocab} must be in 1..arch.vocab_size={cfg.vocab_size}")
-    config = hf_config(cfg, vocab, dtype)  # refuses an arch transformers cannot express, before writing
+    token_ids = dict(token_ids or GEMMA_TOKEN_IDS)
+    config = hf_config(cfg, vocab, dtype, token_ids)  # refuses an arch transformers cannot express, before writing
     if merge is not None:
         params = merge(params, cfg)
     _check_base(params, cfg)
@@ -596,11 +693,13 @@ def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfl
                 json.dump(index, f, indent=2)
         with fs.open(posixpath.join(root, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        with fs.open(posixpath.join(root, "generation_config.json"), "w") as f:
+            json.dump(generation_config(token_ids), f, indent=2)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("gemma_export_hf")
-    return names + ([_HF_INDEX] if len(groups) > 1 else []) + ["config.json"] if writer else []
+    return names + ([_HF_INDEX] if len(groups) > 1 else []) + ["config.json", "generation_config.json"] if writer else []
 
 
 def _to_kaggle(params: dict, cfg: GemmaConfig) -> dict:
