@@ -210,13 +210,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     Prints what was killed per worker; exit 0 also when nothing was running. Use after a crash
     or an interrupted run ("TPU already in use")."""
     _no_overrides(args)
-    return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run)
+    return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run, repo_dir=args.repo_dir)
 
 
 def _add_stop(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="kill stale training processes on every worker, free the TPU",
                        description=cmd_stop.__doc__)
-    _add_target(p, repo=False)
+    _add_target(p)
     p.add_argument("--grace", type=float, default=0.0,
                    help="send SIGTERM first and wait this many seconds before SIGKILL (default: 0)")
     p.set_defaults(func=cmd_stop)
@@ -283,7 +283,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         queued_resource=args.queued_resource, max_restarts=args.max_restarts, repo_dir=args.repo_dir,
         log_dir=args.log_dir, env=dict(args.env), forward_env=args.forward_env, poll_s=args.poll_seconds,
         max_poll_s=max(args.poll_seconds, 300.0), storage_backoff_s=args.storage_backoff_seconds,
-        stop_grace_s=args.stop_grace, clone_url=args.clone_url)
+        stop_grace_s=args.stop_grace, clone_url=args.clone_url, at_end=args.at_end)
     with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
         if args.ship:  # packed once: every relaunch runs the same tree, whatever is edited meanwhile
             try:
@@ -330,6 +330,10 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clone-url", default=None, metavar="URL",
                    help="setup clones the repo from URL into --repo-dir where it is missing: a TPU re-created after "
                         "a preemption has fresh disks (default: none; the repo must already be there)")
+    p.add_argument("--at-end", choices=("delete", "keep"), default=None,
+                   help="when the run has ended (completed, failed for good, given up): delete the TPU or keep it "
+                        "(default: delete when the checkpoints are on gs://, where nothing is lost with the VM, else "
+                        "keep)")
     _add_ship_options(p)
     p.add_argument("--status", action="store_true", help="print the run's supervision history and exit")
     p.add_argument("--dry-run", action="store_true", help="print the gcloud commands for each TPU state and exit")

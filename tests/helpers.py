@@ -317,20 +317,28 @@ def raises_one_line(kind: type[BaseException], fn: Callable[[], object], *needle
 # ------------------------------------------------------------------------ fake TPU workers
 
 
-def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate: str = "") -> list[Path]:
+def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate: str = "",
+                      image: bool = False) -> list[Path]:
     """The home directory of each fake TPU worker (tests/fake_gcloud), with ~/repo holding a .venv
-    whose python is this one, a setup_tpu.sh that succeeds, and `trainer` as pretrain_jax.py (or,
-    when None, the real repository's files, linked). `activate`: more shell for .venv/bin/activate."""
-    homes = [root / f"worker-{i}" for i in range(workers)]
+    whose python is this one, a setup_tpu.sh that succeeds, the worker-side code (experiments/,
+    runtime/ and pyproject.toml, linked), and `trainer` as pretrain_jax.py (or, when None, the
+    real repository's files, linked). `activate`: more shell for .venv/bin/activate. `image`:
+    write the boot image instead (root/image), from which the fake control plane makes each
+    TPU's workers when it creates the TPU (fresh disks); returns [root/image]."""
+    homes = [root / "image"] if image else [root / f"worker-{i}" for i in range(workers)]
     for home in homes:
         repo = home / "repo"
         (repo / ".venv" / "bin").mkdir(parents=True)
         # Like a real activate: our python first on PATH.
         (repo / ".venv" / "bin" / "activate").write_text(f"{activate}export PATH={Path(sys.executable).parent}:$PATH\n")
         (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        for shared in ("pyvenv.cfg", "lib"):  # this venv's packages, as a real .venv has its own
+            (repo / ".venv" / shared).symlink_to(Path(sys.prefix) / shared)
         (repo / "setup_tpu.sh").write_text("echo setup_tpu.sh: ok on $(hostname)\n")
         if trainer is not None:
             (repo / "pretrain_jax.py").write_text(trainer)
+            for shared in ("experiments", "runtime", "pyproject.toml"):  # what runs on a worker beside the trainer
+                (repo / shared).symlink_to(REPO / shared)
             continue
         for entry in REPO.iterdir():
             if not entry.name.startswith(".") and entry.name not in ("setup_tpu.sh", "outputs"):
@@ -393,7 +401,8 @@ with open(os.path.join(home, "stub_run.json"), "w") as f:
 worker = os.environ["TPU_WORKER_ID"]
 print(f"stub worker {worker} argv={json.dumps(sys.argv[1:])}", flush=True)
 if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
-    print(f"12:00:00 INFO run id {os.environ['STUB_RUN_ID']} (resumed from the checkpoint)", flush=True)
+    from runtime import events
+    events.emit("started", run_id=os.environ["STUB_RUN_ID"], step=3, total=5, resumed=True)
 for step in (1, 2, 3):
     print(f"step {step}", flush=True)
 time.sleep(float(os.environ.get("STUB_SLEEP", "0")))

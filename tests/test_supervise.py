@@ -1,9 +1,11 @@
 """`launch.py supervise` against the fake TPU control plane (tests/fake_gcloud: gcloud + fake_tpu.py).
 
 Most tests run a stub trainer on the fake workers (cheap): the n-th launch on a worker exits with
-the n-th code of STUB_CODES (the last one repeats) after printing `step <10 n>` (or STUB_STEP, a
-fixed step: no progress). The end-to-end test runs the real pretrain_jax.py on 2 workers x 4 CPU
-devices through two preemptions and a dead worker.
+the n-th code of STUB_CODES (the last one repeats) after its `checkpoint` event of step 10 n (or
+STUB_STEP, a fixed step: no progress), saying what a trainer says through runtime/events.py. Its
+launch count lives in STUB_DIR (a re-created TPU's workers have fresh disks). The end-to-end
+test runs the real pretrain_jax.py on 2 workers x 4 CPU devices through two preemptions and a
+dead worker.
 """
 
 from __future__ import annotations
@@ -29,17 +31,27 @@ TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
 
 STUB = """\
 import os, sys, time
-home = os.environ["HOME"]
-count_file = os.path.join(home, "launches")
+import numpy  # a trainer's dependency: a .venv without packages fails here, as the real one does
+from runtime import events
+state = os.path.join(os.environ["STUB_DIR"], os.environ["TPU_WORKER_ID"])
+os.makedirs(state, exist_ok=True)
+count_file = os.path.join(state, "launches")
 n = int(open(count_file).read()) + 1 if os.path.exists(count_file) else 1
-open(count_file, "w").write(str(n))
 codes = [int(c) for c in os.environ.get("STUB_CODES", "0").split(",")]
-print(f"step {os.environ.get('STUB_STEP') or 10 * n}", flush=True)
+code, step = codes[min(n, len(codes)) - 1], int(os.environ.get("STUB_STEP") or 10 * n)
+events.emit("started", run_id=os.environ["PODRUNNER_RUN_ID"], step=0, total=100, resumed=n > 1)
+events.emit("checkpoint", step=step)
+open(count_file, "w").write(str(n))
 if os.environ.get("STUB_LEASE_HELD") == str(n):  # as runtime/lease.py refuses a busy run directory
-    print("error: the checkpoint directory /x is in use by another run: host h pid 1; wait", flush=True)
-while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(home, "go")):
+    events.failed(2, "the checkpoint directory /x is in use by another run: host h pid 1; wait", "lease-held")
+    sys.exit(2)
+while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(state, "go")):
     time.sleep(0.05)
-sys.exit(codes[min(n, len(codes)) - 1])
+if code == 0:
+    events.emit("completed", step=step, metrics={"eval/exact_accuracy": 0.5})
+else:
+    events.failed(code, f"stub failure {code}")
+sys.exit(code)
 """
 
 
@@ -52,7 +64,7 @@ def plane(tmp_path: Path):
     env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
                FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
                FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
-               PODRUNNER_TPU_DEVICES="~/fake-accel*")
+               PODRUNNER_TPU_DEVICES="~/fake-accel*", STUB_DIR=str(tmp_path / "stub"))
     started: list[subprocess.Popen] = []
 
     class Plane:
@@ -86,11 +98,14 @@ def plane(tmp_path: Path):
         def gcloud_calls(self) -> list[list[str]]:
             return [json.loads(line) for line in (tmp_path / "gcloud.jsonl").read_text().splitlines()]
 
+        def stub_file(self, worker: int, name: str) -> Path:
+            return tmp_path / "stub" / str(worker) / name
+
         def wait_launched(self, proc: subprocess.Popen, n: int) -> None:
-            """Until launch `n` runs on every worker: each stub has counted it, and the fake control
-            plane knows the workers' processes (what a preemption or a stop signals)."""
+            """Until launch `n` runs on every worker: each stub has counted it (after its events), and
+            the fake control plane knows the workers' processes (what a preemption or a stop signals)."""
             def launched() -> bool:
-                counts = [root / f"worker-{i}" / "launches" for i in range(2)]
+                counts = [self.stub_file(i, "launches") for i in range(2)]
                 if not all(c.exists() and c.read_text() == str(n) for c in counts):  # written, not just created
                     return False
                 with fake_tpu.control(root) as state:
@@ -103,13 +118,12 @@ def plane(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    with fake_tpu.control(root) as state:  # whatever still runs on the fake workers
-        fake_tpu.kill_groups([g for tpu in state["tpus"].values() for g in tpu.get("workers", [])])
+    fake_tpu.power_off(list(root.glob("*/worker-*")))  # whatever still runs on the fake workers
 
 
 @pytest.fixture
 def stub_plane(plane):
-    make_fake_workers(plane.root, 2, STUB)
+    make_fake_workers(plane.root, 2, STUB, image=True)
     return plane
 
 
@@ -118,7 +132,7 @@ def test_creates_the_tpu_waits_until_ready_and_completes(stub_plane):
     assert result.returncode == 0, result.stdout + result.stderr
     events = stub_plane.events()
     assert events == ["start", "tpu-created", "waiting", "tpu-ready", "setup-skipped", "launch", "launch-ended",
-                      "completed"], events
+                      "tpu-kept", "completed"], events  # local checkpoints: the TPU is kept (--at-end)
     create = next(c for c in stub_plane.gcloud_calls() if c[4] == "create")
     assert create == ["gcloud", "compute", "tpus", "tpu-vm", "create", TPU, "--zone", ZONE, "--accelerator-type=v4-16",
                       "--version=tpu-ubuntu2204-base", "--spot"]
@@ -155,7 +169,7 @@ def test_stopping_the_supervisor_stops_the_run(stub_plane):
     assert proc.returncode == 130, out
     assert stub_plane.record()["status"] == "interrupted" and stub_plane.events()[-1] == "interrupted"
     with fake_tpu.control(stub_plane.root) as state:
-        groups = state["tpus"][TPU]["workers"]
+        groups = state["tpus"][TPU]["groups"]
     assert not any(fake_tpu.signal_trainers(g, 0) for g in groups), "a trainer still runs"
 
 
@@ -165,7 +179,7 @@ def test_restarts_without_progress_stop_it(stub_plane):
     record = stub_plane.record()
     assert [launch["cause"] for launch in record["launches"]] == ["worker lost"] * 3
     assert record["status"] == "gave-up" and "reason=no-progress" in result.stdout
-    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "stop" in c[-1] and "TRAINING" in c[-1]]
+    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "experiments.worker.stop" in c[-1]]
     assert len(stops) == 2  # stale processes stopped before each relaunch
 
 
@@ -283,7 +297,7 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     from experiments import pod, supervise
     from experiments.pod import Target
 
-    row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2"}
+    row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2", "ok": True}
     answers = iter([[dict(row, host="w0"), dict(row, host="w1")],  # launch 1: versions agree
                     [dict(row, host="w0")],                        # launch 2: worker 1 is a fresh disk
                     [dict(row, host="w0")]])                       # launch 3: the same
@@ -307,8 +321,8 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     monkeypatch.setattr(pod, "run_gcloud", versions)
     monkeypatch.setattr(pod, "setup_pod", setup_pod)
     monkeypatch.setattr(pod, "stop_pod", lambda *a, **k: 0)
-    monkeypatch.setattr(supervise, "ensure_ready", lambda *a: 2)
-    monkeypatch.setattr(supervise, "launch_once", lambda *a: next(outcomes))
+    monkeypatch.setattr(supervise.Supervisor, "ensure_ready", lambda self: 2)
+    monkeypatch.setattr(supervise.Supervisor, "launch_once", lambda self, hosts: (*next(outcomes), None))
     spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, [], log_dir=tmp_path, storage_backoff_s=7.0)
     assert supervise.supervise(spec, stream=io.StringIO(), sleep=sleeps.append) == 0
     assert setups == ["c0ffee", "c0ffee"]  # both setups after the first launch pin the recorded commit
@@ -328,7 +342,7 @@ def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
 
 @pytest.mark.slow
 def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
-    make_fake_workers(plane.root, 2, None)
+    make_fake_workers(plane.root, 2, None, image=True)
     overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
         "mesh=fsdp", "train.checkpoint_every=4", "distributed.initialization_timeout_s=60"]
     out = plane.tmp / "test" / "t"
