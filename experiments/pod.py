@@ -233,14 +233,14 @@ def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/pyt
     return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {python} -m experiments.worker.{module} {' '.join(args)}"
 
 
-def versions_command(repo_dir: str, imports: bool = False) -> str:
-    """Each worker's versions line (experiments/worker/versions.py); `imports`: import every package."""
-    return in_repo(repo_dir, "versions", '"$(hostname)"', *(["--imports"] if imports else []))
+def versions_command(repo_dir: str) -> str:
+    """Each worker's versions line (experiments/worker/versions.py)."""
+    return in_repo(repo_dir, "versions", '"$(hostname)"')
 
 
 def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
     """Worker command: [git clone URL when the repo is missing (a re-created TPU has fresh disks)],
-    [git fetch + checkout REF], bash setup_tpu.sh, then the versions line, every package imported."""
+    [git fetch + checkout REF], bash setup_tpu.sh (which imports every package), then the versions line."""
     steps = ["set -o pipefail"]
     if clone_url:
         steps.append(f"{{ [ -d {remote_path(repo_dir)} ] || git clone --quiet {shlex.quote(clone_url)} "
@@ -253,7 +253,7 @@ def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | No
                   f"git checkout --quiet --detach {shlex.quote(git_ref)}; }} || "
                   + _fail("cannot check out --git-ref")]
     steps += ["bash setup_tpu.sh || exit $?",
-              '.venv/bin/python -m experiments.worker.versions "$(hostname)" --imports']
+              '.venv/bin/python -m experiments.worker.versions "$(hostname)"']
     return "; ".join(steps)
 
 

@@ -337,8 +337,9 @@ def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate
         (repo / "setup_tpu.sh").write_text("echo setup_tpu.sh: ok on $(hostname)\n")
         if trainer is not None:
             (repo / "pretrain_jax.py").write_text(trainer)
-            for shared in ("experiments", "runtime", "pyproject.toml"):  # what runs on a worker beside the trainer
+            for shared in ("experiments", "runtime"):  # what runs on a worker beside the trainer
                 (repo / shared).symlink_to(REPO / shared)
+            (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())  # a copy: tests edit it
             continue
         for entry in REPO.iterdir():
             if not entry.name.startswith(".") and entry.name not in ("setup_tpu.sh", "outputs"):

@@ -27,7 +27,8 @@ import pytest
 
 from experiments.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
 from runtime import events
-from helpers import LAUNCH, POD_SECRET as SECRET, POD_WORKERS as WORKERS, pid_alive, target, wait_for
+from experiments.worker import VERSIONS_TAG
+from helpers import LAUNCH, POD_SECRET as SECRET, REPO, POD_WORKERS as WORKERS, pid_alive, target, wait_for
 
 HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
 TRICKY = ['run.name="a b \'c\'"', "data.path=/x y/$HOME/`id`", "train.steps=5"]
@@ -372,6 +373,43 @@ def test_setup_fails_when_workers_run_different_commits(pod):
     r = pod.launch("setup", *target("--repo-dir", "~/repo"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MISMATCH across workers in commit" in r.stdout
+
+
+def test_setup_brings_a_python_that_fits_where_the_image_has_3_10(tmp_path):
+    """setup_tpu.sh's interpreter (scripts/find_python.sh): the TPU image's python3 is 3.10, so uv's
+    managed CPython 3.11 is installed and used; a python3.1x on PATH that fits is used as it is."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\ncase \"$*\" in *version_info*) exit 1;; esac\n")  # 3.10
+    (bin_dir / "uv").write_text(f'#!/bin/sh\necho "uv $*" >> {log}\n'
+                                f'[ "$1 $2" = "python find" ] && echo /opt/uv/cpython-3.11/bin/python3.11\nexit 0\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    find = f". {shlex.quote(str(REPO / 'scripts' / 'find_python.sh'))}; find_python"
+    run = lambda: subprocess.run(["/bin/bash", "-c", find], env={"PATH": str(bin_dir), "HOME": str(tmp_path)},  # noqa: E731
+                                 capture_output=True, text=True)
+    r = run()
+    assert r.returncode == 0 and r.stdout.strip() == "/opt/uv/cpython-3.11/bin/python3.11", r.stderr
+    assert log.read_text().splitlines() == ["uv python install 3.11", "uv python find 3.11"]
+    log.unlink()
+    (bin_dir / "python3.12").symlink_to(sys.executable)  # one that fits
+    r = run()
+    assert r.stdout.strip() == str(bin_dir / "python3.12") and not log.exists(), r.stderr
+
+
+def test_setup_verifies_imports_against_the_pins(tmp_path):
+    """What setup_tpu.sh ends with: every pinned distribution at its pin and importable, else exit 1."""
+    from importlib import metadata
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nrequires-python = ">=3.11"\ndependencies = ["tqdm==%s", "numpy==0.0.1", "no-such-dist==1.0"]\n'
+        % metadata.version("tqdm"))
+    r = subprocess.run([sys.executable, "-m", "experiments.worker.versions", "h1", "--imports"], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = json.loads(r.stdout.split(VERSIONS_TAG, 1)[1])
+    assert row["ok"] is False and "numpy" in row["problem"] and "no-such-dist not installed" in row["problem"]
+    assert "tqdm" not in row["problem"]
 
 
 def test_setup_git_ref_dry_run(pod):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (FAKE_GCLOUD_DIR, LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, child_env, error_line,
-                     make_fake_workers, reached, train_losses, wait_for)
+                     make_fake_workers, reached, read_jsonl, train_losses, wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
@@ -31,7 +31,7 @@ TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
 
 STUB = """\
 import os, sys, time
-import numpy  # a trainer's dependency: a .venv without packages fails here, as the real one does
+import hydra  # a trainer's dependency: a .venv without packages fails here, as the real one does
 from runtime import events
 state = os.path.join(os.environ["STUB_DIR"], os.environ["TPU_WORKER_ID"])
 os.makedirs(state, exist_ok=True)
@@ -338,14 +338,92 @@ def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
     assert ssh.returncode == 1 and "not READY" in ssh.stderr
 
 
+# --- the control plane's findings (issue 20): each test failed before its fix ---------------------
+
+def test_an_ssh_drop_reruns_the_command_and_the_rerun_follows_the_launch(stub_plane):
+    """gcloud re-runs a --command whose ssh ended with 255. The re-run on worker 1 must not start a
+    second trainer nor need the secrets again (they were consumed): it follows the launch running
+    there and exits with its code, so a completed run is not taken for bad input."""
+    trigger = stub_plane.tmp / "drop-worker-1"
+    stub_plane.env.update(WANDB_API_KEY="secret-1", FAKE_GCLOUD_LOCAL_ONLY="WANDB_API_KEY",
+                          FAKE_GCLOUD_SSH_DROP=f"1:{trigger}")
+    proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
+    stub_plane.wait_launched(proc, 1)
+    with fake_tpu.control(stub_plane.root) as state:
+        first = state["tpus"][TPU]["workers"][1]
+    trigger.touch()  # worker 1's connection drops; gcloud runs the command there again
+
+    def rerun_started() -> bool:
+        with fake_tpu.control(stub_plane.root) as state:
+            return state["tpus"][TPU]["workers"][1] != first
+    wait_for(rerun_started, timeout=60, what="gcloud's re-run on worker 1", procs=[proc])
+    for worker in (0, 1):
+        stub_plane.stub_file(worker, "go").touch()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    record = stub_plane.record()
+    assert [launch["outcome"] for launch in record["launches"]] == ["completed"], out
+    assert stub_plane.stub_file(1, "launches").read_text() == "1"  # one trainer on worker 1, not two
+    assert "this launch started here already" in out and "the secrets file did not arrive" not in out
+
+
+def test_a_failed_setup_is_retried_and_an_empty_venv_is_not_agreement(stub_plane):
+    """A fresh worker has no .venv; the first setup fails half-way (pip), leaving one without packages.
+    Its versions are the same on every worker (all missing), which must not pass for agreement:
+    setup runs again, and the run completes instead of failing on `import hydra` until it gives up."""
+    real = Path(sys.prefix)
+    setup = f"""n=$(cat ~/setups 2>/dev/null || echo 0); n=$((n+1)); echo $n > ~/setups
+if [ $n = 1 ]; then echo "pip: network error" >&2; exit 1; fi
+ln -sfn {real}/lib .venv/lib && ln -sfn {real}/pyvenv.cfg .venv/pyvenv.cfg && echo setup_tpu.sh: ok
+"""
+    image = stub_plane.root / "image" / "repo"
+    (image / "setup_tpu.sh").write_text(setup)
+    for packages in ("lib", "pyvenv.cfg"):  # a .venv with python only: pip never installed anything
+        (image / ".venv" / packages).unlink()
+    result = stub_plane.supervise("--max-restarts", "3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    events = stub_plane.events()
+    assert events.count("setup-failed") == 1 and events.count("setup-done") == 1 and "setup-skipped" not in events
+    assert [launch["outcome"] for launch in stub_plane.record()["launches"]] == ["completed"]
+
+
+@pytest.mark.parametrize("kind", ["expired", "missing"])
+def test_no_gcloud_credentials_is_one_line_and_a_stop(stub_plane, kind):
+    stub_plane.env["FAKE_GCLOUD_AUTH"] = kind
+    result = stub_plane.supervise(timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error_line(result.stderr, "gcloud has no valid credentials", "gcloud auth login", last=True)
+    assert len(stub_plane.gcloud_calls()) == 1 and stub_plane.record()["status"] == "failed"
+
+
+def test_pod_hours_are_ready_time_times_hosts_and_the_tpu_is_deleted_at_the_end(stub_plane):
+    """READY time counts from the describe that shows READY to the delete, backoffs and stops
+    between launches included (they are billed); --at-end delete gives the TPU back."""
+    result = stub_plane.supervise("--at-end", "delete", stub_env={"STUB_CODES": "6,0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    with fake_tpu.control(stub_plane.root) as state:
+        assert TPU not in state["tpus"]  # deleted
+    billed = fake_tpu.ready_host_seconds(stub_plane.root)
+    counted = stub_plane.record()["slice"]["host_seconds"]
+    assert counted == pytest.approx(billed, rel=0.01), (counted, billed)
+
+
 # --- end to end: the real trainer on 2 fake workers x 4 CPU devices -------------------------------
 
 @pytest.mark.slow
 def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
+    """Two preemptions are VM shutdowns (every process of each worker gets SIGTERM, W&B's wandb-core
+    included, SIGKILL 30 s later) of a run logging to W&B offline on the workers' own disks: each
+    still saves its preemption checkpoint (the trainer outlives W&B), the TPU comes back with fresh
+    disks, and the metrics, copied beside the checkpoints at every checkpoint, come back with it:
+    the run's metrics equal an uninterrupted run's at every step."""
     make_fake_workers(plane.root, 2, None, image=True)
-    overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
-        "mesh=fsdp", "train.checkpoint_every=4", "distributed.initialization_timeout_s=60"]
-    out = plane.tmp / "test" / "t"
+    checkpoints = plane.tmp / "bucket" / "ckpt"  # beside the workers, as gs:// is
+    overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS, wandb="offline") + REFERENCE_EXTRA + [
+        "run.root=outputs", f"run.checkpoint.dir={checkpoints}", "mesh=fsdp", "train.checkpoint_every=4",
+        "distributed.initialization_timeout_s=60"]
+    home0 = plane.root / TPU / "worker-0"
+    out = home0 / "repo" / "outputs" / "test" / "t"  # on worker 0's disk
     proc = plane.start(overrides=tuple(overrides))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -355,6 +433,8 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
             wait_for(lambda: reached(out / "metrics.jsonl", step), timeout=240, what=f"step {step}")
             assert proc.poll() is None, "the supervisor ended early"
             if fault == "preempt":
+                vm = [cmd for _, cmd in fake_tpu.vm_processes(home0)]
+                assert any("wandb-core" in cmd for cmd in vm), vm  # the shutdown takes W&B down too
                 assert fake_tpu.preempt(plane.root, TPU), "no trainer to preempt"
             else:
                 assert fake_tpu.kill_worker(plane.root, TPU, 1), "no trainer to kill"
@@ -369,4 +449,9 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
     assert record["launches"][2]["cause"] == "worker lost" and record["preemptions"] == 2 and record["restarts"] == 1
     verbs = [c[4] for c in plane.gcloud_calls() if c[4] in ("create", "delete")]
     assert verbs == ["create", "delete", "create", "delete", "create"]  # each preempted TPU re-created
-    assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    synced = checkpoints / "run_files"
+    assert train_losses(synced) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)  # restored on the fresh disk
+    assert len(list((synced / "wandb").glob("offline-run-*"))) == 4  # each launch's W&B files, kept
+    kinds = [e["event"] for e in read_jsonl(synced / "events.jsonl")]
+    assert kinds.count("preempted") == 2 and kinds[-1] == "completed", kinds

@@ -4,8 +4,9 @@ whether the .venv fits the project: Python >= the project's requires-python, eve
 distribution installed at its pin (pyproject.toml) and importable (`ok`, else `problem`).
 
 Without --imports, "importable" means Python finds each distribution's top-level modules
-(cheap: asked before every launch); with it (after setup) each one is imported. A .venv that a
-failed pip left empty reports its packages as missing, so it never passes for agreement.
+(cheap: asked before every launch); with it (setup_tpu.sh, after installing) each one is
+imported, and a .venv that does not fit is exit 1. A .venv that a failed pip left empty reports
+its packages as missing, so it never passes for agreement.
 """
 
 import importlib
@@ -96,7 +97,7 @@ def main(argv):
     found = problems(importing)
     info.update(ok=not found, problem="; ".join(found)[:600] or None)
     print(VERSIONS_TAG + json.dumps(info), flush=True)
-    return 0
+    return 1 if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
 
 
 if __name__ == "__main__":

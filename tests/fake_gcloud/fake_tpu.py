@@ -97,9 +97,10 @@ def fresh_disks(root: Path, tpu: str, workers: int) -> None:
 
 # --- READY time -----------------------------------------------------------------------------------
 
-def became(state: dict, name: str, new: str) -> None:
-    """TPU `name` changes state: open or close its READY interval."""
-    tpu, now = state["tpus"][name], time.time()
+def became(state: dict, name: str, new: str, at: float | None = None) -> None:
+    """TPU `name` changes state (`at`: when the request that changed it arrived): open or close its
+    READY interval."""
+    tpu, now = state["tpus"][name], at or time.time()
     if new == "READY" and tpu.get("ready_since") is None:
         tpu["ready_since"] = now
     elif new != "READY" and tpu.get("ready_since") is not None:
