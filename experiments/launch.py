@@ -13,6 +13,9 @@
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
     python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
     python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--csv PATH] [-- overrides]
+    python experiments/launch.py programme submit NAME GROUP|all ... --slice S [--slice S2] --zone Z \
+        --accelerator-type v4-64 --runtime-version V [--spot] [--budget H --plan CSV] [--run] -- overrides
+    python experiments/launch.py programme run|status|stop NAME;  programme retry|skip NAME GROUP/VARIANT
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -513,6 +516,140 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+# --- the whole programme, unattended (experiments/programme_run.py) -----------------------------------
+
+def _programme_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) / args.name
+
+
+def cmd_programme(args: argparse.Namespace) -> int:
+    """A durable queue of the programme's variants on one or more preemptible TPU slices, each run
+    supervised, with a ledger of pod-hours, results and status (experiments/programme_run.py).
+    submit: the groups (or all), a subset of --variants, the slices, a --budget in pod-hours (with
+    the plan's --plan CSV) and the --order; a preflight composes every variant first. run: the
+    controller (one at a time; run it again after any stop to carry on, here or on another
+    machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
+    running variants checkpoint and the controller ends. retry / skip a variant."""
+    from experiments import programme_run, programme_status
+    from runtime.errors import UserError
+    from runtime.lease import LeaseHeld
+
+    directory = _programme_dir(args)
+    try:
+        if args.verb == "submit":
+            return _programme_submit(args, directory)
+        if args.verb == "run":
+            return programme_run.run(directory, args.mirror)
+        state = programme_run.State(directory)
+        state.load(args.mirror)
+        if args.verb == "status":
+            sys.stdout.write(programme_status.text(state.sub, state.ledger))
+            page = Path(args.html) if args.html else directory / "status.html"
+            page.write_text(programme_status.page(state.sub, state.ledger))
+            print(f"(the picture: {page})")
+            return 0
+        if args.verb in ("retry", "skip") and args.variant not in state.ledger["variants"]:
+            raise UserError(f"programme {args.name} has no variant {args.variant!r}; `programme status {args.name}` "
+                            "lists them")
+        state.command(args.verb, getattr(args, "variant", None))
+        print(f"{args.verb} {getattr(args, 'variant', '') or ''}: asked; the running controller does it now, or the "
+              "next `programme run` when none runs".replace("  ", " "))
+        return 0
+    except LeaseHeld as e:
+        print(f"error: another controller runs programme {args.name}: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
+    from experiments import programme_run
+
+    if (directory / "programme.json").exists():
+        raise pod.PodError(f"programme {args.name} exists at {directory}; `programme run {args.name}` carries it on "
+                           "(or submit under another name)")
+    if not args.slice:
+        raise pod.PodError("give the slices to run on: --slice NAME (one or more)")
+    variants = programme_run.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
+    planned = programme_run.read_plan(Path(args.plan)) if args.plan else {}
+    if args.order == "cheapest":
+        variants.sort(key=lambda v: (planned.get(v) or {}).get("pod_hours") or float("inf"))
+    sub = programme_run.Submission(
+        name=args.name, variants=variants, slices=args.slice, zone=args.zone, project=args.project,
+        accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
+        queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
+        forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
+        max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
+        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
+    problems = programme_run.preflight(sub)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_USER_ERROR
+    state = programme_run.State(directory)
+    state.create(sub)
+    state.event("submitted", variants=len(variants), slices=",".join(sub.slices), state=directory)
+    return programme_run.run(directory, args.mirror) if args.run else 0
+
+
+def _add_programme(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("programme", help="run the whole programme unattended: a queue of variants on TPU slices",
+                       description=cmd_programme.__doc__)
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("name", metavar="NAME", help="the programme's name (its state: <state-dir>/NAME)")
+        q.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
+                       help="where programmes keep their state (default: %(default)s)")
+        q.add_argument("--mirror", default=None, metavar="URI",
+                       help="the state's copy, e.g. gs://BUCKET/programmes/NAME (submit: kept in sync; run, status: "
+                            "read from it when this machine has no state, i.e. to take over)")
+
+    q = verbs.add_parser("submit", help="queue groups' variants (a preflight first)", epilog="Overrides go after `--`.")
+    common(q)
+    q.add_argument("groups", nargs="+", metavar="GROUP", help="group names, or all")
+    q.add_argument("--variants", default=None, help="only these (group/variant or variant, comma-separated)")
+    q.add_argument("--slice", action="append", default=[], metavar="TPU",
+                   help="a TPU VM slice to run on (repeatable: one variant per slice at a time, in parallel)")
+    q.add_argument("--zone", required=True)
+    q.add_argument("--project", default=None)
+    q.add_argument("--accelerator-type", required=True, help="e.g. v4-64 (to create the slices)")
+    q.add_argument("--runtime-version", required=True, help="TPU software version, e.g. tpu-ubuntu2204-base")
+    tier = q.add_mutually_exclusive_group()
+    tier.add_argument("--spot", dest="tier", action="store_const", const="spot")
+    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved")
+    q.add_argument("--queued", action="store_true", help="create each slice through a queued resource <slice>-qr")
+    q.add_argument("--budget", type=float, default=None, help="pod-hours: no variant starts past it (needs --plan)")
+    q.add_argument("--plan", default=None, metavar="CSV", help="the CSV of `launch.py plan` (planned pod-hours)")
+    q.add_argument("--order", choices=("plan", "cheapest"), default="plan",
+                   help="plan: the groups and variants in order (default); cheapest: fewest planned pod-hours first")
+    q.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
+    q.add_argument("--clone-url", default=None, metavar="URL", help="as supervise: the repo for fresh disks")
+    q.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("--forward-env", action="append", default=[], metavar="NAME")
+    q.add_argument("--max-restarts", type=int, default=10, help="per variant (default: %(default)s)")
+    q.add_argument("--poll-seconds", type=float, default=30.0)
+    q.add_argument("--backoff-seconds", type=float, default=120.0)
+    q.add_argument("--stop-grace", type=float, default=30.0)
+    q.add_argument("--create-attempts", type=int, default=3,
+                   help="refused creates in a row before a variant gives its slice up (default: %(default)s)")
+    q.add_argument("--infra-streak", type=int, default=3,
+                   help="the same infrastructure failure ending this many variants in a row stops the controller "
+                        "(default: %(default)s)")
+    q.add_argument("--run", action="store_true", help="then run the controller here")
+    for verb, text in (("run", "run the controller (until nothing is left; again to carry on)"),
+                       ("status", "the table, and the status page with its picture"),
+                       ("stop", "the running variants checkpoint, the controller ends")):
+        common(verbs.add_parser(verb, help=text))
+    verbs.choices["status"].add_argument("--html", default=None, help="the page (default: <state>/status.html)")
+    for verb, text in (("retry", "queue a failed or skipped variant again"), ("skip", "do not run a variant")):
+        q = verbs.add_parser(verb, help=text)
+        common(q)
+        q.add_argument("variant", metavar="GROUP/VARIANT")
+    p.set_defaults(func=_user_errors(cmd_programme))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
@@ -528,6 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_analyze(sub)
     _add_plan(sub)
+    _add_programme(sub)
     return parser
 
 

@@ -250,12 +250,18 @@ def _check_credentials(out: str) -> None:
 
 class Supervisor:
     """One run kept going on one slice (see the module docstring). `clock` counts the slice's READY
-    time; `stop` (set from another thread) ends the loop at its next step, the run checkpointed."""
+    time. `interrupt()` (from another thread) ends the loop at its next step, the run checkpointed.
+    `owns_slice`: the run's end decides the slice's fate (--at-end) and stops its clock; a
+    programme's variant leaves both to the programme. `report` says a stopping error (one line)."""
 
     def __init__(self, spec: Spec, sup: Supervision, clock: ReadyClock, *, run: Runner = run_quiet,
-                 sleep: Callable[[float], None] = time.sleep, stop: threading.Event | None = None) -> None:
-        self.spec, self.sup, self.clock, self.run_gcloud, self.sleep = spec, sup, clock, run, sleep
-        self.stop = stop or threading.Event()
+                 sleep: Callable[[float], None] | None = None, owns_slice: bool = True,
+                 report: Callable[[str], None] | None = None) -> None:
+        self.spec, self.sup, self.clock, self.run_gcloud = spec, sup, clock, run
+        self.stop = threading.Event()
+        self.sleep = sleep or self.stop.wait  # a wait that an interrupt cuts short
+        self.owns_slice = owns_slice
+        self.report = report or (lambda line: print(f"error: {line}", file=sys.stderr, flush=True))
         self.gcloud_proc: subprocess.Popen | None = None
 
     def act(self, argv: list[str], event: str) -> bool:
@@ -397,7 +403,8 @@ class Supervisor:
         why = cause(code, outcome, seen)
         sup.data["launches"].append({"started": started, "ended": time.time(), "code": code, "outcome": outcome,
                                      "cause": why, "line": seen.line_of_failure(), "last_step": seen.last_step,
-                                     "total": seen.total, "wandb_run_id": seen.run_id, "tpu_state_after": state_after})
+                                     "total": seen.total, "wandb_run_id": seen.run_id, "tpu_state_after": state_after,
+                                     "metrics": (seen.completed or {}).get("metrics")})
         sup.data["in_flight"] = False
         sup.save()
         sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(why), last_step=seen.last_step,
@@ -428,18 +435,19 @@ class Supervisor:
             self.sup.event("tpu-kept", at_end=at_end if status != "interrupted" else "interrupted")
         self.gone(time.time())
 
-    def finish(self, status: str, code: int, release: bool = True, **fields) -> int:
+    def finish(self, status: str, code: int, release: bool = True, line: str | None = None, **fields) -> int:
         """Record how the run ended; delete or keep the TPU (not while a launch may still run on it,
         nor without gcloud credentials)."""
         sup = self.sup
-        if release and not (status == "interrupted" and sup.data.get("in_flight")):
+        if self.owns_slice and release and not (status == "interrupted" and sup.data.get("in_flight")):
             try:
                 self.release_tpu(status)
             except GiveUp:
                 self.gone(time.time())
-        else:
+        elif self.owns_slice:
             self.gone(time.time())
         sup.data["status"] = status
+        sup.data["end"] = {"status": status, "code": code, "line": line, **fields}
         sup.save()
         sup.event(status, code=code, restarts=sup.data["restarts"], preemptions=sup.data["preemptions"],
                   host_hours=f"{self.clock.host_seconds() / 3600:.3f}", **fields)
@@ -459,11 +467,11 @@ class Supervisor:
             try:
                 hosts = self.ensure_ready()
             except NoCredentials as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                return self.finish("failed", EXIT_USER_ERROR, release=False, cause="gcloud-credentials")
+                self.report(str(e))
+                return self.finish("failed", EXIT_USER_ERROR, release=False, line=str(e), cause="gcloud-credentials")
             except GiveUp as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                return self.finish("failed", EXIT_USER_ERROR, cause="gcloud-refused")
+                self.report(str(e))
+                return self.finish("failed", EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
             if self.stop.is_set():
                 return self.finish("interrupted", EXIT_INTERRUPTED)
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
@@ -478,7 +486,7 @@ class Supervisor:
                 return self.finish("completed", 0, last_step=sup.last_step())
             if outcome == "fatal":
                 launch = sup.data["launches"][-1]
-                return self.finish("failed", code, cause=shlex.quote(launch["cause"]))
+                return self.finish("failed", code, line=launch["line"], cause=shlex.quote(launch["cause"]))
             if self.stop.is_set() or code == EXIT_INTERRUPTED:
                 return self.finish("interrupted", EXIT_INTERRUPTED)
             if outcome == "preempted":

@@ -417,3 +417,26 @@ sys.exit(3 if os.environ.get("STUB_FAIL_WORKER") == worker else 0)
 def target(*extra: str) -> list[str]:
     """The TPU the `pod` fixture's launches name."""
     return ["--tpu", "my-tpu", "--zone", "us-central2-b", *extra]
+
+
+def fake_plane(tmp_path: Path, **extra: str) -> tuple[Path, dict[str, str]]:
+    """A fake Cloud TPU control plane under tmp_path/workers (tests/fake_gcloud) with no TPU yet, and
+    the environment of a command that uses it: the fake gcloud first on PATH, 2 workers a slice,
+    a created TPU READY at its second describe, the workers' TPU files inside their homes."""
+    sys.path.insert(0, str(FAKE_GCLOUD_DIR))
+    import fake_tpu
+
+    root = tmp_path / "workers"
+    root.mkdir()
+    fake_tpu.enable(root)
+    env = {k: v for k, v in child_env(4).items() if not k.startswith(("PODRUNNER_", "FAKE_GCLOUD_"))}
+    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
+               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
+               FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
+               PODRUNNER_TPU_DEVICES="~/fake-accel*", **extra)
+    return root, env
+
+
+def gcloud_calls(log: Path) -> list[list[str]]:
+    """The fake gcloud's calls (its FAKE_GCLOUD_LOG), each its argv."""
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

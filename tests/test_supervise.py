@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (FAKE_GCLOUD_DIR, LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, child_env, error_line,
+from helpers import (LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, fake_plane, gcloud_calls,
                      make_fake_workers, reached, read_jsonl, train_losses, wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
@@ -57,14 +57,7 @@ sys.exit(code)
 
 @pytest.fixture
 def plane(tmp_path: Path):
-    root = tmp_path / "workers"
-    root.mkdir()
-    fake_tpu.enable(root)
-    env = {k: v for k, v in child_env(4).items() if not k.startswith(("PODRUNNER_", "FAKE_GCLOUD_"))}
-    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
-               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
-               FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
-               PODRUNNER_TPU_DEVICES="~/fake-accel*", STUB_DIR=str(tmp_path / "stub"))
+    root, env = fake_plane(tmp_path, STUB_DIR=str(tmp_path / "stub"))
     started: list[subprocess.Popen] = []
 
     class Plane:
@@ -96,7 +89,7 @@ def plane(tmp_path: Path):
             return [line.split()[2] for line in (self.log_dir / RUN_ID / "supervise.log").read_text().splitlines()]
 
         def gcloud_calls(self) -> list[list[str]]:
-            return [json.loads(line) for line in (tmp_path / "gcloud.jsonl").read_text().splitlines()]
+            return gcloud_calls(tmp_path / "gcloud.jsonl")
 
         def stub_file(self, worker: int, name: str) -> Path:
             return tmp_path / "stub" / str(worker) / name
