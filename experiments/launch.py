@@ -38,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments import pod  # noqa: E402
 from experiments.local_pod import run_local_pod  # noqa: E402
-from runtime.errors import EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -297,6 +297,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
             sys.stdout.write(supervise.dry_run(spec))
             return 0
         spec.state_mirror = supervise.state_mirror(args.overrides)[0]
+        if spec.state_mirror:  # the trainer's events beside the checkpoints: when a preemption hit, if it did
+            spec.events_file = spec.state_mirror.rsplit("/", 1)[0] + "/run_files/events.jsonl"
         return supervise.run_until_done(spec)
 
 
@@ -399,11 +401,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every variant of GROUP (or --variants), each its own run (<run.root>/<group>/<variant>).
     --local: scaled down for this machine (experiments/local_scale.yaml; runs under outputs/local)
     as one Hydra multirun, `pretrain_jax.py -m +experiment=local/<group>/<v1>,...`
-    (experiments/sweep.py). --tpu/--zone: one `pod` run per variant, one after another, each with
-    its own run id on all workers of the slice. A failed variant does not stop the sweep; every
-    job's exit code is printed, and the exit code is the first non-zero one. Overrides after `--`
-    go to every variant (a Hydra sweep there, e.g. train.seed=0,1, multiplies the jobs of a local
-    sweep). Then: `launch.py analyze GROUP`."""
+    (experiments/sweep.py). --tpu/--zone: the variants as a programme on that one slice
+    (experiments/programme_run.py, named sweep-<group>-<tpu>): each supervised, resumed after a
+    preemption on the slice re-created (--accelerator-type, --runtime-version), one after another;
+    the same command again carries a stopped sweep on. A failed variant does not stop the sweep;
+    every job's result is printed, and the exit code is 0 only when all completed (local: the first
+    non-zero one). Overrides after `--` go to every variant (a Hydra sweep there, e.g.
+    train.seed=0,1, multiplies the jobs of a local sweep). Then: `launch.py analyze GROUP`."""
     from experiments import sweep
 
     chosen = _sweep_variants(args)
@@ -412,20 +416,47 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.local:
         results = [(j.run, j.code) for j in sweep.run_local(args.group, chosen, Path(args.root), args.overrides,
                                                             dry_run=args.dry_run)]
-    else:
+    elif args.dry_run:
         if not args.zone:
             raise pod.PodError("--tpu needs --zone")
-        results = []
-        for variant in chosen:
-            code = pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
-                                  [f"+experiment={args.group}/{variant}", *args.overrides],
-                                  repo_dir=args.repo_dir, run_id=None, log_dir=pod.DEFAULT_LOG_DIR, env=dict(args.env),
-                                  forward_env=args.forward_env, dry_run=args.dry_run, interrupt_grace=30.0,
-                                  leave_running=False)
-            results.append((variant, code))
+        results = [(variant, pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
+                                            [f"+experiment={args.group}/{variant}", *args.overrides],
+                                            repo_dir=args.repo_dir, env=dict(args.env), forward_env=args.forward_env,
+                                            dry_run=True)) for variant in chosen]
+    else:
+        return _sweep_on_tpu(args, chosen)
     if not args.dry_run:
         print("\n".join(f"  {args.group}/{name:<20} exit {code}" for name, code in results))
     return next((c for _, c in results if c), 0)
+
+
+def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
+    """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
+    from experiments import programme_run
+
+    if not (args.zone and args.accelerator_type and args.runtime_version):
+        raise pod.PodError("sweep --tpu needs --zone, and --accelerator-type and --runtime-version to re-create the "
+                           "slice after a preemption")
+    directory = Path(args.state_dir) / f"sweep-{args.group}-{args.tpu}"
+    if not (directory / "programme.json").exists():
+        sub = programme_run.Submission(
+            name=directory.name, variants=[f"{args.group}/{v}" for v in chosen], slices=[args.tpu], zone=args.zone,
+            project=args.project, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
+            tier=args.tier, overrides=args.overrides, env=dict(args.env), forward_env=args.forward_env,
+            repo_dir=args.repo_dir, poll_s=args.poll_seconds)
+        problems = programme_run.preflight(sub)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
+            return EXIT_USER_ERROR
+        programme_run.State(directory).create(sub)
+    code = programme_run.run(directory)
+    state = programme_run.State(directory)
+    state.load()
+    records = state.ledger["variants"]
+    print("\n".join(f"  {name:<28} {r['state']}" + (f": {r['line']}" if r.get("line") else "")
+                    for name, r in records.items()))
+    return code or (0 if all(r["state"] == programme_run.COMPLETED for r in records.values()) else EXIT_FAILURE)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -435,9 +466,17 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--local", action="store_true", help="scaled down on this machine")
     p.add_argument("--root", default="outputs/local", help="run.root of --local runs (default: %(default)s)")
-    p.add_argument("--tpu", default=None, help="TPU VM name (a pod run per variant)")
+    p.add_argument("--tpu", default=None, help="TPU VM name (the variants supervised there, one after another)")
     p.add_argument("--zone", default=None)
     p.add_argument("--project", default=None)
+    p.add_argument("--accelerator-type", default=None, help="with --tpu: to re-create the slice, e.g. v4-64")
+    p.add_argument("--runtime-version", default=None, help="with --tpu: to re-create the slice")
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--spot", dest="tier", action="store_const", const="spot")
+    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved")
+    p.add_argument("--poll-seconds", type=float, default=30.0, help="with --tpu: first wait while the slice is created")
+    p.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
+                   help="with --tpu: where the sweep's programme keeps its state (default: %(default)s)")
     p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="pod runs: extra environment variable on every worker (e.g. PODRUNNER_DATA=gs://B/data)")

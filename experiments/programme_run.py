@@ -117,7 +117,12 @@ class Submission:
             repo_dir=self.repo_dir, log_dir=state_dir / "launch-logs", env=dict(self.env),
             forward_env=list(self.forward_env), poll_s=self.poll_s, max_poll_s=max(self.poll_s, 300.0),
             storage_backoff_s=self.backoff_s, stop_grace_s=self.stop_grace_s, clone_url=self.clone_url,
-            at_end="keep", create_attempts=self.create_attempts)
+            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant))
+
+    def events_file(self, variant: str) -> str | None:
+        """The variant's events beside its checkpoints (runtime/run_files.py), when its directory is known."""
+        directory = self.checkpoint_dirs.get(variant)
+        return f"{directory.rstrip('/')}/run_files/{events.FILE}" if directory else None
 
     def planned_hours(self, variant: str) -> float | None:
         return (self.planned.get(variant) or {}).get("pod_hours")
@@ -417,12 +422,11 @@ class Controller:
 
     def already_complete(self, variant: str) -> dict | None:
         """The `completed` event beside the variant's checkpoints (a run that needs no launch), if readable."""
-        directory = self.sub.checkpoint_dirs.get(variant)
-        if not directory:
+        path = self.sub.events_file(variant)
+        if not path:
             return None
         try:
-            found = [e for e in events.read(f"{directory.rstrip('/')}/run_files/{events.FILE}")
-                     if e.get("event") == "completed"]
+            found = [e for e in events.read(path) if e.get("event") == "completed"]
         except Exception:  # noqa: BLE001 - not readable from here: the trainer finds out (nothing to do)
             return None
         return found[-1] if found else None

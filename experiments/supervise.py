@@ -95,6 +95,7 @@ class Spec:
     clone_url: str | None = None  # setup clones the repo from here where it is missing (fresh disks)
     at_end: str | None = None  # "delete" or "keep" the TPU when the run ends; None: delete when state_mirror is set
     create_attempts: int | None = None  # refused creates in a row before giving up (None: never; wait instead)
+    events_file: str | None = None  # the run's events.jsonl beside its checkpoints (runtime/run_files.py), if readable
 
     @property
     def shape(self) -> Shape:
@@ -297,11 +298,24 @@ class Supervisor:
         self.clock.gone(at)
         self.sup.save()
 
+    def went(self, seen: float) -> float:
+        """When a TPU seen gone at `seen` went: when the trainer acted on its preemption (its
+        `preempted` event, beside the checkpoints: a supervisor started again after that sees it
+        only now), else `seen`."""
+        since = self.clock.record["ready_since"]
+        if since is None or not self.spec.events_file:
+            return seen
+        try:
+            noticed = [e.get("noticed") for e in events.read(self.spec.events_file) if e.get("event") == "preempted"]
+        except Exception:  # noqa: BLE001 - storage out of reach: what was seen stands
+            return seen
+        return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
+
     def step_towards_ready(self, state: str) -> None:
         """One action for a TPU that is not READY: create, delete + create, or nothing (wait)."""
         spec, target, shape = self.spec, self.spec.target, self.spec.shape
         if state != "UNKNOWN":
-            self.gone(time.time())
+            self.gone(self.went(time.time()))
         if spec.queued_resource:
             queued = queue_state(spec, self.run_gcloud)
             if queued in QUEUE_DEAD:
@@ -611,14 +625,20 @@ def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
 
 
 def composed(overrides: Sequence[str]):
-    """The validated Config that `pretrain_jax.py <overrides>` runs (UserError or Hydra's error if not)."""
+    """The validated Config that `pretrain_jax.py <overrides>` runs (UserError or Hydra's error if not).
+    `${hydra:...}` interpolations resolve as in the run (e.g. a checkpoint directory per experiment)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
     from runtime.config import register_schemas, validate
 
     register_schemas()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
     experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
     return validate(cfg, experiment)
 

@@ -433,7 +433,8 @@ def fake_plane(tmp_path: Path, **extra: str) -> tuple[Path, dict[str, str]]:
     env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
                FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
                FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
-               PODRUNNER_TPU_DEVICES="~/fake-accel*", **extra)
+               PODRUNNER_TPU_DEVICES="~/fake-accel*")
+    env.update(extra)
     return root, env
 
 

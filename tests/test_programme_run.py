@@ -186,3 +186,130 @@ def test_preflight_is_one_line_per_variant_and_commands_steer_the_queue(stub_pro
     record = stub_programme.ledger()["variants"]["exp08/ema0.995"]
     assert record["state"] == "failed" and record["line"] == "exp08/ema0.995: the stub's bad input"
     assert stub_programme.command("retry", "nope/x").returncode == 2
+
+
+# --- end to end: the real trainer on 2 fake slices of 2 workers x 4 CPU devices -------------------
+
+# Two data-scaling groups: every variant trains the same model (one compile for all) on its own set.
+E2E_VARIANTS = ["exp04a/puzzles100", "exp04a/puzzles250", "exp04a/puzzles500", "exp04b/aug10", "exp04b/aug100"]
+BAD = "exp04a/puzzles500"  # its dataset was never built: bad input, found on the workers
+E2E_STEPS = 16
+
+
+def e2e_overrides(bucket: Path) -> list[str]:
+    """Every variant scaled down to the tests' tiny model; metrics on the workers' own disks (lost
+    with a VM), checkpoints in the shared bucket, one directory per experiment."""
+    return ["arch=tiny_transformer", "arch.hidden=32", "arch.heads=2", "train.global_batch_size=16",
+            f"train.steps={E2E_STEPS}", "train.epochs=null", "train.eval_every_epochs=null",
+            "train.checkpoint_every_epochs=null", "train.log_every=1", "train.checkpoint_every=4",
+            f"train.eval_every={E2E_STEPS}", "optim.warmup_steps=2", "data.generate_if_missing=false",
+            "run.progress_bar=false", "run.wandb.mode=disabled", "run.root=outputs", "mesh=fsdp",
+            f"run.checkpoint.dir={bucket}/${{hydra:runtime.choices.experiment}}",
+            "distributed.initialization_timeout_s=60"]
+
+
+@pytest.mark.slow
+def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
+    import random
+
+    from helpers import read_jsonl, train, train_losses
+
+    seed = int.from_bytes(os.urandom(2), "big")
+    rng, seed_note = random.Random(seed), f"(random seed {seed})"
+    data, bucket = tmp_path / "data", tmp_path / "bucket"
+    data.mkdir()
+    for name in ("100-aug-1000", "250-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
+        (data / f"sudoku-extreme-{name}").symlink_to(sudoku_dir)
+    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4")
+    make_fake_workers(programme.root, 2, None, image=True)
+    overrides = e2e_overrides(bucket)
+    try:
+        r = programme.submit("--env", f"PODRUNNER_DATA={data}", "--poll-seconds", "0.2", variants=E2E_VARIANTS,
+                             slices=("s1", "s2"), overrides=tuple(overrides))
+        assert r.returncode == 0, r.stdout + r.stderr
+        controller = programme.start()
+
+        def running_on(slice_name: str) -> str | None:
+            return programme.ledger()["slices"][slice_name]["variant"]
+
+        def step_on(slice_name: str) -> int:
+            variant = running_on(slice_name)
+            rows = programme.root / slice_name / "worker-0" / "repo" / "outputs" / (variant or "-") / "metrics.jsonl"
+            return max((row["step"] for row in read_jsonl(rows)), default=0) if rows.exists() else 0
+
+        def tpu_state(slice_name: str) -> str | None:
+            with fake_tpu.control(programme.root) as state:
+                return state["tpus"].get(slice_name, {}).get("state")
+
+        # 1. a preemption at a random step of the first variant on s1
+        at = rng.randint(2, E2E_STEPS - 4)
+        wait_for(lambda: step_on("s1") >= at, timeout=300, what=f"step {at} on s1 {seed_note}", procs=[controller])
+        assert fake_tpu.preempt(programme.root, "s1"), "no trainer on s1"
+        # 2. another while the re-created s1 is still CREATING
+        wait_for(lambda: tpu_state("s1") == "CREATING", timeout=300, what="s1 re-created", procs=[controller])
+        fake_tpu.preempt(programme.root, "s1")
+        # 3. one during a checkpoint save on s2: at the trainer's "saving the checkpoint" line (not the last)
+        def saving_on_s2() -> bool:
+            logs = (programme.root / "s2" / "worker-0" / "podrunner-logs").glob("*/worker-*.log")
+            last = [log.read_text().rstrip().rsplit("\n", 1)[-1] for log in logs]
+            return any("saving the checkpoint of step" in line and f"step {E2E_STEPS} " not in line for line in last)
+        wait_for(saving_on_s2, timeout=300, what=f"a checkpoint save on s2 {seed_note}", procs=[controller],
+                 every=0.01)
+        assert fake_tpu.preempt(programme.root, "s2"), "no trainer on s2"
+        wait_for(lambda: programme.ledger()["slices"]["s2"]["clock"]["ready_since"] is None, timeout=300,
+                 what="the controller to see s2 preempted", procs=[controller])
+        # 4. the controller killed at a random point of a run, then started again
+        kill_at = rng.randint(1, E2E_STEPS - 2)
+        wait_for(lambda: any(running_on(s) and step_on(s) >= kill_at for s in ("s1", "s2")), timeout=300,
+                 what=f"a run at step {kill_at} {seed_note}", procs=[controller])
+        os.kill(controller.pid, signal.SIGKILL)
+        controller.wait()
+        restarted = programme.start()
+        out = restarted.communicate(timeout=600)[0]
+        assert restarted.returncode == 0, out[-6000:]
+    finally:
+        programme.close()
+
+    ledger = programme.ledger()
+    states = {v: r["state"] for v, r in ledger["variants"].items()}
+    assert states == {v: "failed" if v == BAD else "completed" for v in E2E_VARIANTS}, (states, seed_note)
+    assert "not found" in ledger["variants"][BAD]["line"] and ledger["variants"][BAD]["failure"] == "bad input"
+    # Each completed variant's metrics, from beside its checkpoints, equal an uninterrupted run's at every step.
+    monkeypatch.setenv("PODRUNNER_DATA", str(data))
+    for variant in E2E_VARIANTS:
+        if variant == BAD:
+            continue
+        reference = tmp_path / "reference" / variant
+        train([f"+experiment={variant}", *overrides, f"run.root={reference}", f"run.checkpoint.dir={reference}/ckpt"])
+        expected = train_losses(reference / variant)
+        assert sorted(expected) == list(range(1, E2E_STEPS + 1))
+        got = train_losses(bucket / variant / "run_files")
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (variant, seed_note)
+    # The ledger's pod time is the fake's READY time (x hosts).
+    billed = fake_tpu.ready_host_seconds(programme.root)
+    counted = sum(s["clock"]["host_seconds"] for s in ledger["slices"].values())
+    assert counted == pytest.approx(billed, rel=0.01), (counted, billed)
+    assert sum(r["host_seconds"] for r in ledger["variants"].values()) <= counted * 1.0001
+    assert sum(r["supervision"].get("preemptions", 0) for r in ledger["variants"].values()) >= 2
+
+
+def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
+    """`sweep --tpu` after a preemption: the first variant resumes on the slice re-created, and the
+    second runs (before: the first failed with 255 and the second on a TPU that was gone)."""
+    gate = tmp_path / "gate"
+    sweep = subprocess.Popen([sys.executable, str(LAUNCH), "sweep", "exp08", "--variants", "ema0.99,off", "--tpu", "t1",
+                              "--zone", ZONE, "--accelerator-type", "v4-16", "--runtime-version", "v2-alpha",
+                              "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--state-dir", str(tmp_path / "sweeps")],
+                             cwd=tmp_path, env=dict(stub_programme.env, STUB_GATE=str(gate)), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stub_programme.started.append(sweep)
+    home = stub_programme.root / "t1" / "worker-0"
+    wait_for(lambda: any(fake_tpu.is_trainer(cmd) for _, cmd in fake_tpu.vm_processes(home)), timeout=60,
+             what="the first variant's trainer", procs=[sweep])
+    assert fake_tpu.preempt(stub_programme.root, "t1")  # the stub dies on SIGTERM: no checkpoint, a hard stop
+    gate.touch()
+    out = sweep.communicate(timeout=120)[0]
+    assert sweep.returncode == 0, out[-4000:]
+    assert "exp08/ema0.99                completed" in out and "exp08/off                    completed" in out
+    verbs = [c[4] for c in gcloud_calls(tmp_path / "gcloud.jsonl") if c[4] in ("create", "delete")]
+    assert verbs == ["create", "delete", "create", "delete"], verbs  # re-created after the preemption; deleted at the end
