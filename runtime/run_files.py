@@ -4,7 +4,10 @@ Process 0 writes them into the output directory, on the worker's disk, which a p
 takes with it. So at every committed checkpoint (and when the run ends) they are copied to
 `<checkpoint dir>/run_files/`, on gs:// for pod runs; a relaunch that finds no metrics.jsonl of
 its own (a re-created VM's fresh disk) first copies them back, cut at the step it resumes from
-(rows after it are logged again). Nothing here stops a run: a copy that fails is one warning.
+(rows after it are logged again). Nothing here stops or holds up a run: the copies are made on a
+thread of their own (a storage outage stalls them, not the steps), the last one is waited for
+at most FINAL_WAIT_S (a preempted run must be gone within GCE's 30 s), and a copy that fails is
+one warning.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 from runtime.errors import one_line, storage_fault
 from runtime.events import FILE as EVENTS_FILE
@@ -20,6 +24,7 @@ from runtime.metrics_sinks import JSONL_NAME
 log = logging.getLogger("runtime")
 
 SYNCED = "run_files"
+FINAL_WAIT_S = 10.0
 FILES = (JSONL_NAME, EVENTS_FILE)
 WANDB_DIR = "wandb"
 
@@ -44,6 +49,9 @@ class RunFiles:
         self.off = _same(output_dir, checkpoint_dir)  # checkpoints inside the output directory: nothing to gain
         self.warned = False
         self.copied: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) when last copied
+        self._wanted = False  # a copy was asked for since the copier last looked
+        self._copier: threading.Thread | None = None  # running while copies are wanted
+        self._lock = threading.Lock()
 
     def local_files(self) -> list[str]:
         """metrics.jsonl, events.jsonl and every file under wandb/, relative to the output directory."""
@@ -53,9 +61,35 @@ class RunFiles:
         return found
 
     def sync(self) -> None:
-        """Copy what changed since the last copy."""
+        """Copy what changed since the last copy, on the copier thread (started on first use)."""
         if self.off:
             return
+        with self._lock:
+            self._wanted = True
+            if self._copier is None:
+                self._copier = threading.Thread(target=self._copy_while_wanted, name="run-files-copier", daemon=True)
+                self._copier.start()
+
+    def flush(self, timeout: float = FINAL_WAIT_S) -> None:
+        """Copy what changed, and wait for it up to `timeout` seconds (the run is ending)."""
+        self.sync()
+        copier = self._copier
+        if copier is not None:
+            copier.join(timeout)
+            if copier.is_alive():
+                log.warning("copying metrics and W&B files to %s did not finish within %gs; they are copied up "
+                            "to the last checkpoint before", self.target, timeout)
+
+    def _copy_while_wanted(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._copier = None
+                    return
+                self._wanted = False
+            self._copy()
+
+    def _copy(self) -> None:
         try:
             for rel in self.local_files():
                 st = os.stat(os.path.join(self.output_dir, rel))

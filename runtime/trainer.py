@@ -359,7 +359,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         finally:
             sinks.close(exit_code)
             if files:  # how it ended, beside the checkpoints too
-                files.sync()
+                files.flush()
 
 
 def output_dir_of(config: Config) -> str:

@@ -300,7 +300,7 @@ def test_run_files_go_beside_the_checkpoints_and_come_back_on_a_fresh_disk(tmp_p
     (out / "events.jsonl").write_text('{"event": "checkpoint", "step": 6}\n')
     (out / "wandb" / "offline-run-x" / "files").mkdir(parents=True)
     (out / "wandb" / "offline-run-x" / "run-x.wandb").write_bytes(b"\0wandb")
-    RunFiles(str(out), str(ckpt)).sync()
+    RunFiles(str(out), str(ckpt)).flush()
     fresh = tmp_path / "fresh"
     RunFiles(str(fresh), str(ckpt)).restore(6)
     assert [r["step"] for r in strict_json_lines(fresh / JSONL_NAME)] == [1, 2, 3, 4, 5, 6]
