@@ -590,9 +590,9 @@ def cmd_programme(args: argparse.Namespace) -> int:
         if args.verb in ("retry", "skip") and args.variant not in state.ledger["variants"]:
             raise UserError(f"programme {args.name} has no variant {args.variant!r}; `programme status {args.name}` "
                             "lists them")
-        state.command(args.verb, getattr(args, "variant", None))
-        print(f"{args.verb} {getattr(args, 'variant', '') or ''}: asked; the running controller does it now, or the "
-              "next `programme run` when none runs".replace("  ", " "))
+        state.command(args.verb, getattr(args, "variant", None), getattr(args, "hours", None))
+        what = " ".join(str(x) for x in (args.verb, getattr(args, "variant", None), getattr(args, "hours", None)) if x)
+        print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs")
         return 0
     except LeaseHeld as e:
         print(f"error: another controller runs programme {args.name}: {e}", file=sys.stderr)
@@ -686,6 +686,9 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
         q = verbs.add_parser(verb, help=text)
         common(q)
         q.add_argument("variant", metavar="GROUP/VARIANT")
+    q = verbs.add_parser("budget", help="set the budget (pod-hours); a budget-stopped queue goes on")
+    common(q)
+    q.add_argument("hours", type=float, metavar="HOURS")
     p.set_defaults(func=_user_errors(cmd_programme))
 
 

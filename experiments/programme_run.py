@@ -3,7 +3,7 @@ slices, each variant supervised, with a ledger of pod-hours, results and status
 (`launch.py programme submit | run | status | stop | retry | skip`).
 
 State: one directory per programme (default outputs/programmes/<name>/):
-  programme.json  what was submitted (variants in order, slices, budget, overrides); never changed
+  programme.json  what was submitted (variants in order, slices, budget, overrides); only the budget changes
   ledger.json     every variant's state, attempts, supervision record (experiments/supervise.py),
                   pod time, last step, result; every slice's READY clock; pod-hours over time
   controller.log  one `[programme] <UTC time> <event> key=value ...` line per event
@@ -48,7 +48,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import logging
 import os
 import shlex
 import sys
@@ -63,10 +62,7 @@ from experiments.gcloud import Target
 from runtime import events
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError
 
-STATE_ROOT = Path("outputs/programmes")
 QUEUED, RUNNING, COMPLETED, FAILED, SKIPPED = "queued", "running", "completed", "failed", "skipped"
-PERMANENT_STATUS = ("failed",)  # a supervisor's status for a permanent failure (its launch's class is one of PERMANENT)
-log = logging.getLogger("runtime")
 
 
 @dataclass
@@ -229,7 +225,7 @@ class State:
         self.ledger = {"variants": {v: new_variant(v, i, sub) for i, v in enumerate(sub.variants)},
                        "slices": {s: {"clock": {}, "variant": None} for s in sub.slices},
                        "history": [], "controller": {"status": "submitted"}}
-        _write(self.dir / "programme.json", json.dumps(asdict(sub), indent=1))
+        self.save_submission()
         self.save()
 
     def load(self, mirror: str | None = None) -> None:
@@ -285,13 +281,16 @@ class State:
             self.stream.write(line + "\n")
             self.stream.flush()
 
-    def command(self, verb: str, variant: str | None = None) -> Path:
+    def command(self, verb: str, variant: str | None = None, value: float | None = None) -> Path:
         """Leave a request for the controller (it applies it, now or when it next starts)."""
         folder = self.dir / "commands"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{time.time_ns()}-{verb}.json"
-        _write(path, json.dumps({"verb": verb, "variant": variant}))
+        _write(path, json.dumps({"verb": verb, "variant": variant, "value": value}))
         return path
+
+    def save_submission(self) -> None:
+        _write(self.dir / "programme.json", json.dumps(asdict(self.sub), indent=1))
 
     def commands(self) -> list[dict]:
         """The requests left since the last call (taken: each is applied once)."""
@@ -400,8 +399,8 @@ class Controller:
             planned = self.sub.planned_hours(variant) or 0.0
             if self.sub.budget is not None and self.spent_hours() + planned > self.sub.budget:
                 self.budget_line = (f"budget: {variant} not started: {self.spent_hours():.3f} pod-hours spent + "
-                                    f"{planned:.3f} planned > budget {self.sub.budget:g}; raise it (programme "
-                                    "submit again with --budget) to go on")
+                                    f"{planned:.3f} planned > budget {self.sub.budget:g}; to go on, raise it: "
+                                    f"launch.py programme budget {self.state.name} HOURS")
                 self.state.event("budget-stop", variant=variant, spent=f"{self.spent_hours():.3f}",
                                  planned=f"{planned:.3f}", budget=self.sub.budget)
                 return None
@@ -567,6 +566,11 @@ class Controller:
         self.state.event("command", verb=verb, variant=variant or "-")
         if verb == "stop":
             self.halt(Stop("stopped by `programme stop`: the running variants checkpointed", 0))
+            return
+        if verb == "budget":
+            with self.lock:
+                self.sub.budget, self.budget_line = command.get("value"), None
+                self.state.save_submission()
             return
         with self.lock:
             record = self.ledger["variants"].get(variant)

@@ -127,6 +127,9 @@ def test_the_budget_stops_the_queue_before_a_variant_that_would_exceed_it(stub_p
     assert "controller: budget" in status.stdout
     page = (stub_programme.state_dir / NAME / "status.html").read_text()
     assert "<table>" in page and "data:image/png;base64," in page
+    assert stub_programme.command("budget", "5").returncode == 0  # raised: the queue goes on
+    r = stub_programme.command("run")
+    assert r.returncode == 0 and stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed"}, r.stdout[-2000:]
 
 
 def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_programme, tmp_path):
