@@ -302,6 +302,14 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         return supervise.run_until_done(spec)
 
 
+def _add_tier(p: argparse.ArgumentParser) -> None:
+    """--spot / --reserved (neither: on demand) for the TPUs a command creates."""
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
+    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
+                      help="create it in a reservation")
+
+
 def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("supervise", help="keep a run going on a preemptible TPU until it completes",
                        description=cmd_supervise.__doc__, epilog="Training-script overrides go after `--`.")
@@ -312,10 +320,7 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", required=True, help="the run's fixed id (the same one to carry on after a restart)")
     p.add_argument("--accelerator-type", default=None, help="e.g. v4-64 (to create the TPU)")
     p.add_argument("--runtime-version", default=None, help="TPU software version, e.g. tpu-ubuntu2204-base")
-    tier = p.add_mutually_exclusive_group()
-    tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
-    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
-                      help="create it in a reservation")
+    _add_tier(p)
     p.add_argument("--queued-resource", default=None, metavar="ID",
                    help="create the TPU through this queued resource (waits while ACCEPTED/PROVISIONING)")
     p.add_argument("--max-restarts", type=int, default=10,
@@ -471,9 +476,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--project", default=None)
     p.add_argument("--accelerator-type", default=None, help="with --tpu: to re-create the slice, e.g. v4-64")
     p.add_argument("--runtime-version", default=None, help="with --tpu: to re-create the slice")
-    tier = p.add_mutually_exclusive_group()
-    tier.add_argument("--spot", dest="tier", action="store_const", const="spot")
-    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved")
+    _add_tier(p)
     p.add_argument("--poll-seconds", type=float, default=30.0, help="with --tpu: first wait while the slice is created")
     p.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
                    help="with --tpu: where the sweep's programme keeps its state (default: %(default)s)")
@@ -655,9 +658,7 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--project", default=None)
     q.add_argument("--accelerator-type", required=True, help="e.g. v4-64 (to create the slices)")
     q.add_argument("--runtime-version", required=True, help="TPU software version, e.g. tpu-ubuntu2204-base")
-    tier = q.add_mutually_exclusive_group()
-    tier.add_argument("--spot", dest="tier", action="store_const", const="spot")
-    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved")
+    _add_tier(q)
     q.add_argument("--queued", action="store_true", help="create each slice through a queued resource <slice>-qr")
     q.add_argument("--budget", type=float, default=None, help="pod-hours: no variant starts past it (needs --plan)")
     q.add_argument("--plan", default=None, metavar="CSV", help="the CSV of `launch.py plan` (planned pod-hours)")
