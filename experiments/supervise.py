@@ -411,8 +411,8 @@ class Supervisor:
         if code != 0 and not seen.completed:
             looked = time.time()
             state_after = tpu_state(spec, self.run_gcloud)[0]
-            if state_after not in (READY, "UNKNOWN"):  # it went when the trainer heard of it, if it did
-                self.gone(min(looked, (seen.preempted or {}).get("noticed") or looked))
+            if state_after not in (READY, "UNKNOWN"):  # it went when a worker was told to stop, if one said so
+                self.gone(min(looked, seen.stopped_at() or looked))
         outcome = classify(code, seen, state_after)
         why = cause(code, outcome, seen)
         sup.data["launches"].append({"started": started, "ended": time.time(), "code": code, "outcome": outcome,
@@ -533,6 +533,7 @@ class LaunchEvents:
         self.completed: dict | None = None
         self.preempted: dict | None = None
         self.failures: list[dict] = []
+        self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/worker/once.py)
 
     def line(self, line: str) -> None:
         event = events.parse(line)
@@ -549,6 +550,12 @@ class LaunchEvents:
             self.preempted = event
         elif kind == "failed":
             self.failures.append(event)
+        elif kind == "sigterm" and isinstance(event.get("time"), (int, float)):
+            self.sigterm = min(event["time"], self.sigterm or event["time"])
+
+    def stopped_at(self) -> float | None:
+        """When the workers were told to stop: a launch guard's SIGTERM, else the trainer's `preempted`."""
+        return self.sigterm or (self.preempted or {}).get("noticed")
 
     def failure(self) -> dict | None:
         """The cause: a process's own failure rather than the others' "a peer was lost"."""

@@ -16,10 +16,14 @@ The first run:
   - copies LOG to stdout as it grows until the trainer ends, records its exit code in the claim
     and exits with it. It outlives SIGTERM, SIGHUP and a stdout that is gone (a VM shutdown
     signals every process; the trainer saves its checkpoint meanwhile): the exit code is
-    recorded whenever the trainer ends first.
+    recorded whenever the trainer ends first. The first SIGTERM is said at once, as an event of
+    the guard's own, `sigterm` (time, host): when the worker was told to stop (a preemption's
+    shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
+    comes after the agreed step and the save), for a launcher that counts READY time.
 """
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -32,6 +36,12 @@ from runtime.events import TAG as EVENT_TAG  # standard library only, like this
 
 POLL_S = 0.1
 EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
+_told = {"sigterm": None}  # when the first SIGTERM came (the handler only notes it; `follow` says it)
+
+
+def _note_sigterm(_sig, _frame):
+    if _told["sigterm"] is None:
+        _told["sigterm"] = time.time()
 
 
 def say(text):
@@ -64,7 +74,7 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
-def follow(log, offset, done, replay_events_from=None):
+def follow(log, offset, done, replay_events_from=None, host=""):
     """Copy LOG from `offset` to stdout until `done()` and nothing more is written. A re-run first
     replays the launch's events from `replay_events_from` (what the launcher may have missed)."""
     if replay_events_from is not None:
@@ -72,8 +82,12 @@ def follow(log, offset, done, replay_events_from=None):
             f.seek(replay_events_from)
             chunk = f.read(max(0, offset - replay_events_from)).decode(errors="replace")
         say("".join(line + "\n" for line in chunk.splitlines() if EVENT_TAG in line or START_TAG in line))
-    talking = True
+    talking, said = True, False
     while True:
+        if _told["sigterm"] is not None and not said:
+            said = True
+            talking = say(EVENT_TAG + json.dumps({"event": "sigterm", "time": round(_told["sigterm"], 3),
+                                                  "host": host}) + "\n") and talking
         finished = done()
         with open(log, "rb") as f:
             f.seek(offset)
@@ -88,8 +102,9 @@ def follow(log, offset, done, replay_events_from=None):
 
 
 def first_run(args, claim):
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # see the module docstring
+    for sig in (signal.SIGHUP, signal.SIGINT):  # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _note_sigterm)
     env = dict(os.environ)
     if args.secrets:
         try:
@@ -107,7 +122,7 @@ def first_run(args, claim):
         except OSError as e:
             return record(claim, 2, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
     write_atomically(os.path.join(claim, PID_FILE), str(trainer.pid))
-    follow(args.log, offset, lambda: trainer.poll() is not None)
+    follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
     code = trainer.returncode if trainer.returncode >= 0 else 128 - trainer.returncode
     return record(claim, code)
 
