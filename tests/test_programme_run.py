@@ -194,7 +194,7 @@ def test_preflight_is_one_line_per_variant_and_commands_steer_the_queue(stub_pro
 # --- end to end: the real trainer on 2 fake slices of 2 workers x 4 CPU devices -------------------
 
 # Two data-scaling groups: every variant trains the same model (one compile for all) on its own set.
-E2E_VARIANTS = ["exp04a/puzzles100", "exp04a/puzzles250", "exp04a/puzzles500", "exp04b/aug10", "exp04b/aug100"]
+E2E_VARIANTS = ["exp04a/puzzles100", "exp04a/puzzles500", "exp04b/aug10", "exp04b/aug100"]
 BAD = "exp04a/puzzles500"  # its dataset was never built: bad input, found on the workers
 E2E_STEPS = 16
 
@@ -221,7 +221,7 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     rng, seed_note = random.Random(seed), f"(random seed {seed})"
     data, bucket = tmp_path / "data", tmp_path / "bucket"
     data.mkdir()
-    for name in ("100-aug-1000", "250-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
+    for name in ("100-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
         (data / f"sudoku-extreme-{name}").symlink_to(sudoku_dir)
     programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4")
     make_fake_workers(programme.root, 2, None, image=True)
