@@ -322,3 +322,30 @@ def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
     assert "exp08/ema0.99                completed" in out and "exp08/off                    completed" in out
     verbs = [c[4] for c in gcloud_calls(tmp_path / "gcloud.jsonl") if c[4] in ("create", "delete")]
     assert verbs == ["create", "delete", "create", "delete"], verbs  # re-created after the preemption; deleted at the end
+
+
+def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, monkeypatch):
+    """wandb.alert (W&B online only): on a variant failed for good, and on a controller that stops
+    on a failure. In process, the supervision replaced by its outcome."""
+    from experiments import programme_run, supervise
+
+    sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
+                                   runtime_version="v", overrides=["run.wandb.mode=online"])
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert programme_run.Alerts(sub).online and not programme_run.Alerts(
+        programme_run.Submission(**{**sub.__dict__, "overrides": []})).online
+    state = programme_run.State(tmp_path / NAME)
+    state.create(sub)
+    alerts: list[tuple[str, str]] = []
+    controller = programme_run.Controller(state, alert=lambda title, text: alerts.append((title, text)))
+
+    def fails_for_good(self) -> int:
+        self.sup.data["launches"].append({"outcome": "fatal", "cause": "bad input", "line": "error: bad data"})
+        return self.finish("failed", 2, line="error: bad data", cause="'bad input'")
+    monkeypatch.setattr(supervise.Supervisor, "run", fails_for_good)
+    assert controller.take("s1") == EMA[0]
+    controller.run_variant(EMA[0], "s1")
+    assert alerts == [(f"{NAME}: {EMA[0]} failed", "error: bad data")]
+    assert state.ledger["variants"][EMA[0]]["state"] == "failed"
+    controller.halt(programme_run.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
+    assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
