@@ -25,20 +25,24 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from runtime.config import register_schemas, validate  # noqa: E402
-from runtime.errors import EXIT_FAILURE, UserError, config_error  # noqa: E402
+from runtime import events  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_PREEMPTED, UserError, config_error, one_line  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 register_schemas()
 
 
 def _exit(code: int) -> None:
-    """Exit with `code`. A failed run leaves at once (after its own cleanup, already done):
-    a normal exit would wait for background threads (Orbax/tensorstore retrying a dead
-    storage endpoint) and, in a multi-process job, in JAX's shutdown barrier for peers that
-    may never arrive. The other processes of a pod hear of it first (runtime/liveness.py)."""
+    """Exit with `code`. A failed or preempted run leaves at once (after its own cleanup, already
+    done): a normal exit would wait for background threads (Orbax/tensorstore retrying a dead
+    storage endpoint, W&B's exit hook on a service a VM shutdown killed) and, in a multi-process
+    job, in JAX's shutdown barrier for peers that may never arrive. The other processes of a pod
+    hear of it first (runtime/liveness.py); a preempted one leaves like a finished one."""
     from runtime import liveness
 
-    liveness.leave(code)
+    if code not in (0, EXIT_PREEMPTED):  # said already where it failed; else its code at least
+        events.failed(code, f"exited with code {code}; the log above says why")
+    liveness.leave(0 if code == EXIT_PREEMPTED else code)
     if code:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -81,6 +85,7 @@ def _user_error(e: UserError) -> None:
 
     end_progress_bars()  # a dataset build's bar cut short: the line starts a line of its own
     print(f"error: {e}", file=sys.stderr, flush=True)
+    events.failed(e.exit_code, str(e), events.failure_of(e))
     _exit(e.exit_code)
 
 
@@ -102,9 +107,10 @@ def _hydra_main(cfg: DictConfig) -> None:
             code = run(config)
     except UserError as e:  # exit here: Hydra would add its own line to a raised exception
         _user_error(e)
-    except Exception:
+    except Exception as e:
         _failing()
         traceback.print_exc()
+        events.failed(EXIT_FAILURE, one_line(e), events.failure_of(e))
         _exit(EXIT_FAILURE)
     if code:
         _exit(code)
@@ -120,6 +126,7 @@ def main() -> None:
         if error is None:
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
+        events.failed(error.exit_code, str(error))
         sys.exit(error.exit_code)
 
 

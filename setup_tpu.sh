@@ -7,9 +7,15 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")" && pwd)"
 VENV="${VENV:-$REPO/.venv}"
-PYTHON="${PYTHON:-python3}"
+# shellcheck source=scripts/find_python.sh
+. "$REPO/scripts/find_python.sh"
 
-[ -d "$VENV" ] || "$PYTHON" -m venv "$VENV"
+# A .venv of a Python that does not fit (an earlier setup with the image's 3.10) is made again.
+if [ -x "$VENV/bin/python" ] && ! fits "$VENV/bin/python"; then rm -rf "$VENV"; fi
+if [ ! -d "$VENV" ]; then
+  PY="$(find_python)" || { echo "setup_tpu.sh: no Python >= 3.11 here, and uv could not install one" >&2; exit 1; }
+  "$PY" -m venv "$VENV"
+fi
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e "$REPO[tpu]"
 
@@ -52,4 +58,6 @@ if kind:
         sys.exit(f"setup_tpu.sh: jax sees {len(devices)} local TPU devices, a {kind} worker has {expected}; "
                  "stop stale processes (`launch.py stop`) and check the TPU VM's health")
 PY
+# Every pinned package at its pin and importable (a pip that failed half-way leaves a .venv that is not).
+"$VENV/bin/python" -m experiments.worker.versions "$(hostname)" --imports
 echo "setup_tpu.sh: ok"

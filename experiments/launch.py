@@ -13,6 +13,9 @@
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
     python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
     python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--csv PATH] [-- overrides]
+    python experiments/launch.py programme submit NAME GROUP|all ... --slice S [--slice S2] --zone Z \
+        --accelerator-type v4-64 --runtime-version V [--spot] [--budget H --plan CSV] [--run] -- overrides
+    python experiments/launch.py programme run|status|stop NAME;  programme retry|skip NAME GROUP/VARIANT
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -35,7 +38,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments import pod  # noqa: E402
 from experiments.local_pod import run_local_pod  # noqa: E402
-from runtime.errors import EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
 from runtime.ranges import Rule, above, at_least, check_args, within  # noqa: E402
 
 # Ranges of every subcommand's numeric options (as runtime/config.py's _RULES for the Hydra
@@ -51,6 +54,11 @@ _RULES: dict[str, dict[str, Rule]] = {
                   "--poll-seconds": (above(0), ""), "--storage-backoff-seconds": (at_least(0), ""),
                   "--stop-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
     "plan": {"--jobs": (at_least(1), "compile processes")},
+    "sweep": {"--poll-seconds": (above(0), "")},
+    "programme": {"--budget": (at_least(0), "pod-hours"), "hours": (at_least(0), "pod-hours"),
+                  "--max-restarts": (at_least(0), "0 = stop at the first failure"), "--poll-seconds": (above(0), ""),
+                  "--backoff-seconds": (at_least(0), ""), "--stop-grace": (at_least(0), "0 = SIGKILL at once"),
+                  "--create-attempts": (at_least(1), ""), "--infra-streak": (at_least(1), "")},
 }
 
 
@@ -220,13 +228,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     Prints what was killed per worker; exit 0 also when nothing was running. Use after a crash
     or an interrupted run ("TPU already in use")."""
     _no_overrides(args)
-    return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run)
+    return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run, repo_dir=args.repo_dir)
 
 
 def _add_stop(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="kill stale training processes on every worker, free the TPU",
                        description=cmd_stop.__doc__)
-    _add_target(p, repo=False)
+    _add_target(p)
     p.add_argument("--grace", type=float, default=0.0,
                    help="send SIGTERM first and wait this many seconds before SIGKILL (default: 0)")
     p.set_defaults(func=cmd_stop)
@@ -293,7 +301,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         queued_resource=args.queued_resource, max_restarts=args.max_restarts, repo_dir=args.repo_dir,
         log_dir=args.log_dir, env=dict(args.env), forward_env=args.forward_env, poll_s=args.poll_seconds,
         max_poll_s=max(args.poll_seconds, 300.0), storage_backoff_s=args.storage_backoff_seconds,
-        stop_grace_s=args.stop_grace, clone_url=args.clone_url)
+        stop_grace_s=args.stop_grace, clone_url=args.clone_url, at_end=args.at_end)
     with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
         if args.ship:  # packed once: every relaunch runs the same tree, whatever is edited meanwhile
             try:
@@ -304,7 +312,17 @@ def cmd_supervise(args: argparse.Namespace) -> int:
             sys.stdout.write(supervise.dry_run(spec))
             return 0
         spec.state_mirror = supervise.state_mirror(args.overrides)[0]
+        if spec.state_mirror:  # the trainer's events beside the checkpoints: when a preemption hit, if it did
+            spec.events_file = spec.state_mirror.rsplit("/", 1)[0] + "/run_files/events.jsonl"
         return supervise.run_until_done(spec)
+
+
+def _add_tier(p: argparse.ArgumentParser) -> None:
+    """--spot / --reserved (neither: on demand) for the TPUs a command creates."""
+    tier = p.add_mutually_exclusive_group()
+    tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
+    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
+                      help="create it in a reservation")
 
 
 def _add_supervise(sub: argparse._SubParsersAction) -> None:
@@ -317,10 +335,7 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-id", required=True, help="the run's fixed id (the same one to carry on after a restart)")
     p.add_argument("--accelerator-type", default=None, help="e.g. v4-64 (to create the TPU)")
     p.add_argument("--runtime-version", default=None, help="TPU software version, e.g. tpu-ubuntu2204-base")
-    tier = p.add_mutually_exclusive_group()
-    tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
-    tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
-                      help="create it in a reservation")
+    _add_tier(p)
     p.add_argument("--queued-resource", default=None, metavar="ID",
                    help="create the TPU through this queued resource (waits while ACCEPTED/PROVISIONING)")
     p.add_argument("--max-restarts", type=int, default=10,
@@ -340,6 +355,10 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clone-url", default=None, metavar="URL",
                    help="setup clones the repo from URL into --repo-dir where it is missing: a TPU re-created after "
                         "a preemption has fresh disks (default: none; the repo must already be there)")
+    p.add_argument("--at-end", choices=("delete", "keep"), default=None,
+                   help="when the run has ended (completed, failed for good, given up): delete the TPU or keep it "
+                        "(default: delete when the checkpoints are on gs://, where nothing is lost with the VM, else "
+                        "keep)")
     _add_ship_options(p)
     p.add_argument("--status", action="store_true", help="print the run's supervision history and exit")
     p.add_argument("--dry-run", action="store_true", help="print the gcloud commands for each TPU state and exit")
@@ -402,11 +421,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every variant of GROUP (or --variants), each its own run (<run.root>/<group>/<variant>).
     --local: scaled down for this machine (experiments/local_scale.yaml; runs under outputs/local)
     as one Hydra multirun, `pretrain_jax.py -m +experiment=local/<group>/<v1>,...`
-    (experiments/sweep.py). --tpu/--zone: one `pod` run per variant, one after another, each with
-    its own run id on all workers of the slice. A failed variant does not stop the sweep; every
-    job's exit code is printed, and the exit code is the first non-zero one. Overrides after `--`
-    go to every variant (a Hydra sweep there, e.g. train.seed=0,1, multiplies the jobs of a local
-    sweep). Then: `launch.py analyze GROUP`."""
+    (experiments/sweep.py). --tpu/--zone: the variants as a programme on that one slice
+    (experiments/programme_run.py, named sweep-<group>-<tpu>): each supervised, resumed after a
+    preemption on the slice re-created (--accelerator-type, --runtime-version), one after another;
+    the same command again carries a stopped sweep on. A failed variant does not stop the sweep;
+    every job's result is printed, and the exit code is 0 only when all completed (local: the first
+    non-zero one). Overrides after `--` go to every variant (a Hydra sweep there, e.g.
+    train.seed=0,1, multiplies the jobs of a local sweep). Then: `launch.py analyze GROUP`."""
     from experiments import sweep
 
     chosen = _sweep_variants(args)
@@ -415,20 +436,47 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.local:
         results = [(j.run, j.code) for j in sweep.run_local(args.group, chosen, Path(args.root), args.overrides,
                                                             dry_run=args.dry_run)]
-    else:
+    elif args.dry_run:
         if not args.zone:
             raise pod.PodError("--tpu needs --zone")
-        results = []
-        for variant in chosen:
-            code = pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
-                                  [f"+experiment={args.group}/{variant}", *args.overrides],
-                                  repo_dir=args.repo_dir, run_id=None, log_dir=pod.DEFAULT_LOG_DIR, env=dict(args.env),
-                                  forward_env=args.forward_env, dry_run=args.dry_run, interrupt_grace=30.0,
-                                  leave_running=False)
-            results.append((variant, code))
+        results = [(variant, pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
+                                            [f"+experiment={args.group}/{variant}", *args.overrides],
+                                            repo_dir=args.repo_dir, env=dict(args.env), forward_env=args.forward_env,
+                                            dry_run=True)) for variant in chosen]
+    else:
+        return _sweep_on_tpu(args, chosen)
     if not args.dry_run:
         print("\n".join(f"  {args.group}/{name:<20} exit {code}" for name, code in results))
     return next((c for _, c in results if c), 0)
+
+
+def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
+    """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
+    from experiments import programme_run
+
+    if not (args.zone and args.accelerator_type and args.runtime_version):
+        raise pod.PodError("sweep --tpu needs --zone, and --accelerator-type and --runtime-version to re-create the "
+                           "slice after a preemption")
+    directory = Path(args.state_dir) / f"sweep-{args.group}-{args.tpu}"
+    if not (directory / "programme.json").exists():
+        sub = programme_run.Submission(
+            name=directory.name, variants=[f"{args.group}/{v}" for v in chosen], slices=[args.tpu], zone=args.zone,
+            project=args.project, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
+            tier=args.tier, overrides=args.overrides, env=dict(args.env), forward_env=args.forward_env,
+            repo_dir=args.repo_dir, poll_s=args.poll_seconds)
+        problems = programme_run.preflight(sub)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
+            return EXIT_USER_ERROR
+        programme_run.State(directory).create(sub)
+    code = programme_run.run(directory)
+    state = programme_run.State(directory)
+    state.load()
+    records = state.ledger["variants"]
+    print("\n".join(f"  {name:<28} {r['state']}" + (f": {r['line']}" if r.get("line") else "")
+                    for name, r in records.items()))
+    return code or (0 if all(r["state"] == programme_run.COMPLETED for r in records.values()) else EXIT_FAILURE)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -438,9 +486,15 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--local", action="store_true", help="scaled down on this machine")
     p.add_argument("--root", default="outputs/local", help="run.root of --local runs (default: %(default)s)")
-    p.add_argument("--tpu", default=None, help="TPU VM name (a pod run per variant)")
+    p.add_argument("--tpu", default=None, help="TPU VM name (the variants supervised there, one after another)")
     p.add_argument("--zone", default=None)
     p.add_argument("--project", default=None)
+    p.add_argument("--accelerator-type", default=None, help="with --tpu: to re-create the slice, e.g. v4-64")
+    p.add_argument("--runtime-version", default=None, help="with --tpu: to re-create the slice")
+    _add_tier(p)
+    p.add_argument("--poll-seconds", type=float, default=30.0, help="with --tpu: first wait while the slice is created")
+    p.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
+                   help="with --tpu: where the sweep's programme keeps its state (default: %(default)s)")
     p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="pod runs: extra environment variable on every worker (e.g. PODRUNNER_DATA=gs://B/data)")
@@ -519,6 +573,141 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+# --- the whole programme, unattended (experiments/programme_run.py) -----------------------------------
+
+def _programme_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir) / args.name
+
+
+def cmd_programme(args: argparse.Namespace) -> int:
+    """A durable queue of the programme's variants on one or more preemptible TPU slices, each run
+    supervised, with a ledger of pod-hours, results and status (experiments/programme_run.py).
+    submit: the groups (or all), a subset of --variants, the slices, a --budget in pod-hours (with
+    the plan's --plan CSV) and the --order; a preflight composes every variant first. run: the
+    controller (one at a time; run it again after any stop to carry on, here or on another
+    machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
+    running variants checkpoint and the controller ends. retry / skip a variant."""
+    from experiments import programme_run, programme_status
+    from runtime.errors import UserError
+    from runtime.lease import LeaseHeld
+
+    directory = _programme_dir(args)
+    try:
+        if args.verb == "submit":
+            return _programme_submit(args, directory)
+        if args.verb == "run":
+            return programme_run.run(directory, args.mirror)
+        state = programme_run.State(directory)
+        state.load(args.mirror)
+        if args.verb == "status":
+            sys.stdout.write(programme_status.text(state.sub, state.ledger))
+            page = Path(args.html) if args.html else directory / "status.html"
+            page.write_text(programme_status.page(state.sub, state.ledger))
+            print(f"(the picture: {page})")
+            return 0
+        if args.verb in ("retry", "skip") and args.variant not in state.ledger["variants"]:
+            raise UserError(f"programme {args.name} has no variant {args.variant!r}; `programme status {args.name}` "
+                            "lists them")
+        state.command(args.verb, getattr(args, "variant", None), getattr(args, "hours", None))
+        what = " ".join(str(x) for x in (args.verb, getattr(args, "variant", None), getattr(args, "hours", None)) if x)
+        print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs")
+        return 0
+    except LeaseHeld as e:
+        print(f"error: another controller runs programme {args.name}: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
+    from experiments import programme_run
+
+    if (directory / "programme.json").exists():
+        raise pod.PodError(f"programme {args.name} exists at {directory}; `programme run {args.name}` carries it on "
+                           "(or submit under another name)")
+    if not args.slice:
+        raise pod.PodError("give the slices to run on: --slice NAME (one or more)")
+    variants = programme_run.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
+    planned = programme_run.read_plan(Path(args.plan)) if args.plan else {}
+    if args.order == "cheapest":
+        variants.sort(key=lambda v: (planned.get(v) or {}).get("pod_hours") or float("inf"))
+    sub = programme_run.Submission(
+        name=args.name, variants=variants, slices=args.slice, zone=args.zone, project=args.project,
+        accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
+        queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
+        forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
+        max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
+        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
+    problems = programme_run.preflight(sub)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_USER_ERROR
+    state = programme_run.State(directory)
+    state.create(sub)
+    state.event("submitted", variants=len(variants), slices=",".join(sub.slices), state=directory)
+    return programme_run.run(directory, args.mirror) if args.run else 0
+
+
+def _add_programme(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("programme", help="run the whole programme unattended: a queue of variants on TPU slices",
+                       description=cmd_programme.__doc__)
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("name", metavar="NAME", help="the programme's name (its state: <state-dir>/NAME)")
+        q.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
+                       help="where programmes keep their state (default: %(default)s)")
+        q.add_argument("--mirror", default=None, metavar="URI",
+                       help="the state's copy, e.g. gs://BUCKET/programmes/NAME (submit: kept in sync; run, status: "
+                            "read from it when this machine has no state, i.e. to take over)")
+
+    q = verbs.add_parser("submit", help="queue groups' variants (a preflight first)", epilog="Overrides go after `--`.")
+    common(q)
+    q.add_argument("groups", nargs="+", metavar="GROUP", help="group names, or all")
+    q.add_argument("--variants", default=None, help="only these (group/variant or variant, comma-separated)")
+    q.add_argument("--slice", action="append", default=[], metavar="TPU",
+                   help="a TPU VM slice to run on (repeatable: one variant per slice at a time, in parallel)")
+    q.add_argument("--zone", required=True)
+    q.add_argument("--project", default=None)
+    q.add_argument("--accelerator-type", required=True, help="e.g. v4-64 (to create the slices)")
+    q.add_argument("--runtime-version", required=True, help="TPU software version, e.g. tpu-ubuntu2204-base")
+    _add_tier(q)
+    q.add_argument("--queued", action="store_true", help="create each slice through a queued resource <slice>-qr")
+    q.add_argument("--budget", type=float, default=None, help="pod-hours: no variant starts past it (needs --plan)")
+    q.add_argument("--plan", default=None, metavar="CSV", help="the CSV of `launch.py plan` (planned pod-hours)")
+    q.add_argument("--order", choices=("plan", "cheapest"), default="plan",
+                   help="plan: the groups and variants in order (default); cheapest: fewest planned pod-hours first")
+    q.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
+    q.add_argument("--clone-url", default=None, metavar="URL", help="as supervise: the repo for fresh disks")
+    q.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE")
+    q.add_argument("--forward-env", action="append", default=[], metavar="NAME")
+    q.add_argument("--max-restarts", type=int, default=10, help="per variant (default: %(default)s)")
+    q.add_argument("--poll-seconds", type=float, default=30.0)
+    q.add_argument("--backoff-seconds", type=float, default=120.0)
+    q.add_argument("--stop-grace", type=float, default=30.0)
+    q.add_argument("--create-attempts", type=int, default=3,
+                   help="refused creates in a row before a variant gives its slice up (default: %(default)s)")
+    q.add_argument("--infra-streak", type=int, default=3,
+                   help="the same infrastructure failure ending this many variants in a row stops the controller "
+                        "(default: %(default)s)")
+    q.add_argument("--run", action="store_true", help="then run the controller here")
+    for verb, text in (("run", "run the controller (until nothing is left; again to carry on)"),
+                       ("status", "the table, and the status page with its picture"),
+                       ("stop", "the running variants checkpoint, the controller ends")):
+        common(verbs.add_parser(verb, help=text))
+    verbs.choices["status"].add_argument("--html", default=None, help="the page (default: <state>/status.html)")
+    for verb, text in (("retry", "queue a failed or skipped variant again"), ("skip", "do not run a variant")):
+        q = verbs.add_parser(verb, help=text)
+        common(q)
+        q.add_argument("variant", metavar="GROUP/VARIANT")
+    q = verbs.add_parser("budget", help="set the budget (pod-hours); a budget-stopped queue goes on")
+    common(q)
+    q.add_argument("hours", type=float, metavar="HOURS")
+    p.set_defaults(func=_user_errors(cmd_programme))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
@@ -534,6 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_analyze(sub)
     _add_plan(sub)
+    _add_programme(sub)
     return parser
 
 

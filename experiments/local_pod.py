@@ -10,6 +10,7 @@ Secrets (WANDB_API_KEY, HF_TOKEN, ...) reach the processes only through their en
 
 Exit-code policy of `run_local_pod` (shell conventions):
   0          every process exited 0.
+  8          every process exited 0 or 8 (preempted with its checkpoint saved: all stop together).
   c > 0      the first process seen failing exited with code c; the others were SIGKILLed.
   128 + s    the first process seen failing was killed by signal s (e.g. 137 for SIGKILL),
              or the launcher itself got signal s (130 for SIGINT, 143 for SIGTERM)
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Sequence, TextIO
 
-from runtime.errors import EXIT_SIGNAL_BASE, EXIT_TIMEOUT
+from runtime.errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE, EXIT_TIMEOUT
 
 POLL_S = 0.05  # how often the supervisor loop looks at the children
 READER_JOIN_S = 5.0  # bound on waiting for output pumps after the children are gone
@@ -270,15 +271,15 @@ def _supervise(pod: _Pod, interrupts: _Interrupts, timeout: float | None,
             pod.say(f"interrupted ({codes})")
             return EXIT_SIGNAL_BASE + interrupts.signals[0]
         codes = [p.poll() for p in pod.procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
         if failed:
             i, code = failed[0]
             pod.kill_all()
             pod.join_pumps()  # so the message below comes after the failing process's output
             pod.say(f"process {i} failed ({describe(code)}); killed the others")
             return exit_code_of(code)
-        if all(c == 0 for c in codes):
-            return 0
+        if all(c in (0, EXIT_PREEMPTED) for c in codes):
+            return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
         if deadline is not None and time.monotonic() > deadline:
             pod.kill_all()
             pod.join_pumps()

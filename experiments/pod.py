@@ -3,6 +3,7 @@
 Why one ssh: a per-worker loop can leave some workers unstarted (one ssh fails, the loop is
 interrupted), and a JAX job with a missing process hangs at the coordinator. gcloud starts the
 command on all workers at once and fails if any of them fails; the launcher exits with its code.
+Every gcloud command line is built in experiments/gcloud.py.
 
 Operations (CLI in experiments/launch.py):
   pod     run pretrain_jax.py on all workers with one shared run id; log per worker and locally
@@ -10,6 +11,8 @@ Operations (CLI in experiments/launch.py):
           commit and package versions across workers: a mismatch is an error
   stop    kill this login's stale training processes and TPU holders, remove the libtpu lockfile
   status  per worker: training process alive, pid, elapsed, last step, newest log file
+The programs that run on the workers are modules, `python -m experiments.worker.<tool>`, run from
+the repo on the worker (experiments/worker/).
 
 Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
 value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
@@ -20,18 +23,21 @@ whole argv to its own log file, and a remote `bash -c` command line is world-rea
 /proc/<pid>/cmdline for the whole run. Nor on ssh's stdin: with --worker=all gcloud runs one ssh
 per worker, all reading gcloud's one stdin, so only one worker would get the bytes. Instead
 `gcloud ... scp --worker=all` copies a 0600 file (written in a private temporary directory here,
-deleted right after) to ~/.podrunner-secrets-<random> on every worker; the run's command sources
-it in the subshell that then execs python, removes it at once (and at exit, whatever happens),
-so the values live only in python's environment (/proc/<pid>/environ: the user's own). Every
-print, the dry run and the local logs name the secrets, never their values. `stop` removes the
-file a failed launch left behind.
+deleted right after) to ~/.podrunner-secrets-<random> on every worker; the launch guard there
+(experiments/worker/once.py) reads and removes it and puts the values into the trainer's
+environment alone (/proc/<pid>/environ: the user's own). Every print, the dry run and the local
+logs name the secrets, never their values. `stop` removes the file a failed launch left behind.
+
+A launch runs once per worker whatever gcloud does: it re-runs an ssh command that ended with 255
+(a dropped connection), and the guard makes that re-run follow the launch already running (or
+finished) there instead of starting a second trainer (experiments/worker/once.py).
 
 Run ids: `--run-id ID` (or a run.id= override) is fixed: passed as run.id=ID, so the trainer
 refuses to resume a checkpoint written under another id (exit 2). Without one, a new id is only
-proposed (PODRUNNER_RUN_ID): a fresh run takes it, a resumed run keeps its checkpoint's id. The
-trainer prints the id it uses (`run id X (why)`); when that is not the launch's id the launcher
-says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and on the workers) are filed
-under the launch's id.
+proposed (PODRUNNER_RUN_ID): a fresh run takes it, a resumed run keeps its checkpoint's. The
+trainer's `started` event names the id it uses (runtime/events.py); when that is not the
+launch's id the launcher says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and
+on the workers) are filed under the launch's id.
 
 Shipping (`pod --ship`, experiments/ship.py): the local working tree is packed, copied with one
 `scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker and
@@ -39,14 +45,13 @@ run there with the repo's .venv (`shipped_steps`); PODRUNNER_SHIPPED_TREE carrie
 and its diff from HEAD to the run's manifest. Without it the workers run their checkout and the
 launcher warns when their commits differ.
 
-gcloud's `--worker=all` output is interleaved; the remote helpers of `setup` and `status` print
-one tagged line per worker (`podrunner-versions {json}`, `podrunner-status {json}`), found
-anywhere in a line so that a prefix added by gcloud does not matter.
+gcloud's `--worker=all` output is interleaved; the workers' programs print one tagged line each
+(`podrunner-versions {json}`, `podrunner-status {json}`, the trainer's `podrunner-event {json}`),
+found anywhere in a line so that a prefix added by gcloud does not matter.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import json
 import os
@@ -63,9 +68,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
+from experiments import gcloud
+from experiments.gcloud import PodError, Target
 from experiments.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
-from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED
+from experiments.worker import START_TAG, STATUS_TAG, VERSIONS_TAG
+from runtime import events
+from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
+
+__all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_MB", "VERSIONS_TAG", "STATUS_TAG"]
 
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
@@ -77,35 +88,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # what --ship packs by defau
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
-STATUS_TAG = "podrunner-status "
-VERSIONS_TAG = "podrunner-versions "
-START_TAG = "podrunner-start "
-_TRAINER_RUN_ID = re.compile(r"\bINFO run id (\S+) \(([^)]*)\)")  # runtime/trainer.py choose_run_id's line
-
-
-class PodError(Exception):
-    """A user error, reported as one line (exit 2)."""
-
-
-@dataclass(frozen=True)
-class Target:
-    tpu: str
-    zone: str
-    project: str | None = None
-
-
-def _where(target: Target) -> list[str]:
-    return ["--zone", target.zone, *(["--project", target.project] if target.project else []), "--worker=all"]
 
 
 def gcloud_argv(target: Target, command: str) -> list[str]:
     """The single ssh that runs `command` on every worker of the slice."""
-    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", target.tpu, *_where(target), "--command", command]
+    return gcloud.ssh_argv(target, command)
 
 
-def gcloud_scp_argv(target: Target, local: str, remote: str) -> list[str]:
-    """Copy the local file to `remote` (relative: in the home directory) on every worker."""
-    return ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{target.tpu}:{remote}", *_where(target)]
+def run_gcloud(argv: Sequence[str], **kw) -> int:
+    return gcloud.run_streaming(argv, **kw)
 
 
 def remote_path(path: str) -> str:
@@ -175,40 +166,47 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
-                secrets_file: str | None = None, ship: Pack | None = None) -> str:
-    """Worker command: cd, activate, export, then `python pretrain_jax.py ...` tee'd to
-    ~/podrunner-logs/<run_id>/worker-<hostname>.log. pipefail makes python's code the exit code.
-    `secrets_file` (in the home directory, copied there by `send_secrets`): sourced in the
-    subshell that execs python, so only python's environment holds the values; removed right
-    after, and by the EXIT trap if the command ends before. `ship`: run from the shipped tree
-    (`shipped_steps`) instead of the repo, and report its hash instead of the commit."""
+                secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None) -> str:
+    """Worker command: cd, activate, export, then the launch guard (experiments/worker/once.py)
+    that starts `python pretrain_jax.py ...` once per launch `key`, its output in
+    ~/podrunner-logs/<run_id>/worker-<hostname>.log, and follows that log. `secrets_file` (in the
+    home directory, copied there by `send_secrets`): read and removed by the guard, its values
+    given to the trainer alone; removed by the EXIT trap if the command ends before the guard
+    starts. `ship`: run the shipped tree (`shipped_steps`) instead of the repo, and report its hash
+    instead of the commit."""
     exports = ["PYTHONUNBUFFERED=1", f"{PROPOSED_RUN_ID_ENV}={shlex.quote(run_id)}"]
     if ship:  # PYTHONPATH: a subprocess's python imports the shipped code too
         exports += [f"{SHIPPED_TREE_ENV}={shlex.quote(json.dumps(ship.shipped_record(), sort_keys=True))}",
                     'PYTHONPATH="$SHIP"']
     exports += [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    rid = shlex.quote(run_id)
-    train = " ".join(["python", "pretrain_jax.py", *map(shlex.quote, overrides)])
-    steps = ["set -o pipefail"]
+    steps = []
     if secrets_file:
         steps.append(f"SECRETS={remote_path('~/' + secrets_file)}; trap 'rm -f \"$SECRETS\"' EXIT")
-        train = ('( { set -a && . "$SECRETS" && set +a && rm -f "$SECRETS"; } || '
-                 + _fail("the secrets file did not arrive (gcloud scp)") + f"; exec {train}; )")
     if ship:
         steps += shipped_steps(repo_dir, ship)
         version = f"tree={ship.tree_hash}"
     else:
-        steps += [f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),
-                  ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)")]
         version = "commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+    steps += [f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),  # the guard runs from the repo
+              ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)")]
+    if ship:
+        steps.append('python -m experiments.worker.pins "$SHIP"/pyproject.toml pyproject.toml "$(hostname)"')
+    guard = ["exec python -m experiments.worker.once", f"--key {shlex.quote(key or new_launch_key())}",
+             '--log "$LOG"', '--host "$(hostname)"', f'--start "host=$(hostname) {version} launch_id={run_id}"',
+             *(['--secrets "$SECRETS"'] if secrets_file else []), *(['--cwd "$SHIP"'] if ship else []),
+             "--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
     return "; ".join([
         *steps,
         "export " + " ".join(exports),
-        f'LOG="$HOME"/podrunner-logs/{rid}/worker-"$(hostname)".log',
+        f'LOG="$HOME"/podrunner-logs/{shlex.quote(run_id)}/worker-"$(hostname)".log',
         'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
-        f'{{ echo "{START_TAG}host=$(hostname) {version} launch_id={run_id} log=$LOG"; {train}; }} 2>&1 '
-        '| tee -a "$LOG"',
+        " ".join(guard),
     ])
+
+
+def new_launch_key() -> str:
+    """One launch's token: the same in every re-run of its command by gcloud."""
+    return secrets.token_hex(6)
 
 
 def ship_remote_name(pack: Pack) -> str:
@@ -216,33 +214,11 @@ def ship_remote_name(pack: Pack) -> str:
     return f".podrunner-ship-{pack.tree_hash[:16]}.tar.gz"
 
 
-# Warns when the shipped pyproject.toml pins other packages than the repo's (whose .venv runs).
-_PINS_CHECK = r'''
-import sys
-def pins(path):
-    try:
-        import tomllib
-    except ImportError:  # python < 3.11: the whole file
-        return open(path, "rb").read()
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    project = data.get("project", {})
-    return project.get("dependencies"), project.get("optional-dependencies"), data.get("build-system")
-try:
-    same = pins(sys.argv[1]) == pins(sys.argv[2])
-except (OSError, ValueError):
-    same = False
-if not same:
-    print(f"podrunner: {sys.argv[3]}: WARNING: the shipped pyproject.toml pins other packages than the one in "
-          "--repo-dir; the run uses the .venv there (shipping installs nothing): run launch.py setup", file=sys.stderr)
-'''
-
-
 def shipped_steps(repo_dir: str, pack: Pack) -> list[str]:
     """Worker steps for --ship: unpack the copied pack into ~/podrunner-shipped/<tree hash> unless
     it is there already (into a temporary directory renamed into place, so a half-unpacked tree is
-    never used), link the repo's .venv into it (setup installs the packages; shipping code installs
-    nothing), cd there and activate; warn when pyproject.toml's pins differ from the repo's."""
+    never used) and link the repo's .venv into it (setup installs the packages; shipping code
+    installs nothing). The trainer then runs there (the guard's --cwd)."""
     repo = remote_path(repo_dir if repo_dir.startswith(("/", "~")) else "~/" + repo_dir)  # the link's target
     unpack = ('T="$SHIP.tmp-$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf "$PACK" -C "$T" && '
               '{ mv -T "$T" "$SHIP" || rm -rf "$T"; }')
@@ -251,9 +227,7 @@ def shipped_steps(repo_dir: str, pack: Pack) -> list[str]:
         f'{{ [ -d "$SHIP" ] || {{ {unpack}; }}; }} || ' + _fail("cannot unpack the shipped tree (gcloud scp)"),
         'rm -f "$PACK"',
         f'ln -sfn {repo}/.venv "$SHIP"/.venv || ' + _fail("cannot link the .venv of --repo-dir into the shipped tree"),
-        'cd "$SHIP" || ' + _fail("the shipped tree is missing"),
-        ". .venv/bin/activate || " + _fail("no .venv in the repo at --repo-dir (run launch.py setup)"),
-        f'python -c {shlex.quote(_PINS_CHECK)} pyproject.toml {repo}/pyproject.toml "$(hostname)"',
+        '[ -d "$SHIP" ] || ' + _fail("the shipped tree is missing"),
     ]
 
 
@@ -261,27 +235,22 @@ def remove_secrets_command(secrets_file: str) -> str:
     return f"rm -f {remote_path('~/' + secrets_file)}"
 
 
-_VERSIONS_SCRIPT = r'''
-import json, subprocess, sys
-from importlib import metadata
-def version(p):
-    try:
-        return metadata.version(p)
-    except metadata.PackageNotFoundError:
-        return None
-try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-except OSError:
-    commit = None
-info = {"host": sys.argv[1], "commit": commit, "python": sys.version.split()[0]}
-info.update({p: version(p) for p in ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")})
-print("podrunner-versions " + json.dumps(info), flush=True)
-'''
+def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/python", missing: str | None = None) -> str:
+    """Worker command: run `python -m experiments.worker.<module> ARGS` from the repo. `missing`: what
+    to say (and exit 0) when there is no repo there; else that is an error."""
+    no_repo = (f'{{ echo "podrunner: $(hostname): {missing}"; exit 0; }}' if missing
+               else _fail("no repo at --repo-dir"))
+    return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {python} -m experiments.worker.{module} {' '.join(args)}"
+
+
+def versions_command(repo_dir: str) -> str:
+    """Each worker's versions line (experiments/worker/versions.py)."""
+    return in_repo(repo_dir, "versions", '"$(hostname)"')
 
 
 def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
     """Worker command: [git clone URL when the repo is missing (a re-created TPU has fresh disks)],
-    [git fetch + checkout REF], bash setup_tpu.sh, then one versions line."""
+    [git fetch + checkout REF], bash setup_tpu.sh (which imports every package), then the versions line."""
     steps = ["set -o pipefail"]
     if clone_url:
         steps.append(f"{{ [ -d {remote_path(repo_dir)} ] || git clone --quiet {shlex.quote(clone_url)} "
@@ -294,320 +263,19 @@ def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | No
                   f"git checkout --quiet --detach {shlex.quote(git_ref)}; }} || "
                   + _fail("cannot check out --git-ref")]
     steps += ["bash setup_tpu.sh || exit $?",
-              f'.venv/bin/python -c {shlex.quote(_VERSIONS_SCRIPT)} "$(hostname)"']
+              '.venv/bin/python -m experiments.worker.versions "$(hostname)"']
     return "; ".join(steps)
 
 
-# Runs on each worker with the system python3 (works even when the repo's venv is broken).
-# Which processes: "ours" = started in a session of this user with this HOME, i.e. the ones
-# this login may kill; others are reported with a `sudo kill` hint. Overridable for tests:
-# PODRUNNER_LIBTPU_LOCKFILE, PODRUNNER_TPU_DEVICES (':'-separated globs); `~` expands.
-_REMOTE_TOOL = r'''
-import glob, json, os, pwd, re, signal, sys, time
-from fnmatch import fnmatch
-
-TRAINING = re.compile(r"pretrain_jax[.]py")  # written so that it does not match this command line
-mode, host = sys.argv[1], sys.argv[2]
-home = os.path.realpath(os.path.expanduser("~"))
-
-
-def stat(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()  # [0] state, [1] ppid, [19] start time
-
-
-def alive(pid):
-    try:
-        return stat(pid)[0] not in "ZX"  # a zombie has released the TPU
-    except (OSError, IndexError):
-        return False
-
-
-def ancestors():
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            pid = int(stat(pid)[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
-
-
-def processes(with_fds):
-    """(pid, argv, ours, holds_tpu) of every live process except this one and its ancestors."""
-    devices = [os.path.expanduser(p) for p in
-               os.environ.get("PODRUNNER_TPU_DEVICES", "/dev/accel*:/dev/vfio/[0-9]*").split(":") if p]
-    skip = ancestors()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in skip:
-            continue
-        pid = int(name)
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except OSError:  # gone
-            continue
-        if not argv:  # kernel thread or zombie
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            proc_home = env.get(b"HOME", b"").decode(errors="replace")
-            ours = bool(proc_home) and os.path.realpath(proc_home) == home
-        except OSError:  # environ is private to the process owner
-            ours = False
-        holds = False
-        if with_fds and ours:
-            try:
-                for fd in os.listdir(f"/proc/{pid}/fd"):
-                    try:
-                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    except OSError:
-                        continue
-                    if any(fnmatch(target, d) for d in devices):
-                        holds = True
-                        break
-            except OSError:
-                pass
-        yield pid, argv, ours, holds
-
-
-def owner(pid):
-    try:
-        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
-    except (OSError, KeyError):
-        return "?"
-
-
-def open_by(path):
-    """Pids (that we may look at) with `path` open."""
-    real, pids = os.path.realpath(path), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") == real:
-                    pids.append(int(name))
-                    break
-            except OSError:
-                pass
-    return pids
-
-
-def wait_gone(pids, seconds):
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
-
-
-def stop(grace):
-    targets, foreign = [], []
-    for pid, argv, ours, holds in processes(True):
-        cmd = " ".join(argv)
-        if TRAINING.search(cmd) or holds:
-            (targets if ours else foreign).append((pid, cmd, holds))
-    pids = [t[0] for t in targets]
-    if grace > 0 and pids:  # SIGTERM first: the trainer checkpoints on preemption
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        wait_gone(pids, grace)
-    for pid, cmd, holds in targets:
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        note = " (held the TPU)" if holds else ""
-        print(f"[{host}] killed pid {pid}{note}: {cmd[:300]}", flush=True)
-    left = wait_gone(pids, 10)
-    for pid, cmd, _ in foreign:
-        print(f"[{host}] not killed: pid {pid} of user {owner(pid)} (another login): {cmd[:300]}; "
-              f"`sudo kill -9 {pid}` if it is stale", flush=True)
-    lock = os.path.expanduser(os.environ.get("PODRUNNER_LIBTPU_LOCKFILE", "/tmp/libtpu_lockfile"))
-    code = 1 if left else 0
-    users = open_by(lock)
-    if users:  # a live libtpu still holds it: the lock is not stale, and removing it would hurt
-        lock_note, code = f"kept {lock}: still open by pid {users}", 1
-    else:
-        try:
-            os.remove(lock)
-            lock_note = f"removed {lock}"
-        except FileNotFoundError:
-            lock_note = f"no {lock}"
-        except OSError as e:
-            lock_note, code = f"could not remove {lock} ({e}); `sudo rm -f {lock}`", 1
-    summary = f"killed {len(targets)} process(es)" if targets else "nothing running"
-    if left:
-        summary += f", still alive: {left}"
-    print(f"[{host}] {summary}; {lock_note}{remove_secrets()}", flush=True)
-    return code
-
-
-def remove_secrets():
-    """The secrets files of launches that never started (a run removes its own at once)."""
-    removed = 0
-    for path in glob.glob(os.path.join(glob.escape(home), ".podrunner-secrets-*")):
-        try:
-            os.remove(path)
-            removed += 1
-        except OSError:
-            pass
-    return f"; removed {removed} leftover secrets file(s)" if removed else ""
-
-
-def newest(paths):
-    stamped = []
-    for p in paths:
-        try:
-            stamped.append((os.path.getmtime(p), p))
-        except OSError:
-            pass
-    return max(stamped)[1] if stamped else None
-
-
-def tail(path, size=65536):
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - size))
-        return f.read().decode(errors="replace")
-
-
-PROGRESS = re.compile(r"(\d+)/\d+ \[|\bstep[ =:]+(\d+)")  # tqdm "45/100 [" or "step 45"
-
-
-def last_step(metrics, log):
-    if metrics:
-        for line in reversed(tail(metrics).splitlines()):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                return row["step"], "metrics"
-    if log:
-        for line in reversed(re.split(r"[\r\n]", tail(log))):
-            found = PROGRESS.findall(line)
-            if found:
-                a, b = found[-1]
-                return int(a or b), "log"
-    return None, None
-
-
-def status(repo, outputs, run_id):
-    tick, uptime = os.sysconf("SC_CLK_TCK"), float(open("/proc/uptime").read().split()[0])
-    procs = []
-    for pid, argv, ours, _ in processes(False):
-        if ours and TRAINING.search(" ".join(argv)) and os.path.basename(argv[0]).startswith("python"):
-            try:
-                procs.append([pid, int(uptime - int(stat(pid)[19]) / tick)])
-            except (OSError, ValueError, IndexError):
-                pass
-    metrics = newest(glob.glob(os.path.join(repo, outputs, "**", "metrics.jsonl"), recursive=True))
-    log = newest(glob.glob(os.path.join(home, "podrunner-logs", glob.escape(run_id) if run_id else "*",
-                                        "worker-*.log")))
-    step, source = last_step(metrics, log)
-    found = re.search(r"-w-(\d+)$", host)
-    worker = os.environ.get("TPU_WORKER_ID") or (found.group(1) if found else None)
-    print("podrunner-status " + json.dumps({"host": host, "worker": worker, "processes": procs, "step": step,
-                                            "step_from": source, "metrics": metrics, "log": log}), flush=True)
-    return 0
-
-
-if mode == "stop":
-    sys.exit(stop(float(sys.argv[3])))
-sys.exit(status(sys.argv[3], sys.argv[4], sys.argv[5]))
-'''
-
-
-def stop_command(grace: float = 0.0) -> str:
-    return f'python3 -c {shlex.quote(_REMOTE_TOOL)} stop "$(hostname)" {grace:g}'
+def stop_command(grace: float = 0.0, repo_dir: str = DEFAULT_REPO_DIR) -> str:
+    """Runs with the system python3 (works while the repo's .venv is broken); no repo: nothing of ours runs."""
+    return in_repo(repo_dir, "stop", '"$(hostname)"', f"{grace:g}", python="python3",
+                   missing="no repo at --repo-dir: nothing of ours runs here")
 
 
 def status_command(repo_dir: str, outputs: str = "outputs", run_id: str | None = None) -> str:
-    return (f'python3 -c {shlex.quote(_REMOTE_TOOL)} status "$(hostname)" {remote_path(repo_dir)} '
-            f'{shlex.quote(outputs)} {shlex.quote(run_id or "")}')
-
-
-# --- running gcloud locally -----------------------------------------------------------------
-
-class _Lines:
-    """Feeds complete lines (split at \\n or \\r: tqdm redraws with \\r) to a callback."""
-
-    def __init__(self, on_line: Callable[[str], None] | None) -> None:
-        self._on_line, self._buf = on_line, ""
-
-    def feed(self, text: str) -> None:
-        if self._on_line is None:
-            return
-        *lines, self._buf = re.split(r"[\r\n]", self._buf + text)
-        for line in lines:
-            self._on_line(line)
-
-    def close(self) -> None:
-        if self._on_line is not None and self._buf:
-            self._on_line(self._buf)
-        self._buf = ""
-
-
-def run_gcloud(argv: Sequence[str], *, stream: TextIO | None = None, log_path: Path | None = None,
-               on_line: Callable[[str], None] | None = None) -> int:
-    """Run gcloud, passing its merged output through unchanged (so a progress bar still redraws)
-    to `stream` and `log_path`; return its exit code. On Ctrl-C gcloud is stopped and
-    KeyboardInterrupt re-raised (the remote processes may live on: the caller decides)."""
-    try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    except FileNotFoundError:
-        raise PodError(f"{argv[0]} not found on PATH; install the Google Cloud CLI") from None
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    lines = _Lines(on_line)
-    log = open(log_path, "a", encoding="utf-8") if log_path else None
-
-    def emit(text: str) -> None:
-        for sink in (stream, log):
-            if sink is not None and text:
-                try:
-                    sink.write(text)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # our stdout went away (`| head`): keep draining gcloud
-        lines.feed(text)
-
-    try:
-        fd = proc.stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            emit(decoder.decode(chunk))
-        emit(decoder.decode(b"", final=True))
-        lines.close()
-        return proc.wait()
-    except KeyboardInterrupt:
-        # In a terminal gcloud got the SIGINT too; send it anyway (a `kill -INT` of us alone).
-        _end(proc)
-        raise
-    finally:
-        proc.stdout.close()
-        if log:
-            log.close()
-
-
-def _end(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    try:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    except (ProcessLookupError, KeyboardInterrupt):
-        proc.kill()
-        proc.wait()
+    return in_repo(repo_dir, "status", '"$(hostname)"', '"$PWD"', shlex.quote(outputs), shlex.quote(run_id or ""),
+                   python="python3", missing="no repo at --repo-dir")
 
 
 def _say(stream: TextIO, message: str) -> None:
@@ -626,6 +294,14 @@ def _tagged(line: str, tag: str) -> dict | None:
         return None
 
 
+def start_fields(line: str) -> dict[str, str] | None:
+    """The `key=value` fields of a worker's start line (`podrunner-start host=H commit=C ...`), else None."""
+    i = line.find(START_TAG)
+    if i < 0:
+        return None
+    return dict(word.split("=", 1) for word in line[i + len(START_TAG):].split() if "=" in word)
+
+
 # --- the operations -------------------------------------------------------------------------
 
 def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFAULT_REPO_DIR,
@@ -634,12 +310,16 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                dry_run: bool = False, interrupt_grace: float = 30.0, leave_running: bool = False,
                ship: bool | Pack = False, ship_from: Path | str | None = None,
                ship_max_mb: float = DEFAULT_MAX_MB,
-               environ: Mapping[str, str] | None = None, stream: TextIO | None = None) -> int:
+               environ: Mapping[str, str] | None = None, stream: TextIO | None = None,
+               on_line: Callable[[str], None] | None = None,
+               on_gcloud: Callable[[subprocess.Popen], None] | None = None) -> int:
     """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). With secrets,
     first copy them (`send_secrets`); if that fails, nothing is started and its code is returned.
     `ship`: True packs the working tree of `ship_from` (default: this checkout) now; a Pack (e.g.
     one a supervisor packed once for all its relaunches) is sent as it is; either is copied to
-    every worker and the run starts from it. Run ids and secrets: see the module docstring."""
+    every worker and the run starts from it. Run ids and secrets: see the module docstring.
+    `on_line` sees every line of the run's output (a supervisor reads the trainer's events
+    there); `on_gcloud` gets the ssh's gcloud process (a controller that must end it early)."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
@@ -653,7 +333,7 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
             except ShipError as e:
                 raise PodError(str(e)) from None
         secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
-        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack)
+        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack, key=new_launch_key())
         shown = shown_commands(target, command, secret, secrets_file, pack)
         if dry_run:
             stream.write(shown)
@@ -666,14 +346,16 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
         _say(stream, f"run id {run_id} ({how}); output also in {run_dir / 'launch.log'}; on the workers in "
                      f"~/podrunner-logs/{run_id}/worker-<hostname>.log")
         return _run_pod(target, command, secret, secrets_file, pack, run_id, run_dir, stream=stream,
-                        interrupt_grace=interrupt_grace, leave_running=leave_running)
+                        interrupt_grace=interrupt_grace, leave_running=leave_running, repo_dir=repo_dir,
+                        on_line=on_line, on_gcloud=on_gcloud)
 
 
 def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None,
              pack: Pack | None, run_id: str, run_dir: Path, *, stream: TextIO, interrupt_grace: float,
-             leave_running: bool) -> int:
+             leave_running: bool, repo_dir: str, on_line: Callable[[str], None] | None,
+             on_gcloud: Callable[[subprocess.Popen], None] | None) -> int:
     """Copy the secrets and the shipped tree, then run `command` on every worker (launch_pod)."""
-    log_path, watch = run_dir / "launch.log", _PodWatch(stream, run_id, run_dir)
+    log_path, watch = run_dir / "launch.log", _PodWatch(stream, run_id, run_dir, on_line)
     try:
         if secrets_file:
             _say(stream, f"secrets {', '.join(secret)}: sent as a 0600 file, read and removed on each worker "
@@ -685,21 +367,24 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
                 return code
         if pack:
             _say(stream, f"shipping the working tree: {_pack_line(pack)}")
-            code = run_gcloud(gcloud_scp_argv(target, str(pack.path), ship_remote_name(pack)),
+            code = run_gcloud(gcloud.scp_argv(target, str(pack.path), ship_remote_name(pack)),
                               stream=stream, log_path=log_path)
             if code != 0:
                 _say(stream, f"copying the tree to the workers failed (gcloud exit code {code}); nothing was started")
                 if secrets_file:
                     _remove_secrets(target, secrets_file, stream, log_path)
                 return code
-        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line)
+        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line,
+                          started=on_gcloud)
     except KeyboardInterrupt:
-        return _interrupted(target, stream, interrupt_grace, leave_running)
+        return _interrupted(target, stream, interrupt_grace, leave_running, repo_dir)
     if code in (EXIT_INTERRUPTED, -signal.SIGINT):
         # gcloud alone took the Ctrl-C (a launcher started with SIGINT ignored, e.g. by `&` in a
         # script, or `kill -INT` of gcloud): the ssh sessions are gone, the workers may not be.
-        return _interrupted(target, stream, interrupt_grace, leave_running)
-    if code != 0:
+        return _interrupted(target, stream, interrupt_grace, leave_running, repo_dir)
+    if code == EXIT_PREEMPTED:
+        _say(stream, "the run was preempted (SIGTERM) and saved its checkpoint; relaunch the same command to resume")
+    elif code != 0:
         hint = ("a stale process holds the TPU: run `launch.py stop` first" if watch.tpu_busy else
                 "other workers may still be running: check with `launch.py status`, end them with "
                 "`launch.py stop`")
@@ -709,14 +394,14 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
     return code
 
 
-def _interrupted(target: Target, stream: TextIO, grace: float, leave_running: bool) -> int:
+def _interrupted(target: Target, stream: TextIO, grace: float, leave_running: bool, repo_dir: str) -> int:
     """After Ctrl-C: stop the run on every worker (they checkpoint on SIGTERM), unless told not to."""
     if leave_running:
         _say(stream, "interrupted; the workers may still be running (launch.py status / stop)")
         return EXIT_INTERRUPTED
     _say(stream, f"interrupted: stopping the run on all workers (SIGTERM, SIGKILL after {grace:g} s)")
     try:
-        stop_pod(target, grace=grace, stream=stream)  # also removes a leftover secrets file
+        stop_pod(target, grace=grace, stream=stream, repo_dir=repo_dir)  # also removes a leftover secrets file
     except KeyboardInterrupt:
         _say(stream, "stop interrupted; run `launch.py stop` to make sure the TPU is free")
     return EXIT_INTERRUPTED
@@ -736,10 +421,10 @@ def shown_commands(target: Target, command: str, secret: Mapping[str, str], secr
     lines = []
     if secrets_file:
         lines += [f"# secrets {', '.join(secret)}: a 0600 file of KEY='value' lines, copied, never on a command line",
-                  shlex.join(gcloud_scp_argv(target, "SECRETS-FILE", secrets_file))]
+                  shlex.join(gcloud.scp_argv(target, "SECRETS-FILE", secrets_file))]
     if pack:
         lines += [f"# ship: {_pack_line(pack)}",
-                  shlex.join(gcloud_scp_argv(target, "PACK.tar.gz", ship_remote_name(pack)))]
+                  shlex.join(gcloud.scp_argv(target, "PACK.tar.gz", ship_remote_name(pack)))]
     return "".join(line + "\n" for line in [*lines, shlex.join(gcloud_argv(target, command))])
 
 
@@ -752,7 +437,7 @@ def send_secrets(target: Target, secret_env: Mapping[str, str], secrets_file: st
         local = os.path.join(tmp, secrets_file)
         with os.fdopen(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
             f.write(secrets_file_text(secret_env))
-        return run_gcloud(gcloud_scp_argv(target, local, secrets_file), stream=stream, log_path=log_path)
+        return run_gcloud(gcloud.scp_argv(target, local, secrets_file), stream=stream, log_path=log_path)
 
 
 def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path: Path | None) -> None:
@@ -766,28 +451,29 @@ def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path:
 class _PodWatch:
     """Reads the pod's output as it streams: warns once when workers run different commits (or trees),
     remembers whether a worker found the TPU busy, and records the run id the trainer says it
-    uses in <run_dir>/run_id (said here when it is not the launch's, i.e. a resumed run)."""
+    uses (its `started` event) in <run_dir>/run_id (said here when it is not the launch's, i.e. a
+    resumed run). `also` sees every line too."""
 
-    _START = re.compile(re.escape(START_TAG) + r"host=(\S+) (?:commit|tree)=(\S+)")
-    _BUSY = re.compile(r"TPU.*(already in use|busy)|libtpu_lockfile", re.IGNORECASE)
-
-    def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None) -> None:
+    def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None,
+                 also: Callable[[str], None] | None = None) -> None:
         self.stream, self.commits, self.warned, self.tpu_busy = stream, {}, False, False
-        self.launch_id, self.run_dir, self.run_id = launch_id, run_dir, None
+        self.launch_id, self.run_dir, self.run_id, self.also = launch_id, run_dir, None, also
 
     def line(self, line: str) -> None:
-        if self._BUSY.search(line):
+        if self.also:
+            self.also(line)
+        event = events.parse(line)
+        if event and event["event"] == "failed" and event.get("failure") == "tpu-busy":
             self.tpu_busy = True
-        used = _TRAINER_RUN_ID.search(line)
-        if used and self.run_id is None and self.run_dir is not None:
-            self.run_id = used.group(1)
+        if event and event["event"] == "started" and self.run_id is None and self.run_dir is not None:
+            self.run_id = str(event.get("run_id"))
             (self.run_dir / "run_id").write_text(self.run_id + "\n")
             if self.run_id != self.launch_id:
-                _say(self.stream, f"the run's id is {self.run_id} ({used.group(2)}); this launch's logs stay "
-                                  f"under {self.launch_id}")
-        m = self._START.search(line)
-        if m:
-            self.commits[m.group(1)] = m.group(2)
+                why = "resumed from the checkpoint" if event.get("resumed") else "a fresh run"
+                _say(self.stream, f"the run's id is {self.run_id} ({why}); this launch's logs stay under {self.launch_id}")
+        started = start_fields(line)
+        if started and "host" in started:
+            self.commits[started["host"]] = started.get("commit") or started.get("tree")
             if len(set(self.commits.values())) > 1 and not self.warned:
                 self.warned = True
                 _say(self.stream, f"WARNING: workers run different commits {self.commits}; "
@@ -819,12 +505,32 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
     return check_versions(rows, stream)
 
 
+VERDICT = ("host", "ok", "problem")  # a versions row's fields that are not versions
+
+
+def compared(row: dict) -> dict:
+    """The fields of a versions row the workers must agree on."""
+    return {k: v for k, v in row.items() if k not in VERDICT}
+
+
+def versions_agree(rows: Sequence[dict], hosts: int) -> bool:
+    """Every one of `hosts` workers answered, each .venv fits the project, and all agree."""
+    return (len(rows) == hosts and all(r.get("ok") for r in rows)
+            and len({json.dumps(compared(r), sort_keys=True) for r in rows}) == 1)
+
+
 def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
-    """0 when every worker reports the same commit and versions, else EXIT_FAILURE (1) with the differences."""
+    """0 when every worker's .venv fits the project and all report the same commit and versions,
+    else EXIT_FAILURE (1) with the problems or the differences."""
     if not rows:
         _say(stream, "no worker reported its versions")
         return EXIT_FAILURE
-    keys = [k for k in rows[0] if k != "host"]
+    bad = [r for r in rows if not r.get("ok")]
+    for r in sorted(bad, key=lambda r: r["host"]):
+        _say(stream, f"{r['host']}: the .venv does not fit the project: {r.get('problem')}")
+    if bad:
+        return EXIT_FAILURE
+    keys = list(compared(rows[0]))
     distinct = {tuple(r.get(k) for k in keys) for r in rows}
     if len(distinct) == 1:
         same = ", ".join(f"{k}={rows[0].get(k)}" for k in keys)
@@ -838,10 +544,10 @@ def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
 
 
 def stop_pod(target: Target, *, grace: float = 0.0, dry_run: bool = False,
-             stream: TextIO | None = None) -> int:
+             stream: TextIO | None = None, repo_dir: str = DEFAULT_REPO_DIR) -> int:
     """Kill stale training processes / TPU holders of this login and remove the lockfile."""
     stream = stream or sys.stdout
-    argv = gcloud_argv(target, stop_command(grace))
+    argv = gcloud_argv(target, stop_command(grace, repo_dir))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0

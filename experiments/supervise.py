@@ -1,21 +1,26 @@
 """Supervise one run on a preemptible TPU VM slice until it completes (`launch.py supervise`).
 
-The loop, top to bottom (`supervise`):
+The loop, top to bottom (`Supervisor.run`):
   1. ensure_ready: describe the TPU (and its queued resource); create it when missing, delete
      and re-create it when PREEMPTED/TERMINATED (GCP does not restart those), wait with backoff
-     while it is CREATING or queued.
-  2. ensure_setup: ask every worker for its versions; run setup only when they differ.
+     while it is CREATING or queued. gcloud without valid credentials stops it at once, with
+     gcloud's own line; a create GCP refuses for good (a wrong flag) too.
+  2. ensure_setup: ask every worker for its versions; run setup when they differ, when a
+     worker's .venv does not fit the project (a package missing, not at its pin, not importable,
+     Python too old), or when the last setup failed.
   3. launch: `pod.launch_pod` with the run's fixed id, so every launch resumes its checkpoint.
-  4. classify how the launch ended, and act:
-       completed (exit 0)                          -> done, exit 0
-       preempted (the trainer's "preempted (SIGTERM)" line, or the ssh dropped and the TPU is
-                  no longer READY)                 -> back to 1 (not counted as a restart)
-       hang (4), peer lost (7), anything else      -> `stop` stale processes, relaunch (a restart)
-       storage (6), a failed setup, or the run directory's lease
-       still held by the run before (exit 2)       -> back off, relaunch (a restart)
-       bad input (2), non-finite (3), no fit (5)   -> stop with that code
+  4. how the launch ended, from the trainer's events (runtime/events.py) and the exit code:
+       completed event (or exit 0)                 -> done
+       preempted event or exit 8, or the ssh dropped and the TPU is no longer READY
+                                                   -> back to 1 (not counted as a restart)
+       failed: bad input, non-finite, does not fit -> stop with its code and line
+       failed: storage, or the run directory's lease still held by the run before
+                                                   -> back off, relaunch (a restart)
+       anything else (hang, a lost worker, ...)    -> `stop` stale processes, relaunch (a restart)
      and stop (exit 1) when restarts exceed --max-restarts, or when two restarts in a row ended
      at the same last step as the launch before them (no progress).
+  5. at the end, delete the TPU or keep it (--at-end; by default deleted when the checkpoints
+     are on gs://, where nothing is lost with the VM).
 
 State: <log dir>/<run id>/supervision.json, rewritten after every change; a supervisor started
 again with the same run id carries on from it (restart count, history, pod time), and when the one
@@ -24,8 +29,13 @@ Stopping the supervisor (Ctrl-C, SIGTERM) stops the run too (`run_until_done`). 
 `[supervise] <UTC time> <event> key=value ...` line each, on the console and appended to
 <log dir>/<run id>/supervise.log.
 
-Pod time is host-hours: the wall time from seeing the TPU READY to the end of each launch, times
-its number of workers (hosts; chips = hosts x chips per host).
+Pod time is what GCP bills: the time the TPU was READY (`ReadyClock`), from the describe that
+first showed it READY to the delete we issue, the preemption the trainer acted on (its
+`preempted` event) or the first describe that no longer shows it READY; host-hours are that
+times its number of workers (hosts; chips = hosts x chips per host).
+
+The programme runner (experiments/programme_run.py) runs each variant through a Supervisor of
+its own, with a record, a clock per slice and a stop signal of its own.
 """
 
 from __future__ import annotations
@@ -33,33 +43,32 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from experiments import pod
-from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST,
-                            EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR)
+from experiments import gcloud, pod
+from experiments.gcloud import Runner, Shape, run_quiet
+from runtime import events
+from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 
 READY = "READY"
 GONE = ("PREEMPTED", "TERMINATED")  # must be deleted before the name can be created again
 MISSING = "MISSING"
 QUEUE_WAITING = ("CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES", "ACTIVE")
 QUEUE_DEAD = ("FAILED", "SUSPENDED")  # delete (--force: with its node) and queue again
-FATAL = {EXIT_USER_ERROR: "bad input", EXIT_NONFINITE: "non-finite loss", EXIT_DOES_NOT_FIT: "does not fit"}
-RESTART = {EXIT_HANG: "hang watchdog", EXIT_PEER_LOST: "worker lost", EXIT_STORAGE: "storage failure"}
 SSH_DROPPED = 255
-_PREEMPTED_LINE = re.compile(r"preempted \(SIGTERM\): checkpoint saved at step (\d+)")
-_STEP = re.compile(r"(?<!ends at )(?<!lr at )\bstep (\d+)\b")  # not the schedule-change line's total or lr step
-# runtime/lease.py's refusal (exit 2): after a hard preemption the dead run's lease is only stale
-# after run.lease.stale_after_s, so this "bad input" passes: back off and relaunch.
-_LEASE_HELD = "is in use by another run"
+PERMANENT = ("bad-input", "non-finite", "does-not-fit")  # failure classes no relaunch fixes
+BACKOFF = ("storage", "lease-held")  # wait before the relaunch (storage to come back, a dead run's lease to go stale)
+CAUSES = {"bad-input": "bad input", "non-finite": "non-finite loss", "does-not-fit": "does not fit",
+          "hang": "hang watchdog", "peer-lost": "worker lost", "storage": "storage failure",
+          "lease-held": "lease held", "crash": "crash", "tpu-busy": "TPU busy"}
 
 
 @dataclass
@@ -84,58 +93,13 @@ class Spec:
     state_mirror: str | None = None  # gs://.../supervision.json beside the checkpoints (see state_mirror)
     ship: pod.Pack | None = None  # --ship: the working tree packed once, sent with every launch
     clone_url: str | None = None  # setup clones the repo from here where it is missing (fresh disks)
+    at_end: str | None = None  # "delete" or "keep" the TPU when the run ends; None: delete when state_mirror is set
+    create_attempts: int | None = None  # refused creates in a row before giving up (None: never; wait instead)
+    events_file: str | None = None  # the run's events.jsonl beside its checkpoints (runtime/run_files.py), if readable
 
-
-# --- the gcloud commands ------------------------------------------------------------------------
-
-def _at(t: pod.Target) -> list[str]:
-    return ["--zone", t.zone, *(["--project", t.project] if t.project else [])]
-
-
-def _tier(spec: Spec) -> list[str]:
-    return [f"--{spec.tier}"] if spec.tier else []
-
-
-def _tpu_vm(spec: Spec, verb: str, *flags: str) -> list[str]:
-    return ["gcloud", "compute", "tpus", "tpu-vm", verb, spec.target.tpu, *_at(spec.target), *flags]
-
-
-def describe_argv(spec: Spec) -> list[str]:
-    return _tpu_vm(spec, "describe", "--format=json")
-
-
-def create_argv(spec: Spec) -> list[str]:
-    return _tpu_vm(spec, "create", f"--accelerator-type={spec.accelerator_type}", f"--version={spec.runtime_version}",
-                   *_tier(spec))
-
-
-def delete_argv(spec: Spec) -> list[str]:
-    return _tpu_vm(spec, "delete", "--quiet")
-
-
-def queued_describe_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "queued-resources", "describe", spec.queued_resource, *_at(t),
-            "--format=value(state.state)"]
-
-
-def queued_create_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "queued-resources", "create", spec.queued_resource, f"--node-id={t.tpu}",
-            *_at(t), f"--accelerator-type={spec.accelerator_type}", f"--runtime-version={spec.runtime_version}",
-            *_tier(spec)]
-
-
-def queued_delete_argv(spec: Spec) -> list[str]:
-    t = spec.target
-    return ["gcloud", "compute", "tpus", "queued-resources", "delete", spec.queued_resource, *_at(t),
-            "--quiet", "--force"]
-
-
-def versions_command(repo_dir: str) -> str:
-    """Each worker's versions line (as `setup` prints it), without running setup."""
-    return (f"cd {pod.remote_path(repo_dir)} && .venv/bin/python -c {shlex.quote(pod._VERSIONS_SCRIPT)} "
-            '"$(hostname)"')
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.accelerator_type, self.runtime_version, self.tier, self.queued_resource)
 
 
 # --- state and events ---------------------------------------------------------------------------
@@ -143,13 +107,16 @@ def versions_command(repo_dir: str) -> str:
 class Supervision:
     """The run's supervision record (supervision.json) and its event log."""
 
+    prefix = "[supervise]"
+
     def __init__(self, spec: Spec, stream: TextIO) -> None:
         self.dir = Path(spec.log_dir) / spec.run_id
         self.path, self.log_path, self.stream = self.dir / "supervision.json", self.dir / "supervise.log", stream
         self.mirror = spec.state_mirror
-        self.data = load(self.path) or self.load_mirror() or {"run_id": spec.run_id, "tpu": spec.target.tpu, "zone": spec.target.zone,
-                                        "restarts": 0, "preemptions": 0, "host_seconds": 0.0,
-                                        "status": "running", "launches": []}
+        self.data = load(self.path) or self.load_mirror() or {"run_id": spec.run_id, "tpu": spec.target.tpu,
+                                                              "zone": spec.target.zone, "restarts": 0, "preemptions": 0,
+                                                              "status": "running", "launches": []}
+        self.data.setdefault("slice", {})
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +146,7 @@ class Supervision:
 
     def event(self, name: str, **fields) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        line = " ".join(["[supervise]", stamp, name, *(f"{k}={v}" for k, v in fields.items())])
+        line = " ".join([self.prefix, stamp, name, *(f"{k}={v}" for k, v in fields.items())])
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
@@ -215,25 +182,66 @@ def parse_record(text: str, where) -> dict:
     return data
 
 
+class ReadyClock:
+    """How long a slice was READY (billed), and that times its hosts, in `record` (saved with the
+    state it belongs to: a supervisor started again goes on counting from `ready_since`)."""
+
+    def __init__(self, record: dict) -> None:
+        self.record = record
+        for key, value in (("ready_since", None), ("hosts", 0), ("ready_seconds", 0.0), ("host_seconds", 0.0)):
+            record.setdefault(key, value)
+
+    def ready(self, since: float, hosts: int) -> None:
+        if self.record["ready_since"] is None:
+            self.record["ready_since"] = since
+        self.record["hosts"] = hosts or self.record["hosts"]
+
+    def gone(self, at: float) -> None:
+        since = self.record["ready_since"]
+        if since is None:
+            return
+        seconds = max(0.0, at - since)
+        self.record["ready_seconds"] += seconds
+        self.record["host_seconds"] += seconds * self.record["hosts"]
+        self.record["ready_since"] = None
+
+    def host_seconds(self, now: float | None = None) -> float:
+        since = self.record["ready_since"]
+        open_ = 0.0 if since is None else max(0.0, (now or time.time()) - since) * self.record["hosts"]
+        return self.record["host_seconds"] + open_
+
+    def ready_seconds(self, now: float | None = None) -> float:
+        since = self.record["ready_since"]
+        return self.record["ready_seconds"] + (0.0 if since is None else max(0.0, (now or time.time()) - since))
+
+
+# --- what went wrong for good -------------------------------------------------------------------
+
+class GiveUp(Exception):
+    """GCP refused a request in a way that waiting does not fix (a wrong flag, no permission)."""
+
+
+class NoCredentials(GiveUp):
+    """gcloud has no valid credentials: the message is gcloud's own line."""
+
+
+class Unavailable(Exception):
+    """The slice cannot be had: creates refused `attempts` times in a row (quota, stockout); `kind`
+    names the refusal (a programme stops when the same one repeats across variants)."""
+
+    def __init__(self, kind: str, line: str) -> None:
+        super().__init__(line)
+        self.kind, self.line = kind, line
+
+
 # --- 1. the TPU ---------------------------------------------------------------------------------
-
-Runner = Callable[[Sequence[str]], "tuple[int, str]"]
-
-
-def run_quiet(argv: Sequence[str]) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of a short gcloud call."""
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise pod.PodError(f"{argv[0]} not found on PATH; install the Google Cloud CLI") from None
-    return proc.returncode, proc.stdout + proc.stderr
-
 
 def tpu_state(spec: Spec, run: Runner) -> tuple[str, int]:
     """(state, number of workers); MISSING when gcloud says NOT_FOUND."""
-    code, out = run(describe_argv(spec))
+    code, out = run(gcloud.describe_argv(spec.target))
     if code != 0:
-        return (MISSING if "NOT_FOUND" in out or "not found" in out else "UNKNOWN"), 0
+        _check_credentials(out)
+        return (MISSING if gcloud.not_found(out) else "UNKNOWN"), 0
     try:
         node = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
     except ValueError:
@@ -242,164 +250,364 @@ def tpu_state(spec: Spec, run: Runner) -> tuple[str, int]:
 
 
 def queue_state(spec: Spec, run: Runner) -> str:
-    code, out = run(queued_describe_argv(spec))
+    code, out = run(gcloud.queued_describe_argv(spec.target, spec.shape))
     if code != 0:
-        return MISSING if "NOT_FOUND" in out or "not found" in out else "UNKNOWN"
+        _check_credentials(out)
+        return MISSING if gcloud.not_found(out) else "UNKNOWN"
     return out.strip().splitlines()[0].strip() if out.strip() else "UNKNOWN"  # stdout's line; stderr follows
 
 
-class GiveUp(Exception):
-    """GCP refused a request in a way that waiting does not fix (a wrong flag, no permission)."""
+def _check_credentials(out: str) -> None:
+    line = gcloud.auth_failure(out)
+    if line:
+        raise NoCredentials(f"gcloud has no valid credentials ({line}); run `gcloud auth login` (or `gcloud config "
+                            "set account ACCOUNT`) and start this command again")
 
 
-# A create that fails otherwise (stockout, quota, a network error) is retried with backoff.
-_REFUSED = ("INVALID_ARGUMENT", "PERMISSION_DENIED", "unrecognized arguments", "Invalid value")
+# --- the loop -----------------------------------------------------------------------------------
 
+class Supervisor:
+    """One run kept going on one slice (see the module docstring). `clock` counts the slice's READY
+    time. `interrupt()` (from another thread) ends the loop at its next step, the run checkpointed.
+    `owns_slice`: the run's end decides the slice's fate (--at-end) and stops its clock; a
+    programme's variant leaves both to the programme. `report` says a stopping error (one line)."""
 
-def act(sup: Supervision, run: Runner, argv: list[str], event: str) -> bool:
-    code, out = run(argv)
-    detail = " ".join(out.split())[-300:]
-    sup.event(event if code == 0 else event + "-failed", code=code,
-              **({} if code == 0 else {"detail": shlex.quote(detail)}))
-    if code != 0 and any(phrase in out for phrase in _REFUSED):
-        raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {detail}; fix the supervise flags")
-    return code == 0
+    def __init__(self, spec: Spec, sup: Supervision, clock: ReadyClock, *, run: Runner = run_quiet,
+                 sleep: Callable[[float], None] | None = None, owns_slice: bool = True,
+                 report: Callable[[str], None] | None = None) -> None:
+        self.spec, self.sup, self.clock, self.run_gcloud = spec, sup, clock, run
+        self.stop = threading.Event()
+        self.sleep = sleep or self.stop.wait  # a wait that an interrupt cuts short
+        self.owns_slice = owns_slice
+        self.report = report or (lambda line: print(f"error: {line}", file=sys.stderr, flush=True))
+        self.gcloud_proc: subprocess.Popen | None = None
 
+    def act(self, argv: list[str], event: str) -> bool:
+        code, out = self.run_gcloud(argv)
+        detail = " ".join(out.split())[-300:]
+        self.sup.event(event if code == 0 else event + "-failed", code=code,
+                       **({} if code == 0 else {"detail": shlex.quote(detail)}))
+        if code != 0:
+            _check_credentials(out)
+            if gcloud.refused(out):
+                raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {gcloud.error_line(out)}; fix the flags")
+        return code == 0
 
-def step_towards_ready(spec: Spec, sup: Supervision, run: Runner, state: str) -> None:
-    """One action for a TPU that is not READY: create, delete + create, or nothing (wait)."""
-    if spec.queued_resource:
-        queued = queue_state(spec, run)
-        if queued in QUEUE_DEAD:
-            act(sup, run, queued_delete_argv(spec), "queued-resource-deleted")
-            queued = state = MISSING  # --force deleted its node too
-        if queued == MISSING:
-            if state in GONE:
-                act(sup, run, delete_argv(spec), "tpu-deleted")
-            act(sup, run, queued_create_argv(spec), "queued-resource-created")
+    def create(self, argv: list[str], event: str) -> None:
+        """A create (TPU or queued resource); after `create_attempts` refusals in a row: Unavailable."""
+        code, out = self.run_gcloud(argv)
+        self.sup.event(event if code == 0 else event + "-failed", code=code,
+                       **({} if code == 0 else {"detail": shlex.quote(" ".join(out.split())[-300:])}))
+        if code == 0:
+            self.sup.data["create_refusals"] = 0
+            return
+        _check_credentials(out)
+        if gcloud.refused(out):
+            raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {gcloud.error_line(out)}; fix the flags")
+        self.sup.data["create_refusals"] = self.sup.data.get("create_refusals", 0) + 1
+        self.sup.save()
+        if self.spec.create_attempts and self.sup.data["create_refusals"] >= self.spec.create_attempts:
+            kind = "quota" if gcloud.quota(out) else "create refused"
+            raise Unavailable(kind, f"{self.sup.data['create_refusals']} creates of {self.spec.target.tpu} refused in a "
+                                    f"row ({gcloud.error_line(out)})")
+
+    def gone(self, at: float) -> None:
+        self.clock.gone(at)
+        self.sup.save()
+
+    def went(self, seen: float) -> float:
+        """When a TPU seen gone at `seen` went: when the trainer acted on its preemption (its
+        `preempted` event, beside the checkpoints: a supervisor started again after that sees it
+        only now), else `seen`."""
+        since = self.clock.record["ready_since"]
+        if since is None or not self.spec.events_file:
+            return seen
+        try:
+            noticed = [e.get("noticed") for e in events.read(self.spec.events_file) if e.get("event") == "preempted"]
+        except Exception:  # noqa: BLE001 - storage out of reach: what was seen stands
+            return seen
+        return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
+
+    def step_towards_ready(self, state: str) -> None:
+        """One action for a TPU that is not READY: create, delete + create, or nothing (wait)."""
+        spec, target, shape = self.spec, self.spec.target, self.spec.shape
+        if state != "UNKNOWN":
+            self.gone(self.went(time.time()))
+        if spec.queued_resource:
+            queued = queue_state(spec, self.run_gcloud)
+            if queued in QUEUE_DEAD:
+                self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")
+                queued = state = MISSING  # --force deleted its node too
+            if queued == MISSING:
+                if state in GONE:
+                    self.act(gcloud.delete_argv(target), "tpu-deleted")
+                self.create(gcloud.queued_create_argv(target, shape), "queued-resource-created")
+            else:
+                self.sup.event("waiting", tpu_state=state, queued_state=queued)
+            return
+        if state in GONE:
+            self.act(gcloud.delete_argv(target), "tpu-deleted")
+            state = MISSING
+        if state == MISSING:
+            self.create(gcloud.create_argv(target, shape), "tpu-created")
         else:
-            sup.event("waiting", tpu_state=state, queued_state=queued)
-        return
-    if state in GONE:
-        act(sup, run, delete_argv(spec), "tpu-deleted")
-        state = MISSING
-    if state == MISSING:
-        act(sup, run, create_argv(spec), "tpu-created")
-    else:
-        sup.event("waiting", tpu_state=state)
+            self.sup.event("waiting", tpu_state=state)
 
-
-def ensure_ready(spec: Spec, sup: Supervision, run: Runner, sleep: Callable[[float], None]) -> int:
-    """Wait until the TPU is READY (creating it as needed); its number of workers."""
-    wait = spec.poll_s
-    while True:
-        state, hosts = tpu_state(spec, run)
-        if state == READY:
-            sup.event("tpu-ready", hosts=hosts)
-            return hosts
-        step_towards_ready(spec, sup, run, state)
-        sleep(wait)
-        wait = min(wait * 1.5, spec.max_poll_s)
-
-
-# --- 2. setup -----------------------------------------------------------------------------------
-
-def ensure_setup(spec: Spec, sup: Supervision, hosts: int) -> int:
-    """0 when every worker already reports the same versions (setup skipped), else setup's code.
-    The commit the workers first ran is recorded, and a later setup (a re-created TPU's fresh
-    clone would otherwise be at the remote's default HEAD) checks that commit out."""
-    rows: list[dict] = []
-    code = pod.run_gcloud(pod.gcloud_argv(spec.target, versions_command(spec.repo_dir)),
-                          on_line=lambda l: rows.append(r) if (r := pod._tagged(l, pod.VERSIONS_TAG)) else None)
-    if code == 0 and len(rows) == hosts and len({json.dumps({k: v for k, v in r.items() if k != "host"},
-                                                            sort_keys=True) for r in rows}) == 1:
-        sup.event("setup-skipped", reason="versions-match", workers=len(rows))
-        record_commit(sup, rows)
+    def ensure_ready(self) -> int:
+        """Wait until the TPU is READY (creating it as needed); its number of workers."""
+        wait = self.spec.poll_s
+        while not self.stop.is_set():
+            asked = time.time()
+            state, hosts = tpu_state(self.spec, self.run_gcloud)
+            if state == READY:
+                self.clock.ready(asked, hosts)
+                self.sup.save()
+                self.sup.event("tpu-ready", hosts=hosts)
+                return hosts
+            self.step_towards_ready(state)
+            self.sleep(wait)
+            wait = min(wait * 1.5, self.spec.max_poll_s)
         return 0
-    git_ref = sup.data.get("commit")
-    sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned")
-    rows = []
-    code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, git_ref=git_ref, clone_url=spec.clone_url,
-                         stream=sup.stream, on_versions=rows.append)
-    sup.event("setup-done" if code == 0 else "setup-failed", code=code)
-    if code == 0:
-        record_commit(sup, rows)
-    return code
 
+    # --- 2. setup
 
-def record_commit(sup: Supervision, rows: list[dict]) -> None:
-    """Keep the first commit every worker agreed on (the run's code for its whole life)."""
-    if "commit" not in sup.data and rows and rows[0].get("commit"):
-        sup.data["commit"] = rows[0]["commit"]
+    def ensure_setup(self, hosts: int) -> int:
+        """0 when every worker's .venv fits and all report the same versions (setup skipped), else
+        setup's code. The commit the workers first ran is recorded, and a later setup (a re-created
+        TPU's fresh clone would otherwise be at the remote's default HEAD) checks that commit out."""
+        spec, sup = self.spec, self.sup
+        rows: list[dict] = []
+        code = pod.run_gcloud(pod.gcloud_argv(spec.target, pod.versions_command(spec.repo_dir)),
+                              on_line=lambda l: rows.append(r) if (r := pod._tagged(l, pod.VERSIONS_TAG)) else None)
+        if code == 0 and not sup.data.get("setup_pending") and pod.versions_agree(rows, hosts):
+            sup.event("setup-skipped", reason="versions-match", workers=len(rows))
+            self.record_commit(rows)
+            return 0
+        problem = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), None)
+        if sup.data.get("setup_pending"):
+            why = "the last setup failed"
+        elif len(rows) != hosts:
+            why = f"{len(rows)} of {hosts} workers answered"
+        else:
+            why = problem or "versions differ"
+        git_ref = sup.data.get("commit")
+        sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned",
+                  reason=shlex.quote(str(why)[:200]))
+        rows = []
+        code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, git_ref=git_ref, clone_url=spec.clone_url,
+                             stream=sup.stream, on_versions=rows.append)
+        sup.data["setup_pending"] = code != 0  # a failed setup is run again, whatever the versions say then
         sup.save()
+        sup.event("setup-done" if code == 0 else "setup-failed", code=code)
+        if code == 0:
+            self.record_commit(rows)
+        return code
+
+    def record_commit(self, rows: list[dict]) -> None:
+        """Keep the first commit every worker agreed on (the run's code for its whole life)."""
+        if "commit" not in self.sup.data and rows and rows[0].get("commit"):
+            self.sup.data["commit"] = rows[0]["commit"]
+            self.sup.save()
+
+    # --- 3. the launch, 4. how it ended
+
+    def launch_once(self, hosts: int) -> tuple[str, int, "LaunchEvents"]:
+        """Launch the run, record the launch; (outcome, exit code, what the trainer said)."""
+        spec, sup = self.spec, self.sup
+        seen = LaunchEvents()
+        started = time.time()
+        sup.event("launch", run_id=spec.run_id, attempt=len(sup.data["launches"]) + 1)
+        sup.data["in_flight"] = True
+        sup.save()
+        code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
+                              log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
+                              interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=sup.stream,
+                              on_line=seen.line, on_gcloud=self._gcloud_started)
+        self.gcloud_proc = None
+        state_after = None
+        if code != 0 and not seen.completed:
+            looked = time.time()
+            state_after = tpu_state(spec, self.run_gcloud)[0]
+            if state_after not in (READY, "UNKNOWN"):  # it went when a worker was told to stop, if one said so
+                self.gone(min(looked, seen.stopped_at() or looked))
+        outcome = classify(code, seen, state_after)
+        why = cause(code, outcome, seen)
+        sup.data["launches"].append({"started": started, "ended": time.time(), "code": code, "outcome": outcome,
+                                     "cause": why, "line": seen.line_of_failure(), "last_step": seen.last_step,
+                                     "total": seen.total, "wandb_run_id": seen.run_id, "tpu_state_after": state_after,
+                                     "metrics": (seen.completed or {}).get("metrics")})
+        sup.data["in_flight"] = False
+        sup.save()
+        sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(why), last_step=seen.last_step,
+                  tpu_state=state_after or READY)
+        return outcome, code, seen
+
+    def _gcloud_started(self, proc: subprocess.Popen) -> None:
+        self.gcloud_proc = proc
+
+    def interrupt(self) -> None:
+        """From another thread: the run checkpoints and stops (SIGTERM on every worker), and the loop ends."""
+        self.stop.set()
+        if self.gcloud_proc is not None:
+            pod.stop_pod(self.spec.target, grace=self.spec.stop_grace_s, stream=io.StringIO(),
+                         repo_dir=self.spec.repo_dir)
+
+    # --- 5. the end
+
+    def release_tpu(self, status: str) -> None:
+        """Delete the TPU or keep it, as --at-end says (by default: delete when the checkpoints are on gs://)."""
+        at_end = self.spec.at_end or ("delete" if self.spec.state_mirror else "keep")
+        if at_end == "delete" and status in ("completed", "failed", "gave-up"):
+            deleting = time.time()
+            if self.act(gcloud.delete_argv(self.spec.target), "tpu-deleted"):
+                self.gone(deleting)
+            return
+        if self.clock.record["ready_since"] is not None:  # still billed; no longer counted here
+            self.sup.event("tpu-kept", at_end=at_end if status != "interrupted" else "interrupted")
+        self.gone(time.time())
+
+    def finish(self, status: str, code: int, release: bool = True, line: str | None = None, **fields) -> int:
+        """Record how the run ended; delete or keep the TPU (not while a launch may still run on it,
+        nor without gcloud credentials)."""
+        sup = self.sup
+        if self.owns_slice and release and not (status == "interrupted" and sup.data.get("in_flight")):
+            try:
+                self.release_tpu(status)
+            except GiveUp:
+                self.gone(time.time())
+        elif self.owns_slice:
+            self.gone(time.time())
+        sup.data["status"] = status
+        sup.data["end"] = {"status": status, "code": code, "line": line, **fields}
+        sup.save()
+        sup.event(status, code=code, restarts=sup.data["restarts"], preemptions=sup.data["preemptions"],
+                  host_hours=f"{self.clock.host_seconds() / 3600:.3f}", **fields)
+        return code
+
+    def run(self) -> int:
+        """Until the run completes (0), fails for good (its code) or stops making progress (1)."""
+        spec, sup = self.spec, self.sup
+        resumed = bool(sup.data["launches"])
+        orphaned = sup.data.get("in_flight", False)  # the supervisor before was killed mid-launch
+        sup.data["status"] = "running"
+        sup.save()
+        sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
+                  restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
+                  mirror=spec.state_mirror or "none", shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
+        while True:
+            try:
+                hosts = self.ensure_ready()
+            except NoCredentials as e:
+                self.report(str(e))
+                return self.finish("failed", EXIT_USER_ERROR, release=False, line=str(e), cause="gcloud-credentials")
+            except GiveUp as e:
+                self.report(str(e))
+                return self.finish("failed", EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
+            if self.stop.is_set():
+                return self.finish("interrupted", EXIT_INTERRUPTED)
+            if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
+                orphaned = False
+                code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
+                sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
+            if self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
+                outcome, code = "backoff", EXIT_FAILURE
+            else:
+                outcome, code, _ = self.launch_once(hosts)
+            if outcome == "completed":
+                return self.finish("completed", 0, last_step=sup.last_step())
+            if outcome == "fatal":
+                launch = sup.data["launches"][-1]
+                return self.finish("failed", code, line=launch["line"], cause=shlex.quote(launch["cause"]))
+            if self.stop.is_set() or code == EXIT_INTERRUPTED:
+                return self.finish("interrupted", EXIT_INTERRUPTED)
+            if outcome == "preempted":
+                sup.data["preemptions"] += 1
+                sup.save()
+                continue
+            sup.data["restarts"] += 1
+            sup.save()
+            if sup.data["restarts"] > spec.max_restarts:
+                return self.finish("gave-up", EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
+            if no_progress(sup.data["launches"]):
+                return self.finish("gave-up", EXIT_FAILURE, reason="no-progress", last_step=sup.last_step())
+            self.recover(outcome)
+
+    def recover(self, outcome: str) -> None:
+        """Before a relaunch: free the TPU of stale processes; after a storage or setup failure, wait first."""
+        spec, sup = self.spec, self.sup
+        if outcome == "backoff":
+            sup.event("backoff", seconds=spec.storage_backoff_s)
+            self.sleep(spec.storage_backoff_s)
+        code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
+        sup.event("stopped-stale-processes", code=code, restarts=sup.data["restarts"])
 
 
-# --- 3. the launch, 4. how it ended ------------------------------------------------------------
+class LaunchEvents:
+    """What the trainer said during one launch: its events, from every worker's output."""
 
-class _Capture:
-    """The launch's output: passed through to the console, and read for steps and preemption."""
+    def __init__(self) -> None:
+        self.run_id = self.total = self.last_step = None
+        self.completed: dict | None = None
+        self.preempted: dict | None = None
+        self.failures: list[dict] = []
+        self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/worker/once.py)
 
-    def __init__(self, stream: TextIO) -> None:
-        self.stream, self.last_step, self.preempted_at, self._buf = stream, None, None, ""
-        self.lease_held = False
+    def line(self, line: str) -> None:
+        event = events.parse(line)
+        if event is None:
+            return
+        kind, step = event["event"], event.get("step")
+        if isinstance(step, int):
+            self.last_step = max(step, self.last_step if self.last_step is not None else step)
+        if kind == "started":
+            self.run_id, self.total = event.get("run_id"), event.get("total")
+        elif kind == "completed":
+            self.completed = event
+        elif kind == "preempted":
+            self.preempted = event
+        elif kind == "failed":
+            self.failures.append(event)
+        elif kind == "sigterm" and isinstance(event.get("time"), (int, float)):
+            self.sigterm = min(event["time"], self.sigterm or event["time"])
 
-    def write(self, text: str) -> None:
-        self.stream.write(text)
-        *lines, self._buf = (self._buf + text).split("\n")
-        for line in lines:
-            self.lease_held = self.lease_held or _LEASE_HELD in line
-            m = _PREEMPTED_LINE.search(line)
-            if m:
-                self.preempted_at = int(m.group(1))
-            steps = [int(s) for s in _STEP.findall(line)]
-            if steps:
-                self.last_step = max(steps + ([self.last_step] if self.last_step is not None else []))
+    def stopped_at(self) -> float | None:
+        """When the workers were told to stop: a launch guard's SIGTERM, else the trainer's `preempted`."""
+        return self.sigterm or (self.preempted or {}).get("noticed")
 
-    def flush(self) -> None:
-        self.stream.flush()
+    def failure(self) -> dict | None:
+        """The cause: a process's own failure rather than the others' "a peer was lost"."""
+        own = [f for f in self.failures if f.get("failure") != "peer-lost"]
+        return (own or self.failures or [None])[0]
+
+    def line_of_failure(self) -> str | None:
+        failure = self.failure()
+        return failure.get("line") if failure else None
 
 
-def classify(code: int, capture: _Capture, state_after: str | None) -> str:
-    """completed, preempted, restart, backoff or fatal."""
-    if capture.preempted_at is not None and code in (0, SSH_DROPPED):
-        return "preempted"
-    if code == 0:
+def classify(code: int, seen: LaunchEvents, state_after: str | None) -> str:
+    """completed, preempted, fatal, backoff or restart."""
+    if seen.completed:
         return "completed"
-    if state_after not in (None, READY, "UNKNOWN"):  # UNKNOWN: the describe failed, the exit code decides
+    if seen.preempted or code == EXIT_PREEMPTED:
+        return "preempted"
+    if state_after not in (None, READY, "UNKNOWN"):  # UNKNOWN: the describe failed, the rest decides
         return "preempted"  # the ssh dropped (or the workers died) because the TPU went away
-    if code in FATAL and not (code == EXIT_USER_ERROR and capture.lease_held):
+    if code == 0:
+        return "completed"  # a trainer that reports no events (older code on the workers)
+    failure = seen.failure()
+    kind = failure.get("failure") if failure else None
+    if kind in PERMANENT:
         return "fatal"
-    return "backoff" if code == EXIT_STORAGE or capture.lease_held else "restart"
+    return "backoff" if kind in BACKOFF else "restart"
 
 
-def cause(code: int, outcome: str, capture: _Capture) -> str:
+def cause(code: int, outcome: str, seen: LaunchEvents) -> str:
     if outcome in ("completed", "preempted"):
         return outcome
-    if capture.lease_held:
-        return "lease held"
-    return FATAL.get(code) or RESTART.get(code) or f"exit {code}"
-
-
-def launch_once(spec: Spec, sup: Supervision, run: Runner, hosts: int, ready_at: float) -> tuple[str, int]:
-    """Launch the run, record the launch; (outcome, exit code)."""
-    capture = _Capture(sup.stream)
-    sup.event("launch", run_id=spec.run_id, attempt=len(sup.data["launches"]) + 1)
-    sup.data["in_flight"] = True
-    sup.save()
-    code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
-                          log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
-                          interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=capture)
-    state_after = tpu_state(spec, run)[0] if code != 0 else None
-    outcome = classify(code, capture, state_after)
-    sup.data["host_seconds"] += (time.time() - ready_at) * hosts
-    sup.data["launches"].append({"started": ready_at, "ended": time.time(), "code": code, "outcome": outcome,
-                                 "cause": cause(code, outcome, capture), "last_step": capture.last_step,
-                                 "tpu_state_after": state_after})
-    sup.data["in_flight"] = False
-    sup.save()
-    sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(cause(code, outcome, capture)),
-              last_step=capture.last_step, tpu_state=state_after or READY)
-    return outcome, code
+    failure = seen.failure()
+    if failure:
+        return CAUSES.get(failure.get("failure"), str(failure.get("failure")))
+    return f"exit {code}" + (" (no event from the trainer: the worker command failed)" if code else "")
 
 
 def no_progress(launches: list[dict]) -> bool:
@@ -411,89 +619,52 @@ def no_progress(launches: list[dict]) -> bool:
             and a.get("last_step") == b.get("last_step") == c.get("last_step"))
 
 
-def finish(sup: Supervision, status: str, code: int, **fields) -> int:
-    sup.data["status"] = status
-    sup.save()
-    sup.event(status, code=code, restarts=sup.data["restarts"], preemptions=sup.data["preemptions"],
-              host_hours=f"{sup.data['host_seconds'] / 3600:.3f}", **fields)
-    return code
+def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_quiet,
+              sleep: Callable[[float], None] = time.sleep) -> int:
+    """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
+    sup = Supervision(spec, stream or sys.stdout)
+    return Supervisor(spec, sup, ReadyClock(sup.data["slice"]), run=run, sleep=sleep).run()
 
 
 def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
     """(<run.checkpoint.dir>/supervision.json when the checkpoints are on gs://, else None; why),
     from the config the trainer composes (conf/ + the overrides)."""
-    from hydra import compose, initialize_config_dir
-
-    from runtime.config import register_schemas, run_dirs, validate
-
-    try:
-        register_schemas()
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"),
-                                   version_base=None):
-            cfg = compose(config_name="config", overrides=list(overrides))
-        experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
-        checkpoints = run_dirs(validate(cfg, experiment))[1]
-    except Exception as e:  # the trainer reports a bad override itself, in one line
-        return None, f"the overrides do not compose here ({' '.join(str(e).split())[:200]})"
+    checkpoints, why = checkpoint_dir(overrides)
+    if checkpoints is None:
+        return None, why
     if not checkpoints.startswith("gs://"):
         return None, f"checkpoints are local to the workers ({checkpoints})"
     return checkpoints.rstrip("/") + "/supervision.json", "beside the checkpoints"
 
 
-# --- the loop -----------------------------------------------------------------------------------
+def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
+    """(the run's checkpoint directory, or None; why not), from conf/ + the overrides."""
+    from runtime.config import run_dirs
 
-def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_quiet,
-              sleep: Callable[[float], None] = time.sleep) -> int:
-    """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
-    sup = Supervision(spec, stream or sys.stdout)
-    resumed = bool(sup.data["launches"])
-    orphaned = sup.data.get("in_flight", False)  # the supervisor before was killed mid-launch
-    sup.data["status"] = "running"
-    sup.save()
-    sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
-              restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
-              mirror=spec.state_mirror or "none", shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
-    while True:
-        try:
-            hosts = ensure_ready(spec, sup, run, sleep)
-        except GiveUp as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return finish(sup, "failed", EXIT_USER_ERROR, cause="gcloud-refused")
-        ready_at = time.time()
-        if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
-            orphaned = False
-            code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream)
-            sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
-        if ensure_setup(spec, sup, hosts) != 0:  # a failing setup (a network blip) waits before the next try
-            outcome, code = "backoff", EXIT_FAILURE
-        else:
-            outcome, code = launch_once(spec, sup, run, hosts, ready_at)
-        if outcome == "completed":
-            return finish(sup, "completed", 0, last_step=sup.last_step())
-        if outcome == "fatal":
-            return finish(sup, "failed", code, cause=shlex.quote(FATAL[code]))
-        if outcome == "preempted":
-            sup.data["preemptions"] += 1
-            sup.save()
-            continue
-        if code == EXIT_INTERRUPTED:
-            return finish(sup, "interrupted", code)
-        sup.data["restarts"] += 1
-        sup.save()
-        if sup.data["restarts"] > spec.max_restarts:
-            return finish(sup, "gave-up", EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
-        if no_progress(sup.data["launches"]):
-            return finish(sup, "gave-up", EXIT_FAILURE, reason="no-progress", last_step=sup.last_step())
-        recover(spec, sup, outcome, sleep)
+    try:
+        config = composed(overrides)
+    except Exception as e:  # the trainer reports a bad override itself, in one line
+        return None, f"the overrides do not compose here ({' '.join(str(e).split())[:200]})"
+    return run_dirs(config)[1], "composed"
 
 
-def recover(spec: Spec, sup: Supervision, outcome: str, sleep: Callable[[float], None]) -> None:
-    """Before a relaunch: free the TPU of stale processes; after a storage or setup failure, wait first."""
-    if outcome == "backoff":
-        sup.event("backoff", seconds=spec.storage_backoff_s)
-        sleep(spec.storage_backoff_s)
-    code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream)
-    sup.event("stopped-stale-processes", code=code, restarts=sup.data["restarts"])
+def composed(overrides: Sequence[str]):
+    """The validated Config that `pretrain_jax.py <overrides>` runs (UserError or Hydra's error if not).
+    `${hydra:...}` interpolations resolve as in the run (e.g. a checkpoint directory per experiment)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from runtime.config import register_schemas, validate
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
+    return validate(cfg, experiment)
 
 
 def run_until_done(spec: Spec) -> int:
@@ -503,46 +674,50 @@ def run_until_done(spec: Spec) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    sup = Supervision(spec, sys.stdout)
+    supervisor = Supervisor(spec, sup, ReadyClock(sup.data["slice"]))
     try:
-        return supervise(spec)
+        return supervisor.run()
     except KeyboardInterrupt:
-        sup = Supervision(spec, sys.stdout)
-        return finish(sup, "interrupted", EXIT_INTERRUPTED)
+        sup.data["in_flight"] = False  # launch_pod stopped the workers (they checkpointed)
+        return supervisor.finish("interrupted", EXIT_INTERRUPTED)
 
 
 # --- what an operator sees without running anything ---------------------------------------------
 
 def dry_run(spec: Spec) -> str:
     """The exact gcloud commands the supervisor issues in each state of the TPU."""
-    q = spec.queued_resource
-    ready = [shlex.join(describe_argv(spec)),
-             "# versions check (setup is skipped when every worker matches):",
-             shlex.join(pod.gcloud_argv(spec.target, versions_command(spec.repo_dir))),
-             "# otherwise setup:", shlex.join(pod.gcloud_argv(spec.target, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
+    t, shape, q = spec.target, spec.shape, spec.queued_resource
+    j = shlex.join
+    ready = [j(gcloud.describe_argv(t)),
+             "# versions check (setup is skipped when every worker's .venv fits and all match):",
+             j(pod.gcloud_argv(t, pod.versions_command(spec.repo_dir))),
+             "# otherwise setup:", j(pod.gcloud_argv(t, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
              "# the launch (every launch resumes the run's checkpoint):"]
     sections = {
-        "missing": [shlex.join(describe_argv(spec)),
-                    *([shlex.join(queued_describe_argv(spec)), shlex.join(queued_create_argv(spec))] if q
-                      else [shlex.join(create_argv(spec))])],
+        "missing": [j(gcloud.describe_argv(t)),
+                    *([j(gcloud.queued_describe_argv(t, shape)), j(gcloud.queued_create_argv(t, shape))] if q
+                      else [j(gcloud.create_argv(t, shape))])],
         "CREATING (or queued: " + ", ".join(QUEUE_WAITING[:-1]) + "): wait with backoff, then again":
-            [shlex.join(describe_argv(spec)), *([shlex.join(queued_describe_argv(spec))] if q else [])],
+            [j(gcloud.describe_argv(t)), *([j(gcloud.queued_describe_argv(t, shape))] if q else [])],
         "READY": ready,
-        "PREEMPTED or TERMINATED": [shlex.join(describe_argv(spec)),
-                                    *([shlex.join(queued_describe_argv(spec)), shlex.join(queued_delete_argv(spec)),
-                                       shlex.join(queued_create_argv(spec))] if q
-                                      else [shlex.join(delete_argv(spec)), shlex.join(create_argv(spec))])],
+        "PREEMPTED or TERMINATED": [j(gcloud.describe_argv(t)),
+                                    *([j(gcloud.queued_describe_argv(t, shape)), j(gcloud.queued_delete_argv(t, shape)),
+                                       j(gcloud.queued_create_argv(t, shape))] if q
+                                      else [j(gcloud.delete_argv(t)), j(gcloud.create_argv(t, shape))])],
         "after a hang, a lost worker or an unknown failure (before the relaunch)":
-            [shlex.join(pod.gcloud_argv(spec.target, pod.stop_command(spec.stop_grace_s)))],
+            [j(pod.gcloud_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir)))],
+        "when the run has ended, with --at-end delete": [j(gcloud.delete_argv(t))],
     }
     if q:
-        sections["queued resource FAILED or SUSPENDED"] = [shlex.join(queued_delete_argv(spec)),
-                                                           shlex.join(queued_create_argv(spec))]
+        sections["queued resource FAILED or SUSPENDED"] = [j(gcloud.queued_delete_argv(t, shape)),
+                                                           j(gcloud.queued_create_argv(t, shape))]
     out = []
     for state, lines in sections.items():
         out += [f"# TPU {state}:", *lines]
         if state == "READY":
             shown = io.StringIO()
-            pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
+            pod.launch_pod(t, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
                            forward_env=spec.forward_env, ship=spec.ship or False, dry_run=True, stream=shown)
             out.append(shown.getvalue())
     return "\n".join(line.rstrip("\n") for line in out) + "\n"
@@ -553,9 +728,11 @@ def status_text(log_dir: Path, run_id: str) -> str | None:
     data = load(Path(log_dir) / run_id / "supervision.json")
     if data is None:
         return None
+    clock = ReadyClock(dict(data.get("slice") or {}))
     lines = [f"run {data['run_id']} on {data['tpu']} ({data['zone']}): {data['status']}; "
              f"{len(data['launches'])} launches, {data['restarts']} restarts, {data['preemptions']} preemptions; "
-             f"{data['host_seconds'] / 3600:.3f} host-hours (READY wall time x workers)"]
+             f"{clock.ready_seconds() / 3600:.3f} pod-hours READY, {clock.host_seconds() / 3600:.3f} host-hours "
+             "(READY time x workers)"]
     for i, launch in enumerate(data["launches"], 1):
         when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(launch["started"]))
         minutes = (launch["ended"] - launch["started"]) / 60

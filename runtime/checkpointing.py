@@ -131,7 +131,8 @@ def move_step(source: str, target: str) -> None:
 
 
 class Checkpoints:
-    def __init__(self, directory: str, *, keep: int, async_save: bool):
+    def __init__(self, directory: str, *, keep: int, async_save: bool,
+                 on_commit: Callable[[int], None] | None = None):
         # Orbax wants absolute paths; a local relative path is taken from the working directory.
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         try:
@@ -148,6 +149,7 @@ class Checkpoints:
         self._pending: int | None = None  # saved asynchronously, not yet known to be committed
         self._confirmed: int | None = self.manager.latest_step()  # the newest step known to be committed
         self.quarantined: list[tuple[int, str | None]] = []  # (step, where it was moved; None on processes > 0)
+        self.on_commit = on_commit  # told each step this run's saves commit
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -342,6 +344,13 @@ class Checkpoints:
             raise self._failed(e) from e
         if self._pending is not None:
             self._confirmed, self._pending = self._pending, None
+            if self.on_commit:
+                self.on_commit(self._confirmed)
+
+    def poll(self) -> None:
+        """Take note of an async save that has finished meanwhile (cheap: call it every step)."""
+        if self._pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def close(self) -> None:
         self.manager.close()

@@ -59,6 +59,8 @@ _HELD: set[str] = set()
 class LeaseHeld(UserError):
     """Another live run holds the lease (exit 2: found before anything is compiled or written)."""
 
+    failure = "lease-held"  # its class in the `failed` event (runtime/events.py): wait, do not give up
+
 
 class _RenewFailed(Exception):
     """Storage failed while renewing the record in `store`."""

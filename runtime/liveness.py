@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from runtime import events
 from runtime.errors import EXIT_PEER_LOST, UserError
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ def _run_exit_hooks(code: int) -> None:
 
 def _exit_peer_lost(line: str) -> None:
     print(f"error: {line}", file=sys.stderr, flush=True)
+    events.failed(EXIT_PEER_LOST, line)
     sys.stdout.flush()
     _run_exit_hooks(EXIT_PEER_LOST)
     os._exit(EXIT_PEER_LOST)  # not sys.exit: JAX's shutdown barrier would wait for the lost peer
@@ -451,6 +453,7 @@ def stop(line: str, code: int) -> None:
     if _current is not None and not _current._one_report.acquire(blocking=False):
         return
     print(f"error: {line}", file=sys.stderr, flush=True)
+    events.failed(code, line)
     sys.stdout.flush()
     _run_exit_hooks(code)
     leave(code)

@@ -16,11 +16,11 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
-from runtime import liveness
+from runtime import events, liveness
 from runtime.builder import curriculum_metrics
 from runtime.checkpointing import Checkpoints
 from runtime.config import Config, Plan
-from runtime.errors import EXIT_NONFINITE, UserError, one_line
+from runtime.errors import EXIT_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
@@ -110,8 +110,10 @@ class _Progress:
         bad = [s for (s, _), m in zip(self.pending, fetched) if not m["finite"]]
         if bad:
             where = self.last_good_ckpt
-            log.error("non-finite loss or gradient at step %d; stopping. Last good checkpoint: %s", bad[0],
-                      f"step {where} in {self.ctx.plan.checkpoint_dir}" if where is not None else "none")
+            line = (f"non-finite loss or gradient at step {bad[0]}; stopping. Last good checkpoint: "
+                    + (f"step {where} in {self.ctx.plan.checkpoint_dir}" if where is not None else "none"))
+            log.error("%s", line)
+            events.failed(EXIT_NONFINITE, line)
             return False
         if fetched:  # task metrics from the sums over the interval (ratios of sums, not means of ratios)
             totals = {k: sum(float(m["sums"][k]) for m in fetched) for k in fetched[-1]["sums"]}
@@ -174,7 +176,9 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
             run.pending.append((done, metrics))
             watchdog.beat(done)
             run.profile(step, done)
+            ctx.ckpt.poll()  # a save finished meanwhile: its `checkpoint` event
             preempted = preemption.should_stop(done)
+            noticed = time.time()
             if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last or preempted:
                 if not run.drain():
                     return EXIT_NONFINITE, "nonfinite", None
@@ -189,12 +193,15 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                 ctx.ckpt.wait()
                 log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
                             "resume", done, plan.checkpoint_dir)
-                return 0, "preempted", run.train_metrics | run.eval_metrics
+                events.emit("preempted", step=done, noticed=round(noticed, 3))
+                return EXIT_PREEMPTED, "preempted", run.train_metrics | run.eval_metrics
     except UserError:
         raise  # its one line is printed as the run's error
     except Exception as e:
         liveness.failing()  # a lost peer, if that is the cause, is named instead (and this process exits)
-        log.error("training failed in step %d: %s", step + 1, one_line(e)[:500])
+        line = f"training failed in step {step + 1}: {one_line(e)[:500]}"
+        log.error("%s", line)
+        events.failed(EXIT_FAILURE, line)
         raise
     finally:
         watchdog.stop()

@@ -198,7 +198,8 @@ class MetricsSinks:
         self._jsonl.append(json.dumps(row, allow_nan=False) + "\n", f"at step {int(step)}")
 
         if self._run is not None:
-            with _output_faults(f"W&B files under {self.output_dir / 'wandb'} at step {int(step)}"):
+            with self._wandb(f"at step {int(step)}"), _output_faults(f"W&B files under {self.output_dir / 'wandb'} "
+                                                                     f"at step {int(step)}"):
                 self._run.log(values, step=int(step))
         if self._bar is not None:
             self._update_bar(int(step), values)
@@ -207,7 +208,8 @@ class MetricsSinks:
         """Final metrics -> W&B run summary (JSONL/bar untouched)."""
         if not self.is_primary or self._closed or self._run is None:
             return
-        self._run.summary.update({key: _summary_value(v) for key, v in metrics.items()})
+        with self._wandb("setting the run summary"):
+            self._run.summary.update({key: _summary_value(v) for key, v in metrics.items()})
 
     def save_file(self, path: str | Path) -> None:
         """Upload a file (e.g. the run manifest) to W&B as it is now."""
@@ -222,7 +224,8 @@ class MetricsSinks:
         dst = files_dir / src.name
         if src != dst:
             shutil.copyfile(src, dst)
-        self._run.save(str(dst), base_path=str(files_dir), policy="now", glob=False)
+        with self._wandb(f"saving {src.name}"):
+            self._run.save(str(dst), base_path=str(files_dir), policy="now", glob=False)
 
     def close(self, exit_code: int = 0) -> None:
         """Finish W&B with `exit_code`, close the JSONL file and the bar. Idempotent."""
@@ -231,13 +234,32 @@ class MetricsSinks:
         self._closed = True
         try:
             if self._run is not None:
-                self._run.finish(exit_code=exit_code)
+                with self._wandb("finishing the run"):
+                    self._run.finish(exit_code=exit_code)
         finally:
             self._run = None
             if self._bar is not None:
                 self._bar.close()
             if self._jsonl is not None:
                 self._jsonl.close()
+
+    @contextlib.contextmanager
+    def _wandb(self, when: str) -> Iterator[None]:
+        """A W&B call that fails for any reason but our disk (its service process was killed: on a VM
+        shutdown every process gets SIGTERM, wandb-core too) never fails the run: one warning, W&B off
+        for the rest of it, metrics.jsonl goes on."""
+        try:
+            yield
+        except OutputDirError:
+            raise
+        except Exception as e:
+            if storage_fault(e) is not None:
+                raise
+            run, self._run = self._run, None
+            log.warning("W&B stopped working %s (%s: %s); metrics.jsonl goes on, W&B is off for the rest of this run "
+                        "(its offline files so far: %s)", when, type(e).__name__, one_line(e)[:200],
+                        getattr(run, "dir", None) or self.output_dir / "wandb")
+            _forget_wandb()
 
     def __enter__(self) -> MetricsSinks:
         return self
@@ -330,6 +352,24 @@ def _output_faults(what: str) -> Iterator[None]:
             raise
         raise OutputDirError(f"cannot write {what} ({fault}); {storage_fix(fault, 'the output directory')} and "
                              "relaunch the same command to resume") from e
+
+
+def _forget_wandb(wait_s: float = 5.0) -> None:
+    """Drop W&B's connection to its dead service (and its exit hook, which would print a traceback),
+    in a thread that is not waited for beyond `wait_s`: a service that hangs must not hold the run."""
+    import threading
+
+    import wandb
+
+    def teardown() -> None:
+        try:
+            wandb.teardown()
+        except Exception:  # noqa: BLE001 - the service is gone; so is what it would say
+            pass
+
+    worker = threading.Thread(target=teardown, name="wandb-teardown", daemon=True)
+    worker.start()
+    worker.join(wait_s)
 
 
 def _summary_value(value: Any) -> Any:

@@ -20,13 +20,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from runtime import liveness
+from runtime import events, liveness
 from runtime import manifest as manifest_lib
 from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints, CorruptStep
 from runtime.config import Config, planned_steps, resolve_compute_dtype, run_dirs, to_dict
 from runtime.distributed import ProcessInfo, initialize
-from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault, storage_fix
+from runtime.errors import (EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault,
+                            storage_fix)
 from runtime.evaluation import evaluate
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
@@ -35,6 +36,7 @@ from runtime.metrics_sinks import MetricsSinks
 from runtime.preemption import PreemptionWatcher
 from runtime.preflight import preflight
 from runtime.registry import dataset_kind
+from runtime.run_files import RunFiles
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
 from runtime.run_log import library_logs_to, run_log_path
 from runtime.sharding import batch_sharding, describe
@@ -301,23 +303,26 @@ def run(config: Config) -> int:
     # Before anything is written to the run's directories: one run at a time writes there.
     lease = hold_run_lease(config, info.is_primary, info.process_count, output_dir, checkpoint_dir)
     preemption = PreemptionWatcher()  # from here on a SIGTERM (a preemption) ends the run cleanly, compiles included
+    events.attach(output_dir, process=info.process_index)  # the run's directory is this run's now
     try:
         with library_logs_to(run_log_path(output_dir, info.process_index)):
             return run_leased(config, info, checkpoint_dir, lease, preemption)
     finally:
         preemption.close()
+        events.detach()
         if lease is not None:
             lease.release()
 
 
-def preempted_early(preemption: PreemptionWatcher) -> bool:
+def preempted_early(preemption: PreemptionWatcher, step: int) -> bool:
     """Whether a SIGTERM came before the first step (one process; a pod's processes agree on the
     step through JAX's preemption service instead): nothing was trained in this launch, so
-    nothing new is saved."""
+    nothing new is saved, and a relaunch resumes from `step` (what the checkpoint holds)."""
     if not preemption.signalled:
         return False
     log.warning("preempted (SIGTERM) before the first step: nothing was trained in this launch, so nothing new is "
                 "saved; relaunch the same command to go on")
+    events.emit("preempted", step=step, before_first_step=True)
     return True
 
 
@@ -327,7 +332,9 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     ensure_dataset(config, info)
     train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
     shape = kind.shape(config.data, train_split)
-    ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save)
+    files = RunFiles(output_dir_of(config), checkpoint_dir) if info.is_primary else None
+    ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save,
+                       on_commit=lambda step: committed(step, files))
     start_step, meta = resume_point(config, ckpt, shape.examples)
     config = resolve_compute_dtype(config, jax.default_backend(), ((meta or {}).get("config") or {}).get("arch"))
     run_id = choose_run_id(config, meta, ckpt.directory, start_step)
@@ -337,9 +344,9 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
     check_host_memory(steps.abstract_state, info.platform)
-    if preempted_early(preemption):
+    if preempted_early(preemption, start_step or 0):
         ckpt.close()
-        return 0
+        return EXIT_PREEMPTED
     evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
@@ -353,13 +360,17 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     config_dict = to_dict(config)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
+    if files:  # a re-created VM's fresh disk: the metrics so far come back from beside the checkpoints
+        files.restore(start_step)
     try:
         sinks = open_sinks(config, plan, info, run_id, position, config_dict, manifest_lib.source_commit(manifest))
     except BaseException:  # metrics.jsonl or W&B files cannot be written: stop what was started, then say so
         feeder.close()
         _best_effort(ckpt.close, "closing the checkpoint manager")
         raise
-    status, exit_code, final = "failed", EXIT_FAILURE, None
+    events.emit("started", run_id=run_id, step=position, total=plan.total_steps, resumed=start_step is not None,
+                run=f"{config.run.group}/{config.run.name}", output_dir=plan.output_dir, checkpoint_dir=plan.checkpoint_dir)
+    status, exit_code, final, failure = "failed", EXIT_FAILURE, None, None
     unhook = liveness.on_abrupt_exit(lambda code: record_abrupt_end(manifest, plan, code)) if info.is_primary else None
     try:
         if info.is_primary:
@@ -368,9 +379,10 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
             final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
+            events.emit("completed", step=position, metrics=final, evaluated=True)
             return exit_code
-        if preempted_early(preemption):  # the signal came while the state was built (the first compile)
-            status, exit_code = "preempted", 0
+        if preempted_early(preemption, position):  # the signal came while the state was built (the first compile)
+            status, exit_code = "preempted", EXIT_PREEMPTED
             return exit_code
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
@@ -379,18 +391,26 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         if status == "completed":
             log.info("completed: step %d of %d, its checkpoint committed", plan.total_steps, plan.total_steps)
+            events.emit("completed", step=plan.total_steps, metrics=final or (meta or {}).get("metrics"))
         return exit_code
     except OutputDirError as e:  # add where a relaunch resumes from
         status, exit_code = "failed", e.exit_code
         _best_effort(ckpt.wait, "committing the checkpoint in flight")
         last = ckpt.last_complete
-        raise OutputDirError(f"{e}; the last complete checkpoint: {'none yet' if last is None else f'step {last}'}") from e
+        error = OutputDirError(f"{e}; the last complete checkpoint: {'none yet' if last is None else f'step {last}'}")
+        failure = (error.exit_code, str(error), None)
+        raise error from e
     except UserError as e:
-        status, exit_code = "failed", e.exit_code
+        status, exit_code, failure = "failed", e.exit_code, (e.exit_code, str(e), events.failure_of(e))
+        raise
+    except Exception as e:  # a crash: its traceback follows (pretrain_jax.py)
+        failure = (EXIT_FAILURE, one_line(e), None)
         raise
     finally:  # record how it ended; never let a second failure here hide the first
-        if exit_code != 0:  # a lost peer, the likelier cause, is reported instead (the hook records it)
-            liveness.failing()
+        if exit_code not in (0, EXIT_PREEMPTED):  # a lost peer, the likelier cause, is reported instead
+            liveness.failing()  # (the hook records it)
+        if failure is not None:
+            events.failed(*failure)
         if unhook:
             unhook()
         feeder.close()
@@ -401,6 +421,19 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
                            beside_checkpoints=not ckpt.save_failed)
         finally:
             sinks.close(exit_code)
+            if files:  # how it ended, beside the checkpoints too
+                files.flush()
+
+
+def output_dir_of(config: Config) -> str:
+    return run_dirs(config)[0]
+
+
+def committed(step: int, files: RunFiles | None) -> None:
+    """A checkpoint is committed: say so, and copy the run's files beside it (process 0)."""
+    events.emit("checkpoint", step=step)
+    if files:
+        files.sync()
 
 
 def write_manifest(manifest: dict, *directories: str) -> list[str]:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from runtime import liveness
+from runtime import events, liveness
 from runtime.errors import EXIT_HANG
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,11 @@ class Watchdog:
                 return
 
     def _fire(self, since: float, step: int, phase: str) -> None:
-        print(f"watchdog: no progress for {self._clock() - since:.0f}s (limit {self.timeout_s:.0f}s): "
-              f"step {step + 1} stalled ({phase}; last completed step {step}). A worker probably died or hangs; "
-              "dumping Python stacks and exiting", file=sys.stderr, flush=True)
+        line = (f"watchdog: no progress for {self._clock() - since:.0f}s (limit {self.timeout_s:.0f}s): "
+                f"step {step + 1} stalled ({phase}; last completed step {step}). A worker probably died or hangs; "
+                "dumping Python stacks and exiting")
+        print(line, file=sys.stderr, flush=True)
+        events.failed(EXIT_HANG, line)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         liveness.leave(EXIT_HANG)  # the others stop too, with their own stall or naming this one

@@ -342,20 +342,29 @@ def raises_one_line(kind: type[BaseException], fn: Callable[[], object], *needle
 # ------------------------------------------------------------------------ fake TPU workers
 
 
-def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate: str = "") -> list[Path]:
+def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate: str = "",
+                      image: bool = False) -> list[Path]:
     """The home directory of each fake TPU worker (tests/fake_gcloud), with ~/repo holding a .venv
-    whose python is this one, a setup_tpu.sh that succeeds, and `trainer` as pretrain_jax.py (or,
-    when None, the real repository's files, linked). `activate`: more shell for .venv/bin/activate."""
-    homes = [root / f"worker-{i}" for i in range(workers)]
+    whose python is this one, a setup_tpu.sh that succeeds, the worker-side code (experiments/,
+    runtime/ and pyproject.toml, linked), and `trainer` as pretrain_jax.py (or, when None, the
+    real repository's files, linked). `activate`: more shell for .venv/bin/activate. `image`:
+    write the boot image instead (root/image), from which the fake control plane makes each
+    TPU's workers when it creates the TPU (fresh disks); returns [root/image]."""
+    homes = [root / "image"] if image else [root / f"worker-{i}" for i in range(workers)]
     for home in homes:
         repo = home / "repo"
         (repo / ".venv" / "bin").mkdir(parents=True)
         # Like a real activate: our python first on PATH.
         (repo / ".venv" / "bin" / "activate").write_text(f"{activate}export PATH={Path(sys.executable).parent}:$PATH\n")
         (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        for shared in ("pyvenv.cfg", "lib"):  # this venv's packages, as a real .venv has its own
+            (repo / ".venv" / shared).symlink_to(Path(sys.prefix) / shared)
         (repo / "setup_tpu.sh").write_text("echo setup_tpu.sh: ok on $(hostname)\n")
         if trainer is not None:
             (repo / "pretrain_jax.py").write_text(trainer)
+            for shared in ("experiments", "runtime"):  # what runs on a worker beside the trainer
+                (repo / shared).symlink_to(REPO / shared)
+            (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())  # a copy: tests edit it
             continue
         for entry in REPO.iterdir():
             if not entry.name.startswith(".") and entry.name not in ("setup_tpu.sh", "outputs"):
@@ -419,7 +428,8 @@ os.replace(os.path.join(home, "stub_run.json.tmp"), os.path.join(home, "stub_run
 worker = os.environ["TPU_WORKER_ID"]
 print(f"stub worker {worker} argv={json.dumps(sys.argv[1:])}", flush=True)
 if os.environ.get("STUB_RUN_ID"):  # as runtime/trainer.py says it
-    print(f"12:00:00 INFO run id {os.environ['STUB_RUN_ID']} (resumed from the checkpoint)", flush=True)
+    from runtime import events
+    events.emit("started", run_id=os.environ["STUB_RUN_ID"], step=3, total=5, resumed=True)
 for step in (1, 2, 3):
     print(f"step {step}", flush=True)
 time.sleep(float(os.environ.get("STUB_SLEEP", "0")))
@@ -433,3 +443,29 @@ sys.exit(3 if os.environ.get("STUB_FAIL_WORKER") == worker else 0)
 def target(*extra: str) -> list[str]:
     """The TPU the `pod` fixture's launches name."""
     return ["--tpu", "my-tpu", "--zone", "us-central2-b", *extra]
+
+
+def fake_plane(tmp_path: Path, **extra: str) -> tuple[Path, dict[str, str]]:
+    """A fake Cloud TPU control plane under tmp_path/workers (tests/fake_gcloud) with no TPU yet, and
+    the environment of a command that uses it: the fake gcloud first on PATH, 2 workers a slice
+    with 1 CPU device each, a created TPU READY at its second describe, the workers' TPU files
+    inside their homes."""
+    sys.path.insert(0, str(FAKE_GCLOUD_DIR))
+    import fake_tpu
+
+    root = tmp_path / "workers"
+    root.mkdir()
+    fake_tpu.enable(root)
+    # One CPU device per worker: a pod step's collectives cost ~8x less than with 4 (gloo ranks).
+    env = {k: v for k, v in child_env(1).items() if not k.startswith(("PODRUNNER_", "FAKE_GCLOUD_"))}
+    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
+               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
+               FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
+               PODRUNNER_TPU_DEVICES="~/fake-accel*")
+    env.update(extra)
+    return root, env
+
+
+def gcloud_calls(log: Path) -> list[list[str]]:
+    """The fake gcloud's calls (its FAKE_GCLOUD_LOG), each its argv."""
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, finish, saved_steps, start_pod,
                      train_losses, wait_for_step)
-from runtime.errors import EXIT_PEER_LOST, EXIT_USER_ERROR
+from runtime.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_sigterm_saves_and_resumes_exactly(sudoku_dir, tmp_path, reference_losse
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)  # like a TPU maintenance event: every worker gets it
     results = finish(procs, 120)
-    assert [r[0] for r in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert [r[0] for r in results] == [EXIT_PREEMPTED] * 2, results[0][1][-3000:] + results[1][1][-3000:]
     saved = saved_steps(out / "checkpoints")
     assert len(saved) == 1 and 2 <= saved[0] < steps  # the preemption checkpoint, not the final one
     assert f"checkpoint saved at step {saved[0]}" in results[0][1]

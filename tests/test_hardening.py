@@ -24,7 +24,7 @@ import pytest
 
 from helpers import (PRETRAIN, REPO, assert_user_error, base_overrides, child_env, cli_refused, compose_config, kill,
                      raises_one_line, saved_steps, train, tree_hash, wait_for)
-from runtime.errors import EXIT_STORAGE, EXIT_USER_ERROR
+from runtime.errors import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR
 
 
 def refused(tmp_path: Path, overrides: list[str], *needles: str, code: int = EXIT_USER_ERROR) -> str:
@@ -373,7 +373,7 @@ def test_a_builder_error_starts_its_line_after_a_progress_bar(capsys, monkeypatc
 
 def test_sigterm_before_the_first_step_ends_cleanly(data, tmp_path):
     """The signal during start-up (dataset, plan, the first compiles) is a preemption like any
-    other: exit 0, one warning, no traceback; nothing was trained, so no checkpoint."""
+    other: exit 8 (preempted), one warning, no traceback; nothing was trained, so no checkpoint."""
     log = tmp_path / "out.txt"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, str(PRETRAIN), *base_overrides(data, tmp_path / "runs", steps=1000)],
@@ -385,6 +385,14 @@ def test_sigterm_before_the_first_step_ends_cleanly(data, tmp_path):
     finally:
         kill([proc])
     out = log.read_text()
-    assert proc.returncode == 0 and "preempted (SIGTERM)" in out and "Traceback" not in out, out[-3000:]
-    if "before the first step" in out:  # else the first step had begun: it is saved, as for any preemption
-        assert saved_steps(tmp_path / "runs" / "test" / "t" / "checkpoints") == []
+    assert proc.returncode == EXIT_PREEMPTED and "Traceback" not in out, out[-3000:]
+    saved = saved_steps(tmp_path / "runs" / "test" / "t" / "checkpoints")
+    # The signal comes as soon as the run names itself, before its compiles; but a compile the
+    # session's cache already holds is quick, so under load the first step may have begun by then.
+    # Both are clean preemptions: before the first step nothing is saved; after it, its step is.
+    if "preempted (SIGTERM) before the first step" in out:
+        print("SIGTERM came before the first step")
+        assert saved == [], saved
+    else:
+        print("SIGTERM came after the first step had begun")
+        assert "preempted (SIGTERM): checkpoint saved at step" in out and len(saved) == 1, out[-3000:]

@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 from experiments.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
-from helpers import LAUNCH, POD_SECRET as SECRET, POD_WORKERS as WORKERS, pid_alive, target, wait_for
+from runtime import events
+from experiments.worker import VERSIONS_TAG
+from helpers import LAUNCH, POD_SECRET as SECRET, REPO, POD_WORKERS as WORKERS, pid_alive, target, wait_for
 
 HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
 TRICKY = ['run.name="a b \'c\'"', "data.path=/x y/$HOME/`id`", "train.steps=5"]
@@ -63,12 +65,13 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
                          "--project", "proj", "--worker=all"]
     assert argv[11] == "--command" and len(argv) == 13
     command = argv[12]
-    assert command.startswith(f"set -o pipefail; SECRETS=\"$HOME\"/{secrets_file}; trap 'rm -f \"$SECRETS\"' EXIT; ")
+    assert command.startswith(f"SECRETS=\"$HOME\"/{secrets_file}; trap 'rm -f \"$SECRETS\"' EXIT; ")
     assert "cd \"$HOME\"/podrunner || " in command  # the default repo dir, ~ still expanding remotely
     assert "export PYTHONUNBUFFERED=1 PODRUNNER_RUN_ID=r1;" in command
-    assert ('( { set -a && . "$SECRETS" && set +a && rm -f "$SECRETS"; } || ' in command)
-    assert ("exec python pretrain_jax.py 'run.name=\"a b '\"'\"'c'\"'\"'\"' 'data.path=/x y/$HOME/`id`' "
-            "train.steps=5 run.id=r1; ); } 2>&1 | tee -a \"$LOG\"") in command
+    guard = shlex.split(command.rsplit("; ", 1)[1])  # the launch guard reads the secrets, starts the trainer once
+    assert guard[:4] == ["exec", "python", "-m", "experiments.worker.once"] and "--secrets" in guard
+    assert guard[guard.index("--") + 1:] == ["python", "pretrain_jax.py", 'run.name="a b \'c\'"',
+                                             "data.path=/x y/$HOME/`id`", "train.steps=5", "run.id=r1"]
     assert 'LOG="$HOME"/podrunner-logs/r1/worker-"$(hostname)".log' in command
     for secret in (SECRET, HF_SECRET):
         assert secret not in r.stdout + r.stderr
@@ -77,7 +80,7 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
     del pod.env["WANDB_API_KEY"], pod.env["HF_TOKEN"]  # no secrets: no copy, nothing read on the workers
     r = pod.launch("pod", *target("--run-id", "r1", "--dry-run"))
     assert len(r.stdout.splitlines()) == 1 and "SECRETS" not in r.stdout
-    assert "; python pretrain_jax.py run.id=r1; } 2>&1" in r.stdout
+    assert r.stdout.rstrip().endswith("-- python pretrain_jax.py run.id=r1'")
 
 
 def test_pod_runs_every_worker_with_one_run_id_and_intact_overrides(pod):
@@ -289,7 +292,7 @@ def test_stop_kills_stale_processes_and_removes_the_lockfile(pod):
     wait_for(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith((b"python", b"sleep"))
                          for p in [*stale, *holders, foreign]), timeout=30, what="the stand-ins to exec")
 
-    r = pod.launch("stop", *target())
+    r = pod.launch("stop", *target("--repo-dir", "~/repo"))
     assert r.returncode == 0, r.stdout + r.stderr
     for proc in [*stale, *holders]:
         assert not running(proc), r.stdout
@@ -314,7 +317,7 @@ def test_stop_keeps_a_lockfile_another_login_still_holds(pod):
     holder = pod.spawn(elsewhere, f"exec sleep 304 < {shlex.quote(str(w0 / 'libtpu_lockfile'))}")
     wait_for(lambda: Path(f"/proc/{holder.pid}/cmdline").read_bytes().startswith(b"sleep"), timeout=30,
              what="the holder to exec")
-    r = pod.launch("stop", *target())
+    r = pod.launch("stop", *target("--repo-dir", "~/repo"))
     assert r.returncode == 1, r.stdout + r.stderr  # the TPU of worker 0 is not free
     assert f"kept {w0 / 'libtpu_lockfile'}: still open by pid [{holder.pid}]" in r.stdout
     assert (w0 / "libtpu_lockfile").exists() and not (w1 / "libtpu_lockfile").exists()
@@ -322,7 +325,7 @@ def test_stop_keeps_a_lockfile_another_login_still_holds(pod):
 
 
 def test_stop_with_nothing_running_exits_0(pod):
-    r = pod.launch("stop", *target())
+    r = pod.launch("stop", *target("--repo-dir", "~/repo"))
     assert r.returncode == 0, r.stdout + r.stderr
     for i, home in enumerate(pod.homes):
         assert f"[t1v-n-my-tpu-w-{i}] nothing running; no {home / 'libtpu_lockfile'}" in r.stdout
@@ -338,7 +341,8 @@ def test_status_reports_alive_and_last_step(pod):
     metrics.write_text("".join(json.dumps({"step": s, "time": 0.0, "train/loss": 1.0}) + "\n" for s in (10, 20)))
     log = w1 / "podrunner-logs" / "r7" / "worker-t1v-n-my-tpu-w-1.log"
     log.parent.mkdir(parents=True)
-    log.write_text("process 1/2, local devices 4\n  6%|#  | 6/100 [00:01<00:10]\r  7%|#  | 7/100 [00:02<00:10]\r")
+    log.write_text("process 1/2, local devices 4\n" + "".join(  # the trainer's events (runtime/events.py), not its prose
+        events.TAG + json.dumps({"event": "checkpoint", "step": s}) + "\n" for s in (6, 7)) + "step 99 of some line\n")
     wait_for(lambda: Path(f"/proc/{stale.pid}/cmdline").read_bytes().startswith(b"python"), timeout=30,
              what="the stand-in to exec")
 
@@ -369,6 +373,43 @@ def test_setup_fails_when_workers_run_different_commits(pod):
     r = pod.launch("setup", *target("--repo-dir", "~/repo"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MISMATCH across workers in commit" in r.stdout
+
+
+def test_setup_brings_a_python_that_fits_where_the_image_has_3_10(tmp_path):
+    """setup_tpu.sh's interpreter (scripts/find_python.sh): the TPU image's python3 is 3.10, so uv's
+    managed CPython 3.11 is installed and used; a python3.1x on PATH that fits is used as it is."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\ncase \"$*\" in *version_info*) exit 1;; esac\n")  # 3.10
+    (bin_dir / "uv").write_text(f'#!/bin/sh\necho "uv $*" >> {log}\n'
+                                f'[ "$1 $2" = "python find" ] && echo /opt/uv/cpython-3.11/bin/python3.11\nexit 0\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    find = f". {shlex.quote(str(REPO / 'scripts' / 'find_python.sh'))}; find_python"
+    run = lambda: subprocess.run(["/bin/bash", "-c", find], env={"PATH": str(bin_dir), "HOME": str(tmp_path)},  # noqa: E731
+                                 capture_output=True, text=True)
+    r = run()
+    assert r.returncode == 0 and r.stdout.strip() == "/opt/uv/cpython-3.11/bin/python3.11", r.stderr
+    assert log.read_text().splitlines() == ["uv python install 3.11", "uv python find 3.11"]
+    log.unlink()
+    (bin_dir / "python3.12").symlink_to(sys.executable)  # one that fits
+    r = run()
+    assert r.stdout.strip() == str(bin_dir / "python3.12") and not log.exists(), r.stderr
+
+
+def test_setup_verifies_imports_against_the_pins(tmp_path):
+    """What setup_tpu.sh ends with: every pinned distribution at its pin and importable, else exit 1."""
+    from importlib import metadata
+
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nrequires-python = ">=3.11"\ndependencies = ["tqdm==%s", "numpy==0.0.1", "no-such-dist==1.0"]\n'
+        % metadata.version("tqdm"))
+    r = subprocess.run([sys.executable, "-m", "experiments.worker.versions", "h1", "--imports"], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = json.loads(r.stdout.split(VERSIONS_TAG, 1)[1])
+    assert row["ok"] is False and "numpy" in row["problem"] and "no-such-dist not installed" in row["problem"]
+    assert "tqdm" not in row["problem"]
 
 
 def test_setup_git_ref_dry_run(pod):

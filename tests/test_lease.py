@@ -18,7 +18,7 @@ import pytest
 
 from helpers import (REPO, assert_user_error, base_overrides, error_line, fill, finish, launch_pretrain, read_jsonl,
                      resumed_step, saved_steps, small_disk, start_pod, train, wait_for, wait_for_step)
-from runtime.errors import StorageError
+from runtime.errors import EXIT_PREEMPTED, StorageError
 from runtime.lease import LEASE_FILE, Lease, LeaseHeld
 
 OTHER_HOST = "another-host"
@@ -269,9 +269,9 @@ def test_second_run_on_a_run_directory_is_refused_and_a_stale_lease_taken_over(s
     second = train(overrides, check=False)
     assert_user_error(second, f"output directory {out} is in use by another run", f"pid {first.pid}",
                       f"on host {socket.gethostname()}", "last heartbeat", "run test/t (id t-")
-    os.kill(first.pid, signal.SIGTERM)  # the first run ends as a preempted one: a checkpoint, exit 0
+    os.kill(first.pid, signal.SIGTERM)  # the first run ends as a preempted one: a checkpoint, exit 8
     output = first.communicate(timeout=240)[0]
-    assert first.returncode == 0 and "took over" not in output, output[-3000:]
+    assert first.returncode == EXIT_PREEMPTED and "took over" not in output, output[-3000:]
     last = int(output.split("preempted (SIGTERM): checkpoint saved at step ")[1].split()[0])
     rows = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
     assert rows == list(range(1, last + 1))  # one writer: no interleaved or repeated steps

@@ -265,3 +265,58 @@ def test_jsonl_holds_whole_lines_only(tmp_path, monkeypatch):
             sinks.log(3, {"train/loss": 0.5})
         monkeypatch.undo()
     assert [r["step"] for r in strict_json_lines(out / JSONL_NAME)] == [1, 2]
+
+
+def test_wandb_killed_mid_run_is_one_warning_and_metrics_go_on(tmp_path, caplog):
+    """A VM shutdown signals every process, W&B's service (wandb-core, a session of its own) too: the
+    next log must not fail the run (it failed with "Connection lost"), and metrics.jsonl goes on."""
+    import signal
+
+    from helpers import pid_alive, wait_for
+
+    sinks = make_sinks(tmp_path, progress_bar=False)
+    sinks.log(1, {"train/loss": 1.0})
+    service = wandb_core()
+    os.kill(service, signal.SIGTERM)
+    wait_for(lambda: not pid_alive(service), timeout=30, what="wandb-core to end")
+    with caplog.at_level(logging.WARNING, logger="runtime.metrics_sinks"):
+        for step in (2, 3):
+            sinks.log(step, {"train/loss": float(step)})
+        sinks.set_summary({"train/loss": 3.0})
+        sinks.close(0)
+    warnings = [r.getMessage() for r in caplog.records if "W&B stopped working" in r.getMessage()]
+    assert len(warnings) == 1 and "metrics.jsonl goes on" in warnings[0], caplog.text
+    assert [r["step"] for r in strict_json_lines(tmp_path / JSONL_NAME)] == [1, 2, 3]
+
+
+def test_run_files_go_beside_the_checkpoints_and_come_back_on_a_fresh_disk(tmp_path):
+    """metrics.jsonl, events.jsonl and W&B's files are copied beside the checkpoints; a disk without
+    them (a re-created VM) gets them back, the metrics cut at the step the run resumes from."""
+    from runtime.run_files import RunFiles
+
+    out, ckpt = tmp_path / "out", tmp_path / "bucket" / "ckpt"
+    out.mkdir()
+    (out / JSONL_NAME).write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in range(1, 11)))
+    (out / "events.jsonl").write_text('{"event": "checkpoint", "step": 6}\n')
+    (out / "wandb" / "offline-run-x" / "files").mkdir(parents=True)
+    (out / "wandb" / "offline-run-x" / "run-x.wandb").write_bytes(b"\0wandb")
+    RunFiles(str(out), str(ckpt)).flush()
+    fresh = tmp_path / "fresh"
+    RunFiles(str(fresh), str(ckpt)).restore(6)
+    assert [r["step"] for r in strict_json_lines(fresh / JSONL_NAME)] == [1, 2, 3, 4, 5, 6]
+    assert (fresh / "events.jsonl").read_text() == (out / "events.jsonl").read_text()
+    assert (fresh / "wandb" / "offline-run-x" / "run-x.wandb").read_bytes() == b"\0wandb"
+    RunFiles(str(out), str(ckpt)).restore(6)  # a disk that has its metrics keeps them
+    assert len(strict_json_lines(out / JSONL_NAME)) == 10
+
+
+def wandb_core() -> int:
+    """The pid of this process's W&B service (wandb-core, a child of ours in a session of its own)."""
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"wandb-core" in open(f"/proc/{entry}/cmdline", "rb").read():
+                return int(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError("no wandb-core child process")

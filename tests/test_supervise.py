@@ -1,9 +1,11 @@
 """`launch.py supervise` against the fake TPU control plane (tests/fake_gcloud: gcloud + fake_tpu.py).
 
 Most tests run a stub trainer on the fake workers (cheap): the n-th launch on a worker exits with
-the n-th code of STUB_CODES (the last one repeats) after printing `step <10 n>` (or STUB_STEP, a
-fixed step: no progress). The end-to-end test runs the real pretrain_jax.py on 2 workers x 1 CPU
-device through two preemptions and a dead worker.
+the n-th code of STUB_CODES (the last one repeats) after its `checkpoint` event of step 10 n (or
+STUB_STEP, a fixed step: no progress), saying what a trainer says through runtime/events.py. Its
+launch count lives in STUB_DIR (a re-created TPU's workers have fresh disks). The end-to-end
+test runs the real pretrain_jax.py on 2 workers x 1 CPU device through two preemptions and a
+dead worker.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (FAKE_GCLOUD_DIR, LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, child_env, error_line,
-                     make_fake_workers, reached, train_losses, wait_for)
+from helpers import (LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, fake_plane, gcloud_calls,
+                     make_fake_workers, reached, read_jsonl, train_losses, wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
@@ -29,31 +31,33 @@ TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
 
 STUB = """\
 import os, sys, time
-home = os.environ["HOME"]
-count_file = os.path.join(home, "launches")
+import hydra  # a trainer's dependency: a .venv without packages fails here, as the real one does
+from runtime import events
+state = os.path.join(os.environ["STUB_DIR"], os.environ["TPU_WORKER_ID"])
+os.makedirs(state, exist_ok=True)
+count_file = os.path.join(state, "launches")
 n = int(open(count_file).read()) + 1 if os.path.exists(count_file) else 1
-open(count_file, "w").write(str(n))
 codes = [int(c) for c in os.environ.get("STUB_CODES", "0").split(",")]
-print(f"step {os.environ.get('STUB_STEP') or 10 * n}", flush=True)
+code, step = codes[min(n, len(codes)) - 1], int(os.environ.get("STUB_STEP") or 10 * n)
+events.emit("started", run_id=os.environ["PODRUNNER_RUN_ID"], step=0, total=100, resumed=n > 1)
+events.emit("checkpoint", step=step)
+open(count_file, "w").write(str(n))
 if os.environ.get("STUB_LEASE_HELD") == str(n):  # as runtime/lease.py refuses a busy run directory
-    print("error: the checkpoint directory /x is in use by another run: host h pid 1; wait", flush=True)
-while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(home, "go")):
+    events.failed(2, "the checkpoint directory /x is in use by another run: host h pid 1; wait", "lease-held")
+    sys.exit(2)
+while os.environ.get("STUB_WAIT_LAUNCH") == str(n) and not os.path.exists(os.path.join(state, "go")):
     time.sleep(0.05)
-sys.exit(codes[min(n, len(codes)) - 1])
+if code == 0:
+    events.emit("completed", step=step, metrics={"eval/exact_accuracy": 0.5})
+else:
+    events.failed(code, f"stub failure {code}")
+sys.exit(code)
 """
 
 
 @pytest.fixture
 def plane(tmp_path: Path):
-    root = tmp_path / "workers"
-    root.mkdir()
-    fake_tpu.enable(root)
-    # One CPU device per worker: a pod step's collectives cost ~8x less than with 4 (gloo ranks).
-    env = {k: v for k, v in child_env(1).items() if not k.startswith(("PODRUNNER_", "FAKE_GCLOUD_"))}
-    env.update(PATH=f"{FAKE_GCLOUD_DIR}{os.pathsep}{env.get('PATH', '')}", FAKE_GCLOUD_ROOT=str(root),
-               FAKE_GCLOUD_LOG=str(tmp_path / "gcloud.jsonl"), FAKE_GCLOUD_WORKERS="2",
-               FAKE_GCLOUD_CREATE_POLLS="2", PODRUNNER_LIBTPU_LOCKFILE="~/libtpu_lockfile",
-               PODRUNNER_TPU_DEVICES="~/fake-accel*")
+    root, env = fake_plane(tmp_path, STUB_DIR=str(tmp_path / "stub"))
     started: list[subprocess.Popen] = []
 
     class Plane:
@@ -85,13 +89,16 @@ def plane(tmp_path: Path):
             return [line.split()[2] for line in (self.log_dir / RUN_ID / "supervise.log").read_text().splitlines()]
 
         def gcloud_calls(self) -> list[list[str]]:
-            return [json.loads(line) for line in (tmp_path / "gcloud.jsonl").read_text().splitlines()]
+            return gcloud_calls(tmp_path / "gcloud.jsonl")
+
+        def stub_file(self, worker: int, name: str) -> Path:
+            return tmp_path / "stub" / str(worker) / name
 
         def wait_launched(self, proc: subprocess.Popen, n: int) -> None:
-            """Until launch `n` runs on every worker: each stub has counted it, and the fake control
-            plane knows the workers' processes (what a preemption or a stop signals)."""
+            """Until launch `n` runs on every worker: each stub has counted it (after its events), and
+            the fake control plane knows the workers' processes (what a preemption or a stop signals)."""
             def launched() -> bool:
-                counts = [root / f"worker-{i}" / "launches" for i in range(2)]
+                counts = [self.stub_file(i, "launches") for i in range(2)]
                 if not all(c.exists() and c.read_text() == str(n) for c in counts):  # written, not just created
                     return False
                 with fake_tpu.control(root) as state:
@@ -104,13 +111,12 @@ def plane(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    with fake_tpu.control(root) as state:  # whatever still runs on the fake workers
-        fake_tpu.kill_groups([g for tpu in state["tpus"].values() for g in tpu.get("workers", [])])
+    fake_tpu.power_off(list(root.glob("*/worker-*")))  # whatever still runs on the fake workers
 
 
 @pytest.fixture
 def stub_plane(plane):
-    make_fake_workers(plane.root, 2, STUB)
+    make_fake_workers(plane.root, 2, STUB, image=True)
     return plane
 
 
@@ -119,7 +125,7 @@ def test_creates_the_tpu_waits_until_ready_and_completes(stub_plane):
     assert result.returncode == 0, result.stdout + result.stderr
     events = stub_plane.events()
     assert events == ["start", "tpu-created", "waiting", "tpu-ready", "setup-skipped", "launch", "launch-ended",
-                      "completed"], events
+                      "tpu-kept", "completed"], events  # local checkpoints: the TPU is kept (--at-end)
     create = next(c for c in stub_plane.gcloud_calls() if c[4] == "create")
     assert create == ["gcloud", "compute", "tpus", "tpu-vm", "create", TPU, "--zone", ZONE, "--accelerator-type=v4-16",
                       "--version=tpu-ubuntu2204-base", "--spot"]
@@ -156,7 +162,7 @@ def test_stopping_the_supervisor_stops_the_run(stub_plane):
     assert proc.returncode == 130, out
     assert stub_plane.record()["status"] == "interrupted" and stub_plane.events()[-1] == "interrupted"
     with fake_tpu.control(stub_plane.root) as state:
-        groups = state["tpus"][TPU]["workers"]
+        groups = state["tpus"][TPU]["groups"]
     assert not any(fake_tpu.signal_trainers(g, 0) for g in groups), "a trainer still runs"
 
 
@@ -166,7 +172,7 @@ def test_restarts_without_progress_stop_it(stub_plane):
     record = stub_plane.record()
     assert [launch["cause"] for launch in record["launches"]] == ["worker lost"] * 3
     assert record["status"] == "gave-up" and "reason=no-progress" in result.stdout
-    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "stop" in c[-1] and "TRAINING" in c[-1]]
+    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "experiments.worker.stop" in c[-1]]
     assert len(stops) == 2  # stale processes stopped before each relaunch
 
 
@@ -284,7 +290,7 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     from experiments import pod, supervise
     from experiments.pod import Target
 
-    row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2"}
+    row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2", "ok": True}
     answers = iter([[dict(row, host="w0"), dict(row, host="w1")],  # launch 1: versions agree
                     [dict(row, host="w0")],                        # launch 2: worker 1 is a fresh disk
                     [dict(row, host="w0")]])                       # launch 3: the same
@@ -308,8 +314,8 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     monkeypatch.setattr(pod, "run_gcloud", versions)
     monkeypatch.setattr(pod, "setup_pod", setup_pod)
     monkeypatch.setattr(pod, "stop_pod", lambda *a, **k: 0)
-    monkeypatch.setattr(supervise, "ensure_ready", lambda *a: 2)
-    monkeypatch.setattr(supervise, "launch_once", lambda *a: next(outcomes))
+    monkeypatch.setattr(supervise.Supervisor, "ensure_ready", lambda self: 2)
+    monkeypatch.setattr(supervise.Supervisor, "launch_once", lambda self, hosts: (*next(outcomes), None))
     spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, [], log_dir=tmp_path, storage_backoff_s=7.0)
     assert supervise.supervise(spec, stream=io.StringIO(), sleep=sleeps.append) == 0
     assert setups == ["c0ffee", "c0ffee"]  # both setups after the first launch pin the recorded commit
@@ -325,14 +331,92 @@ def test_fake_gcloud_refuses_ssh_to_a_tpu_that_is_not_ready(plane):
     assert ssh.returncode == 1 and "not READY" in ssh.stderr
 
 
+# --- the control plane's findings (issue 20): each test failed before its fix ---------------------
+
+def test_an_ssh_drop_reruns_the_command_and_the_rerun_follows_the_launch(stub_plane):
+    """gcloud re-runs a --command whose ssh ended with 255. The re-run on worker 1 must not start a
+    second trainer nor need the secrets again (they were consumed): it follows the launch running
+    there and exits with its code, so a completed run is not taken for bad input."""
+    trigger = stub_plane.tmp / "drop-worker-1"
+    stub_plane.env.update(WANDB_API_KEY="secret-1", FAKE_GCLOUD_LOCAL_ONLY="WANDB_API_KEY",
+                          FAKE_GCLOUD_SSH_DROP=f"1:{trigger}")
+    proc = stub_plane.start(stub_env={"STUB_WAIT_LAUNCH": "1"})
+    stub_plane.wait_launched(proc, 1)
+    with fake_tpu.control(stub_plane.root) as state:
+        first = state["tpus"][TPU]["workers"][1]
+    trigger.touch()  # worker 1's connection drops; gcloud runs the command there again
+
+    def rerun_started() -> bool:
+        with fake_tpu.control(stub_plane.root) as state:
+            return state["tpus"][TPU]["workers"][1] != first
+    wait_for(rerun_started, timeout=60, what="gcloud's re-run on worker 1", procs=[proc])
+    for worker in (0, 1):
+        stub_plane.stub_file(worker, "go").touch()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    record = stub_plane.record()
+    assert [launch["outcome"] for launch in record["launches"]] == ["completed"], out
+    assert stub_plane.stub_file(1, "launches").read_text() == "1"  # one trainer on worker 1, not two
+    assert "this launch started here already" in out and "the secrets file did not arrive" not in out
+
+
+def test_a_failed_setup_is_retried_and_an_empty_venv_is_not_agreement(stub_plane):
+    """A fresh worker has no .venv; the first setup fails half-way (pip), leaving one without packages.
+    Its versions are the same on every worker (all missing), which must not pass for agreement:
+    setup runs again, and the run completes instead of failing on `import hydra` until it gives up."""
+    real = Path(sys.prefix)
+    setup = f"""n=$(cat ~/setups 2>/dev/null || echo 0); n=$((n+1)); echo $n > ~/setups
+if [ $n = 1 ]; then echo "pip: network error" >&2; exit 1; fi
+ln -sfn {real}/lib .venv/lib && ln -sfn {real}/pyvenv.cfg .venv/pyvenv.cfg && echo setup_tpu.sh: ok
+"""
+    image = stub_plane.root / "image" / "repo"
+    (image / "setup_tpu.sh").write_text(setup)
+    for packages in ("lib", "pyvenv.cfg"):  # a .venv with python only: pip never installed anything
+        (image / ".venv" / packages).unlink()
+    result = stub_plane.supervise("--max-restarts", "3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    events = stub_plane.events()
+    assert events.count("setup-failed") == 1 and events.count("setup-done") == 1 and "setup-skipped" not in events
+    assert [launch["outcome"] for launch in stub_plane.record()["launches"]] == ["completed"]
+
+
+@pytest.mark.parametrize("kind", ["expired", "missing"])
+def test_no_gcloud_credentials_is_one_line_and_a_stop(stub_plane, kind):
+    stub_plane.env["FAKE_GCLOUD_AUTH"] = kind
+    result = stub_plane.supervise(timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error_line(result.stderr, "gcloud has no valid credentials", "gcloud auth login", last=True)
+    assert len(stub_plane.gcloud_calls()) == 1 and stub_plane.record()["status"] == "failed"
+
+
+def test_pod_hours_are_ready_time_times_hosts_and_the_tpu_is_deleted_at_the_end(stub_plane):
+    """READY time counts from the describe that shows READY to the delete, backoffs and stops
+    between launches included (they are billed); --at-end delete gives the TPU back."""
+    result = stub_plane.supervise("--at-end", "delete", stub_env={"STUB_CODES": "6,0"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    with fake_tpu.control(stub_plane.root) as state:
+        assert TPU not in state["tpus"]  # deleted
+    billed = fake_tpu.ready_host_seconds(stub_plane.root)
+    counted = stub_plane.record()["slice"]["host_seconds"]
+    assert counted == pytest.approx(billed, rel=0.01), (counted, billed)
+
+
 # --- end to end: the real trainer on 2 fake workers x 1 CPU device --------------------------------
 
 @pytest.mark.slow
 def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
-    make_fake_workers(plane.root, 2, None)
-    overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS) + REFERENCE_EXTRA + [
-        "mesh=fsdp", "train.checkpoint_every=4", "distributed.initialization_timeout_s=60"]
-    out = plane.tmp / "test" / "t"
+    """Two preemptions are VM shutdowns (every process of each worker gets SIGTERM, W&B's wandb-core
+    included, SIGKILL 30 s later) of a run logging to W&B offline on the workers' own disks: each
+    still saves its preemption checkpoint (the trainer outlives W&B), the TPU comes back with fresh
+    disks, and the metrics, copied beside the checkpoints at every checkpoint, come back with it:
+    the run's metrics equal an uninterrupted run's at every step."""
+    make_fake_workers(plane.root, 2, None, image=True)
+    checkpoints = plane.tmp / "bucket" / "ckpt"  # beside the workers, as gs:// is
+    overrides = base_overrides(sudoku_dir, plane.tmp, steps=REFERENCE_STEPS, wandb="offline") + REFERENCE_EXTRA + [
+        "run.root=outputs", f"run.checkpoint.dir={checkpoints}", "mesh=fsdp", "train.checkpoint_every=4",
+        "distributed.initialization_timeout_s=60"]
+    home0 = plane.root / TPU / "worker-0"
+    out = home0 / "repo" / "outputs" / "test" / "t"  # on worker 0's disk
     proc = plane.start(overrides=tuple(overrides))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -342,6 +426,8 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
             wait_for(lambda: reached(out / "metrics.jsonl", step), timeout=240, what=f"step {step}")
             assert proc.poll() is None, "the supervisor ended early"
             if fault == "preempt":
+                vm = [cmd for _, cmd in fake_tpu.vm_processes(home0)]
+                assert any("wandb-core" in cmd for cmd in vm), vm  # the shutdown takes W&B down too
                 assert fake_tpu.preempt(plane.root, TPU), "no trainer to preempt"
             else:
                 assert fake_tpu.kill_worker(plane.root, TPU, 1), "no trainer to kill"
@@ -356,4 +442,9 @@ def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir
     assert record["launches"][2]["cause"] == "worker lost" and record["preemptions"] == 2 and record["restarts"] == 1
     verbs = [c[4] for c in plane.gcloud_calls() if c[4] in ("create", "delete")]
     assert verbs == ["create", "delete", "create", "delete", "create"]  # each preempted TPU re-created
-    assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    synced = checkpoints / "run_files"
+    assert train_losses(synced) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    assert train_losses(out) == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)  # restored on the fresh disk
+    assert len(list((synced / "wandb").glob("offline-run-*"))) == 4  # each launch's W&B files, kept
+    kinds = [e["event"] for e in read_jsonl(synced / "events.jsonl")]
+    assert kinds.count("preempted") == 2 and kinds[-1] == "completed", kinds

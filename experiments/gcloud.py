@@ -1,0 +1,224 @@
+"""Every gcloud command line the launchers run, built here and nowhere else, and how they are run.
+
+Commands (Cloud TPU VMs, `gcloud compute tpus ...`): `tpu-vm ssh --worker=all --command` (one ssh
+that runs a command on every worker of a slice), `tpu-vm scp --worker=all`, `tpu-vm create /
+describe / delete`, `queued-resources create / describe / delete`. experiments/pod.py,
+experiments/supervise.py and experiments/programme_run.py call these builders.
+
+Running them: `run_quiet` for a short call whose output is read (describe, create, delete),
+`run_streaming` for an ssh whose merged output passes through to the console as it comes.
+
+gcloud's own failures that no waiting fixes are recognised here, from its documented messages:
+missing or expired credentials (`auth_failure`), and a request GCP refuses (`refused`): quota, a
+wrong flag or value, no permission.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
+
+NOT_FOUND = ("NOT_FOUND", "not found")
+# `gcloud auth login` is what gcloud tells the user to run for an expired, revoked or missing login
+# ("There was a problem refreshing your current auth tokens: Reauthentication failed ...", "You do
+# not currently have an active account selected.").
+AUTH_SIGNS = ("gcloud auth login", "refreshing your current auth tokens", "do not currently have an active account")
+# Requests GCP refuses for good, by their status in gcloud's error line; QUOTA is waited on, then
+# counted as an infrastructure failure (a programme stops when it repeats across variants).
+REFUSED = ("INVALID_ARGUMENT", "PERMISSION_DENIED", "unrecognized arguments", "Invalid value")
+QUOTA = ("RESOURCE_EXHAUSTED", "Quota", "quota")
+
+
+class PodError(Exception):
+    """A user error, reported as one line (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A TPU VM slice by name, zone and (optionally) project."""
+    tpu: str
+    zone: str
+    project: str | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What `create` makes: accelerator type, runtime version, tier (spot, reserved or None: on
+    demand) and, when it goes through a queued resource, that resource's id."""
+    accelerator_type: str | None = None
+    runtime_version: str | None = None
+    tier: str | None = None
+    queued_resource: str | None = None
+
+
+def _at(t: Target) -> list[str]:
+    return ["--zone", t.zone, *(["--project", t.project] if t.project else [])]
+
+
+def _tier(shape: Shape) -> list[str]:
+    return [f"--{shape.tier}"] if shape.tier else []
+
+
+def _tpu_vm(t: Target, verb: str, *flags: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", verb, t.tpu, *_at(t), *flags]
+
+
+def ssh_argv(t: Target, command: str) -> list[str]:
+    """The single ssh that runs `command` on every worker of the slice."""
+    return _tpu_vm(t, "ssh", "--worker=all", "--command", command)
+
+
+def scp_argv(t: Target, local: str, remote: str) -> list[str]:
+    """Copy the local file to `remote` (relative: in the home directory) on every worker."""
+    return ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{t.tpu}:{remote}", *_at(t), "--worker=all"]
+
+
+def describe_argv(t: Target) -> list[str]:
+    return _tpu_vm(t, "describe", "--format=json")
+
+
+def create_argv(t: Target, shape: Shape) -> list[str]:
+    return _tpu_vm(t, "create", f"--accelerator-type={shape.accelerator_type}", f"--version={shape.runtime_version}",
+                   *_tier(shape))
+
+
+def delete_argv(t: Target) -> list[str]:
+    return _tpu_vm(t, "delete", "--quiet")
+
+
+def queued_describe_argv(t: Target, shape: Shape) -> list[str]:
+    return ["gcloud", "compute", "tpus", "queued-resources", "describe", shape.queued_resource, *_at(t),
+            "--format=value(state.state)"]
+
+
+def queued_create_argv(t: Target, shape: Shape) -> list[str]:
+    return ["gcloud", "compute", "tpus", "queued-resources", "create", shape.queued_resource, f"--node-id={t.tpu}",
+            *_at(t), f"--accelerator-type={shape.accelerator_type}", f"--runtime-version={shape.runtime_version}",
+            *_tier(shape)]
+
+
+def queued_delete_argv(t: Target, shape: Shape) -> list[str]:
+    return ["gcloud", "compute", "tpus", "queued-resources", "delete", shape.queued_resource, *_at(t),
+            "--quiet", "--force"]
+
+
+# --- what gcloud said ----------------------------------------------------------------------------
+
+def error_line(output: str) -> str:
+    """gcloud's `ERROR: ...` line (the first), else the output's last non-empty line, as one line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    found = next((line for line in lines if line.startswith("ERROR:")), lines[-1] if lines else "(no output)")
+    return " ".join(found.split())[:400]
+
+
+def auth_failure(output: str) -> str | None:
+    """gcloud's error line when its credentials are missing or expired, else None."""
+    return error_line(output) if any(sign in output for sign in AUTH_SIGNS) else None
+
+
+def not_found(output: str) -> bool:
+    return any(sign in output for sign in NOT_FOUND)
+
+
+def refused(output: str) -> bool:
+    return any(sign in output for sign in REFUSED)
+
+
+def quota(output: str) -> bool:
+    return any(sign in output for sign in QUOTA)
+
+
+# --- running gcloud ------------------------------------------------------------------------------
+
+Runner = Callable[[Sequence[str]], "tuple[int, str]"]
+
+
+def run_quiet(argv: Sequence[str]) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of a short gcloud call."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise PodError(f"{argv[0]} not found on PATH; install the Google Cloud CLI") from None
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+class Lines:
+    """Feeds complete lines (split at \\n or \\r: tqdm redraws with \\r) to a callback."""
+
+    def __init__(self, on_line: Callable[[str], None] | None) -> None:
+        self._on_line, self._buf = on_line, ""
+
+    def feed(self, text: str) -> None:
+        if self._on_line is None:
+            return
+        *lines, self._buf = re.split(r"[\r\n]", self._buf + text)
+        for line in lines:
+            self._on_line(line)
+
+    def close(self) -> None:
+        if self._on_line is not None and self._buf:
+            self._on_line(self._buf)
+        self._buf = ""
+
+
+def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path: Path | None = None,
+                  on_line: Callable[[str], None] | None = None,
+                  started: Callable[[subprocess.Popen], None] | None = None) -> int:
+    """Run gcloud, passing its merged output through unchanged (so a progress bar still redraws)
+    to `stream` and `log_path`; return its exit code. `started(proc)` learns the process (a
+    controller that must end it early). On Ctrl-C gcloud is stopped and KeyboardInterrupt
+    re-raised (the remote processes may live on: the caller decides)."""
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except FileNotFoundError:
+        raise PodError(f"{argv[0]} not found on PATH; install the Google Cloud CLI") from None
+    if started:
+        started(proc)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    lines = Lines(on_line)
+    log = open(log_path, "a", encoding="utf-8") if log_path else None
+
+    def emit(text: str) -> None:
+        for sink in (stream, log):
+            if sink is not None and text:
+                try:
+                    sink.write(text)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # our stdout went away (`| head`): keep draining gcloud
+        lines.feed(text)
+
+    try:
+        fd = proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            emit(decoder.decode(chunk))
+        emit(decoder.decode(b"", final=True))
+        lines.close()
+        return proc.wait()
+    except KeyboardInterrupt:
+        # In a terminal gcloud got the SIGINT too; send it anyway (a `kill -INT` of us alone).
+        end(proc)
+        raise
+    finally:
+        proc.stdout.close()
+        if log:
+            log.close()
+
+
+def end(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop a gcloud process as Ctrl-C would (its ssh sessions end; the workers' processes may not)."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except (ProcessLookupError, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()

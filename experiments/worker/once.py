@@ -1,0 +1,203 @@
+"""`python -m experiments.worker.once --key KEY --log LOG --start TEXT [--secrets FILE] [--cwd DIR]
+-- python pretrain_jax.py ...`: start the trainer once per launch, however often its command runs.
+
+gcloud re-runs an ssh `--command` that ended with 255 (a dropped connection), up to 10 times, on
+that worker. The trainer started the first time is still running there (or has finished); a
+second one would fight it, and the secrets file is gone already. So the first run claims the
+launch (a directory `launch-KEY` beside LOG, created once) and a re-run finds the claim: it
+says so, replays the launch's events, follows its log and exits with its exit code.
+
+The first run:
+  - reads and removes the secrets file (KEY='value' lines, shell-quoted): the values go into the
+    trainer's environment only, never a command line or another process's environment;
+  - writes the start line (`podrunner-start TEXT log=LOG`) into LOG and starts the trainer with
+    its output appended to LOG, not to this ssh: a dropped connection must not take the
+    trainer's stdout (and its log) with it;
+  - copies LOG to stdout as it grows until the trainer ends, records its exit code in the claim
+    and exits with it. It outlives SIGTERM, SIGHUP and a stdout that is gone (a VM shutdown
+    signals every process; the trainer saves its checkpoint meanwhile): the exit code is
+    recorded whenever the trainer ends first. The first SIGTERM is said at once, as an event of
+    the guard's own, `sigterm` (time, host): when the worker was told to stop (a preemption's
+    shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
+    comes after the agreed step and the save), for a launcher that counts READY time.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from experiments.worker import START_TAG
+from runtime.events import TAG as EVENT_TAG  # standard library only, like this
+
+POLL_S = 0.1
+EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
+_told = {"sigterm": None}  # when the first SIGTERM came (the handler only notes it; `follow` says it)
+
+
+def _note_sigterm(_sig, _frame):
+    if _told["sigterm"] is None:
+        _told["sigterm"] = time.time()
+
+
+def say(text):
+    """Onto this ssh's stdout, which a dropped connection may have closed."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def read_secrets(path):
+    """{NAME: value} of a secrets file (experiments/pod.py secrets_file_text), which is then removed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    os.remove(path)
+    values = {}
+    for line in text.splitlines():
+        for word in shlex.split(line):
+            name, _, value = word.partition("=")
+            values[name] = value
+    return values
+
+
+def write_atomically(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def follow(log, offset, done, replay_events_from=None, host=""):
+    """Copy LOG from `offset` to stdout until `done()` and nothing more is written. A re-run first
+    replays the launch's events from `replay_events_from` (what the launcher may have missed)."""
+    if replay_events_from is not None:
+        with open(log, "rb") as f:
+            f.seek(replay_events_from)
+            chunk = f.read(max(0, offset - replay_events_from)).decode(errors="replace")
+        say("".join(line + "\n" for line in chunk.splitlines() if EVENT_TAG in line or START_TAG in line))
+    talking, said = True, False
+    while True:
+        if _told["sigterm"] is not None and not said:
+            said = True
+            talking = say(EVENT_TAG + json.dumps({"event": "sigterm", "time": round(_told["sigterm"], 3),
+                                                  "host": host}) + "\n") and talking
+        finished = done()
+        with open(log, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+        offset += len(chunk)
+        if chunk and talking:
+            talking = say(chunk.decode(errors="replace"))
+        if finished and not chunk:
+            return
+        if not chunk:
+            time.sleep(POLL_S)
+
+
+def first_run(args, claim):
+    for sig in (signal.SIGHUP, signal.SIGINT):  # see the module docstring
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _note_sigterm)
+    env = dict(os.environ)
+    if args.secrets:
+        try:
+            env.update(read_secrets(args.secrets))
+        except OSError:
+            return record(claim, 2, f"podrunner: {args.host}: the secrets file did not arrive (gcloud scp)\n")
+    with open(args.log, "ab") as log:
+        offset = log.tell()
+        write_atomically(os.path.join(claim, OFFSET_FILE), str(offset))
+        log.write(f"{START_TAG}{args.start} log={args.log}\n".encode())
+        log.flush()
+        try:
+            trainer = subprocess.Popen(args.argv, cwd=args.cwd or None, env=env, stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_signals)
+        except OSError as e:
+            return record(claim, 2, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
+    write_atomically(os.path.join(claim, PID_FILE), str(trainer.pid))
+    follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
+    code = trainer.returncode if trainer.returncode >= 0 else 128 - trainer.returncode
+    return record(claim, code)
+
+
+def _default_signals():
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def record(claim, code, line=""):
+    if line:
+        say(line)
+    write_atomically(os.path.join(claim, EXIT_FILE), str(code))
+    return code
+
+
+def rerun(args, claim):
+    """This launch ran here already: follow it to its end and exit with its code."""
+    exit_file, pid_file = os.path.join(claim, EXIT_FILE), os.path.join(claim, PID_FILE)
+    say(f"podrunner: {args.host}: this launch started here already (gcloud re-ran its command after an ssh "
+        "drop); following it instead of starting a second trainer\n")
+
+    def ended():
+        if os.path.exists(exit_file):
+            return True
+        try:
+            pid = int(open(pid_file).read())
+        except (OSError, ValueError):
+            return False  # the first run is still starting
+        if _alive(pid):
+            return False
+        deadline = time.monotonic() + 5  # the trainer is gone: its guard records the code at once
+        while not os.path.exists(exit_file) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return True
+
+    while not os.path.exists(os.path.join(claim, OFFSET_FILE)) and not os.path.exists(exit_file):
+        time.sleep(POLL_S)
+    start = int(open(os.path.join(claim, OFFSET_FILE)).read()) if os.path.exists(os.path.join(claim, OFFSET_FILE)) else 0
+    if os.path.exists(args.log):
+        follow(args.log, os.path.getsize(args.log), ended, replay_events_from=start)
+    if not os.path.exists(exit_file):
+        say(f"podrunner: {args.host}: the first run of this launch ended without recording its exit code\n")
+        return 1
+    return int(open(exit_file).read())
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="python -m experiments.worker.once")
+    parser.add_argument("--key", required=True, help="this launch's token (the same in every re-run)")
+    parser.add_argument("--log", required=True, help="the worker's log of this launch")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--start", required=True, help="the start line's fields")
+    parser.add_argument("--secrets", default=None, help="the secrets file to read and remove")
+    parser.add_argument("--cwd", default=None, help="the trainer's working directory")
+    parser.add_argument("argv", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    claim = os.path.join(os.path.dirname(os.path.abspath(args.log)), f"launch-{args.key}")
+    try:
+        os.mkdir(claim)
+    except FileExistsError:
+        return rerun(args, claim)
+    return first_run(args, claim)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

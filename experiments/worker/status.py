@@ -1,0 +1,82 @@
+"""`python3 -m experiments.worker.status HOST REPO OUTPUTS RUN_ID`: this worker's training
+processes (pid, seconds running), its last step and its newest worker log, as one line
+`podrunner-status {json}`. The last step: the newest metrics.jsonl under REPO/OUTPUTS (process
+0's), else the newest event with a step in the newest worker log (of RUN_ID when given).
+"""
+
+import glob
+import json
+import os
+import sys
+
+from experiments.worker import STATUS_TAG, procs
+from runtime.events import TAG as EVENT_TAG  # standard library only, like this
+
+
+def newest(paths):
+    stamped = []
+    for p in paths:
+        try:
+            stamped.append((os.path.getmtime(p), p))
+        except OSError:
+            pass
+    return max(stamped)[1] if stamped else None
+
+
+def tail(path, size=65536):
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - size))
+        return f.read().decode(errors="replace")
+
+
+def step_of_metrics(line):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def step_of_event(line):
+    i = line.find(EVENT_TAG)
+    return step_of_metrics(line[i + len(EVENT_TAG):]) if i >= 0 else None
+
+
+def last_step(metrics, log):
+    for path, read, source in ((metrics, step_of_metrics, "metrics"), (log, step_of_event, "log")):
+        if path:
+            for line in reversed(tail(path).splitlines()):
+                step = read(line)
+                if step is not None:
+                    return step, source
+    return None, None
+
+
+def worker_id(host):
+    """TPU_WORKER_ID, else the `-w-<i>` at the end of a TPU VM's hostname."""
+    if os.environ.get("TPU_WORKER_ID"):
+        return os.environ["TPU_WORKER_ID"]
+    head, sep, number = host.rpartition("-w-")
+    return number if sep and number.isdigit() else None
+
+
+def status(host, repo, outputs, run_id):
+    tick, uptime = os.sysconf("SC_CLK_TCK"), float(open("/proc/uptime").read().split()[0])
+    running = []
+    for pid, argv, ours, _ in procs.processes(False):
+        if ours and procs.is_trainer(argv):
+            try:
+                running.append([pid, int(uptime - int(procs.stat(pid)[19]) / tick)])
+            except (OSError, ValueError, IndexError):
+                pass
+    metrics = newest(glob.glob(os.path.join(repo, outputs, "**", "metrics.jsonl"), recursive=True))
+    log = newest(glob.glob(os.path.join(procs.HOME, "podrunner-logs", glob.escape(run_id) if run_id else "*",
+                                        "worker-*.log")))
+    step, source = last_step(metrics, log)
+    print(STATUS_TAG + json.dumps({"host": host, "worker": worker_id(host), "processes": running, "step": step,
+                                   "step_from": source, "metrics": metrics, "log": log}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(status(*sys.argv[1:5]))

@@ -1,0 +1,152 @@
+"""The trainer's life as events: what the launchers act on, never the trainer's log text.
+
+One JSON object per event, with `event`, `time` (Unix seconds) and `process`:
+
+  started     run_id, step (where this launch starts), total (the run's last step), resumed
+  checkpoint  step: a checkpoint committed (a relaunch can resume from it)
+  preempted   step (its checkpoint committed), noticed (when the stop signal was acted on)
+  completed   step, metrics (the final train and eval metrics), evaluated (an eval_only run)
+  failed      exit_code, failure (its class, FAILURES), line (the one line the process printed)
+
+Process 0 appends them to `<output dir>/events.jsonl` (copied beside the checkpoints at every
+checkpoint, runtime/run_files.py) and prints each on stdout as `podrunner-event {json}`, the live
+stream a launcher reads; every other process prints its own `failed` only. A launcher finds the
+tag anywhere in a line (gcloud prefixes each worker's output), with `parse`.
+
+Exit codes say the same for a shell: 0 completed, EXIT_PREEMPTED (8) preempted with its
+checkpoint saved, the others in runtime/errors.py. Standard library only: runtime/liveness.py
+and runtime/watchdog.py report through `failed` from their threads, as the process ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_STORAGE,
+                            EXIT_USER_ERROR)
+
+TAG = "podrunner-event "
+FILE = "events.jsonl"
+
+# Failure classes by exit code; an exception may name a finer one (`failure` attribute: "lease-held").
+FAILURES = {EXIT_FAILURE: "crash", EXIT_USER_ERROR: "bad-input", EXIT_NONFINITE: "non-finite", EXIT_HANG: "hang",
+            EXIT_DOES_NOT_FIT: "does-not-fit", EXIT_STORAGE: "storage", EXIT_PEER_LOST: "peer-lost"}
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"path": None, "primary": True, "process": 0, "failed": False}
+
+
+def attach(output_dir: str, *, process: int) -> None:
+    """From now on process 0 appends its events to <output_dir>/events.jsonl, and the other
+    processes print only their own failure."""
+    with _lock:
+        _state.update(process=process, primary=process == 0,
+                      path=os.path.join(output_dir, FILE) if process == 0 else None)
+
+
+def detach() -> None:
+    with _lock:
+        _state.update(path=None, primary=True, process=0, failed=False)
+
+
+def emit(event: str, **fields: Any) -> dict[str, Any]:
+    """Record one event (see the module docstring); a write that fails never stops the run."""
+    record = {"event": event, "time": round(time.time(), 3), "process": _state["process"], **_plain(fields)}
+    text = json.dumps(record, allow_nan=False)
+    with _lock:
+        if _state["primary"] or event == "failed":
+            _say(TAG + text)
+        if _state["path"]:
+            _append(_state["path"], text + "\n")
+    return record
+
+
+def failed(exit_code: int, line: str, failure: str | None = None) -> None:
+    """This process fails with `exit_code`, said in `line`: one `failed` event per process (the
+    first cause; what follows from it is not reported again)."""
+    with _lock:
+        if _state["failed"]:
+            return
+        _state["failed"] = True
+    emit("failed", exit_code=exit_code, failure=failure or FAILURES.get(exit_code, f"exit {exit_code}"),
+         line=" ".join(str(line).split())[:1000])
+
+
+def failure_of(exc: BaseException) -> str | None:
+    """The finer class an exception names for itself (e.g. LeaseHeld: "lease-held"), else None."""
+    return getattr(exc, "failure", None)
+
+
+def parse(line: str) -> dict[str, Any] | None:
+    """The event in a line of a launch's output (the tag anywhere: gcloud may prefix it), else None."""
+    i = line.find(TAG)
+    if i < 0:
+        return None
+    try:
+        record = json.loads(line[i + len(TAG):])
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    """The events of a run's events.jsonl (local or gs://), [] when there is none."""
+    import fsspec
+
+    try:
+        with fsspec.open(path, "r") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [e for e in (_loads(line) for line in text.splitlines()) if e is not None]
+
+
+def _loads(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # a torn last line
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: numbers as Python floats and ints (non-finite as strings, as metrics.jsonl has them)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isfinite(number):
+        return int(number) if isinstance(value, int) else number
+    return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
+
+
+def _say(text: str) -> None:
+    """stdout may be gone (a dropped ssh took the pipe's reader): the event file still has it."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _append(path: str, text: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, text.encode())  # one write of a whole line
+        finally:
+            os.close(fd)
+    except OSError as e:  # a full output disk fails metrics.jsonl too, which stops the run with one line
+        print(f"WARNING cannot append to {path} ({e.strerror})", file=sys.stderr, flush=True)

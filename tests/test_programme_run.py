@@ -1,0 +1,351 @@
+"""`launch.py programme`: the queue of the programme's variants on fake TPU slices (tests/fake_gcloud).
+
+Most tests run a stub trainer (PROGRAMME_STUB: the events of a run of 10 steps, a bad-input failure
+for the variants in STUB_BAD, a wait for the file STUB_GATE); the end-to-end test runs the real
+trainer on 2 slices of 2 workers x 1 CPU device through preemptions and a killed controller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import LAUNCH, error_line, fake_plane, gcloud_calls, make_fake_workers, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
+import fake_tpu  # noqa: E402
+
+NAME, ZONE = "prog", "us-central2-b"
+EMA = ["exp08/ema0.99", "exp08/off"]
+
+PROGRAMME_STUB = """\\
+import os, sys, time
+from runtime import events
+variant = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("+experiment="))
+events.emit("started", run_id=os.environ["PODRUNNER_RUN_ID"], step=0, total=10, resumed=False)
+if variant in os.environ.get("STUB_BAD", "").split(","):
+    events.failed(2, f"{variant}: the stub's bad input")
+    sys.exit(2)
+gate = os.environ.get("STUB_GATE")
+while gate and not os.path.exists(gate):
+    time.sleep(0.05)
+events.emit("checkpoint", step=10)
+events.emit("completed", step=10, metrics={"eval/exact_accuracy": 0.25})
+"""
+
+
+class Programme:
+    """A programme on the fake control plane: submit, run, the other commands, its ledger."""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        self.tmp = tmp_path
+        self.root, self.env = fake_plane(tmp_path, **env)
+        self.state_dir = tmp_path / "programmes"
+        self.started: list[subprocess.Popen] = []
+
+    def launch(self, verb: str, *args: str) -> list[str]:
+        return [sys.executable, str(LAUNCH), "programme", verb, NAME, "--state-dir", str(self.state_dir), *args]
+
+    def submit(self, *args: str, variants: list[str] = EMA, slices: tuple[str, ...] = ("s1",),
+               overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        groups = sorted({v.split("/")[0] for v in variants})
+        slice_args = [a for s in slices for a in ("--slice", s)]
+        return self.command("submit", *groups, "--variants", ",".join(variants), *slice_args, "--zone", ZONE,
+                            "--accelerator-type", "v4-16", "--runtime-version", "tpu-ubuntu2204-base", "--spot",
+                            "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--backoff-seconds", "0.1",
+                            "--stop-grace", "5", *args, "--", *overrides)
+
+    def command(self, verb: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(self.launch(verb, *args), cwd=self.tmp, env=self.env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self, verb: str = "run", **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(self.launch(verb), cwd=self.tmp, env=dict(self.env, **env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.started.append(proc)
+        return proc
+
+    def ledger(self) -> dict:
+        return json.loads((self.state_dir / NAME / "ledger.json").read_text())
+
+    def states(self) -> dict[str, str]:
+        return {v: r["state"] for v, r in self.ledger()["variants"].items()}
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        fake_tpu.power_off(list(self.root.glob("*/worker-*")))
+
+
+@pytest.fixture
+def stub_programme(tmp_path):
+    programme = Programme(tmp_path)
+    make_fake_workers(programme.root, 2, PROGRAMME_STUB, image=True)
+    yield programme
+    programme.close()
+
+
+def write_plan(path: Path, hours: dict[str, float]) -> Path:
+    """A plan CSV as `launch.py plan` writes it, with these variants' pod-hours."""
+    from experiments import plan
+
+    rows = [plan.Row(v.split("/")[0], v.split("/")[1], steps=10) for v in hours]
+    plan.write_csv(rows, path)
+    text = path.read_text().splitlines()
+    head = text[0].split(",")
+    fixed = [text[0]]
+    for line in text[1:]:
+        cells = line.split(",")
+        key = f"{cells[0]}/{cells[1]}"
+        if key in hours:
+            cells[head.index("pod_hours")] = repr(hours[key])
+        fixed.append(",".join(cells))
+    path.write_text("\n".join(fixed) + "\n")
+    return path
+
+
+def test_the_budget_stops_the_queue_before_a_variant_that_would_exceed_it(stub_programme, tmp_path):
+    """... and says so in one line; raised, the queue goes on, here from the state's mirror on
+    "another machine" (another state directory): a controller takes over from the mirror."""
+    plan_csv = write_plan(tmp_path / "plan.csv", {EMA[0]: 0.9, EMA[1]: 1.0})
+    mirror = tmp_path / "bucket" / "programmes" / NAME  # as gs://, through fsspec
+    r = stub_programme.submit("--budget", "1", "--plan", str(plan_csv), "--mirror", str(mirror), "--run")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    budget = [line for line in r.stdout.splitlines() if line.startswith("budget:")]
+    assert len(budget) == 1 and f"{EMA[1]} not started" in budget[0] and "> budget 1" in budget[0], r.stdout[-2000:]
+    assert stub_programme.states() == {EMA[0]: "completed", EMA[1]: "queued"}
+    with fake_tpu.control(stub_programme.root) as state:
+        assert state["tpus"] == {}  # nothing left for the slice: deleted
+    status = stub_programme.command("status")
+    assert status.returncode == 0, status.stderr
+    assert "exp08/ema0.99" in status.stdout and "eval/exact_accuracy=0.25" in status.stdout and "/0.900 " in status.stdout
+    assert "controller: budget" in status.stdout
+    page = (stub_programme.state_dir / NAME / "status.html").read_text()
+    assert "<table>" in page and "data:image/png;base64," in page
+    stub_programme.state_dir = tmp_path / "elsewhere"  # another machine: no state but the mirror
+    assert stub_programme.command("status", "--mirror", str(mirror)).returncode == 0
+    assert stub_programme.command("budget", "5").returncode == 0  # raised: the queue goes on
+    r = stub_programme.command("run", "--mirror", str(mirror))
+    assert r.returncode == 0 and stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed"}, r.stdout[-2000:]
+    assert json.loads((mirror / "ledger.json").read_text())["variants"][EMA[1]]["state"] == "completed"
+
+
+def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_programme, tmp_path):
+    assert stub_programme.submit().returncode == 0
+    gate = tmp_path / "gate"
+    first = stub_programme.start(STUB_GATE=str(gate))
+    wait_for(lambda: "running" in stub_programme.states().values() and
+             "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
+             timeout=60, what="the first controller's launch", procs=[first])
+    second = stub_programme.command("run")
+    assert second.returncode == 2, second.stdout + second.stderr
+    error_line(second.stderr, f"another controller runs programme {NAME}", f"pid {first.pid}", last=True)
+    os.kill(first.pid, signal.SIGKILL)  # its launch goes on on the workers
+    first.wait()
+    gate.touch()
+    third = stub_programme.command("run", timeout=120)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr
+    assert "took over the lease" in third.stderr + third.stdout and f"process {first.pid} is gone" in third.stderr + third.stdout
+    assert stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed"}
+    assert "stopped-stale-processes" in third.stdout  # the killed controller's launch was stopped, then resumed
+
+
+def test_the_same_quota_refusal_on_three_variants_stops_the_controller(tmp_path):
+    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_ERROR="RESOURCE_EXHAUSTED")
+    make_fake_workers(programme.root, 2, PROGRAMME_STUB, image=True)
+    try:
+        variants = [*EMA, "exp08/ema0.995"]
+        r = programme.submit("--create-attempts", "1", "--run", variants=variants)
+        assert r.returncode == 1, r.stdout[-3000:] + r.stderr
+        line = error_line(r.stderr, "the same infrastructure failure ended 3 variants in a row", "quota",
+                          "RESOURCE_EXHAUSTED", last=True)
+        assert "programme run prog" in line
+        assert set(programme.states().values()) == {"queued"}  # none ran; each is there for the next run
+        creates = [c for c in gcloud_calls(tmp_path / "gcloud.jsonl") if c[4] == "create"]
+        assert len(creates) == 3
+    finally:
+        programme.close()
+
+
+def test_preflight_is_one_line_per_variant_and_commands_steer_the_queue(stub_programme):
+    r = stub_programme.submit(overrides=("arch=tiny_transformer", "arch.heads=5"))
+    assert r.returncode == 2 and not (stub_programme.state_dir / NAME).exists()
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert [line.split()[1] for line in lines] == [f"{v}:" for v in EMA] and "arch.heads=5" in lines[0], r.stderr
+
+    variants = [*EMA, "exp08/ema0.995"]
+    assert stub_programme.submit(variants=variants).returncode == 0
+    assert stub_programme.command("skip", "exp08/ema0.995").returncode == 0
+    r = stub_programme.command("run", timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed", "exp08/ema0.995": "skipped"}
+    bad = stub_programme.env.copy()
+    assert stub_programme.command("retry", "exp08/ema0.995").returncode == 0
+    stub_programme.env = dict(bad, STUB_BAD="exp08/ema0.995")
+    r = stub_programme.command("run", timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    record = stub_programme.ledger()["variants"]["exp08/ema0.995"]
+    assert record["state"] == "failed" and record["line"] == "exp08/ema0.995: the stub's bad input"
+    assert stub_programme.command("retry", "nope/x").returncode == 2
+
+
+# --- end to end: the real trainer on 2 fake slices of 2 workers x 1 CPU device --------------------
+
+# Two data-scaling groups: every variant trains the same model (one compile for all) on its own set.
+E2E_VARIANTS = ["exp04a/puzzles100", "exp04a/puzzles500", "exp04b/aug10", "exp04b/aug100"]
+BAD = "exp04a/puzzles500"  # its dataset was never built: bad input, found on the workers
+E2E_STEPS = 16
+
+
+def e2e_overrides(bucket: Path) -> list[str]:
+    """Every variant scaled down to the tests' tiny model; metrics on the workers' own disks (lost
+    with a VM), checkpoints in the shared bucket, one directory per experiment."""
+    return ["arch=tiny_transformer", "arch.hidden=32", "arch.heads=2", "train.global_batch_size=16",
+            f"train.steps={E2E_STEPS}", "train.epochs=null", "train.eval_every_epochs=null",
+            "train.checkpoint_every_epochs=null", "train.log_every=1", "train.checkpoint_every=4",
+            f"train.eval_every={E2E_STEPS}", "optim.warmup_steps=2", "data.generate_if_missing=false",
+            "run.progress_bar=false", "run.wandb.mode=disabled", "run.root=outputs", "mesh=fsdp",
+            f"run.checkpoint.dir={bucket}/${{hydra:runtime.choices.experiment}}",
+            "distributed.initialization_timeout_s=60"]
+
+
+@pytest.mark.slow
+def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
+    import random
+
+    from helpers import read_jsonl, train, train_losses
+
+    seed = int.from_bytes(os.urandom(2), "big")
+    rng, seed_note = random.Random(seed), f"(random seed {seed})"
+    data, bucket = tmp_path / "data", tmp_path / "bucket"
+    data.mkdir()
+    for name in ("100-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
+        (data / f"sudoku-extreme-{name}").symlink_to(sudoku_dir)
+    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4")
+    make_fake_workers(programme.root, 2, None, image=True)
+    overrides = e2e_overrides(bucket)
+    try:
+        r = programme.submit("--env", f"PODRUNNER_DATA={data}", "--poll-seconds", "0.2", variants=E2E_VARIANTS,
+                             slices=("s1", "s2"), overrides=tuple(overrides))
+        assert r.returncode == 0, r.stdout + r.stderr
+        controller = programme.start()
+
+        def running_on(slice_name: str) -> str | None:
+            return programme.ledger()["slices"][slice_name]["variant"]
+
+        def step_on(slice_name: str) -> int:
+            variant = running_on(slice_name)
+            rows = programme.root / slice_name / "worker-0" / "repo" / "outputs" / (variant or "-") / "metrics.jsonl"
+            return max((row["step"] for row in read_jsonl(rows)), default=0) if rows.exists() else 0
+
+        def tpu_state(slice_name: str) -> str | None:
+            with fake_tpu.control(programme.root) as state:
+                return state["tpus"].get(slice_name, {}).get("state")
+
+        # 1. a preemption at a random step of the first variant on s1
+        at = rng.randint(2, E2E_STEPS - 4)
+        wait_for(lambda: step_on("s1") >= at, timeout=300, what=f"step {at} on s1 {seed_note}", procs=[controller])
+        assert fake_tpu.preempt(programme.root, "s1"), "no trainer on s1"
+        # 2. another while the re-created s1 is still CREATING
+        wait_for(lambda: tpu_state("s1") == "CREATING", timeout=300, what="s1 re-created", procs=[controller])
+        fake_tpu.preempt(programme.root, "s1")
+        # 3. one during a checkpoint save on s2: at the trainer's "saving the checkpoint" line (not the last)
+        def saving_on_s2() -> bool:
+            logs = (programme.root / "s2" / "worker-0" / "podrunner-logs").glob("*/worker-*.log")
+            last = [log.read_text().rstrip().rsplit("\n", 1)[-1] for log in logs]
+            return any("saving the checkpoint of step" in line and f"step {E2E_STEPS} " not in line for line in last)
+        wait_for(saving_on_s2, timeout=300, what=f"a checkpoint save on s2 {seed_note}", procs=[controller],
+                 every=0.01)
+        assert fake_tpu.preempt(programme.root, "s2"), "no trainer on s2"
+        wait_for(lambda: programme.ledger()["slices"]["s2"]["clock"]["ready_since"] is None, timeout=300,
+                 what="the controller to see s2 preempted", procs=[controller])
+        # 4. the controller killed at a random point of a run, then started again
+        kill_at = rng.randint(1, E2E_STEPS - 2)
+        wait_for(lambda: any(running_on(s) and step_on(s) >= kill_at for s in ("s1", "s2")), timeout=300,
+                 what=f"a run at step {kill_at} {seed_note}", procs=[controller])
+        os.kill(controller.pid, signal.SIGKILL)
+        controller.wait()
+        restarted = programme.start()
+        out = restarted.communicate(timeout=600)[0]
+        assert restarted.returncode == 0, out[-6000:]
+    finally:
+        programme.close()
+
+    ledger = programme.ledger()
+    states = {v: r["state"] for v, r in ledger["variants"].items()}
+    assert states == {v: "failed" if v == BAD else "completed" for v in E2E_VARIANTS}, (states, seed_note)
+    assert "not found" in ledger["variants"][BAD]["line"] and ledger["variants"][BAD]["failure"] == "bad input"
+    # Each completed variant's metrics, from beside its checkpoints, equal an uninterrupted run's at every step.
+    monkeypatch.setenv("PODRUNNER_DATA", str(data))
+    for variant in E2E_VARIANTS:
+        if variant == BAD:
+            continue
+        reference = tmp_path / "reference" / variant
+        train([f"+experiment={variant}", *overrides, f"run.root={reference}", f"run.checkpoint.dir={reference}/ckpt"])
+        expected = train_losses(reference / variant)
+        assert sorted(expected) == list(range(1, E2E_STEPS + 1))
+        got = train_losses(bucket / variant / "run_files")
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (variant, seed_note)
+    # The ledger's pod time is the fake's READY time (x hosts).
+    billed = fake_tpu.ready_host_seconds(programme.root)
+    counted = sum(s["clock"]["host_seconds"] for s in ledger["slices"].values())
+    assert counted == pytest.approx(billed, rel=0.01), (counted, billed)
+    assert sum(r["host_seconds"] for r in ledger["variants"].values()) <= counted * 1.0001
+    assert sum(r["supervision"].get("preemptions", 0) for r in ledger["variants"].values()) >= 2
+
+
+def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
+    """`sweep --tpu` after a preemption: the first variant resumes on the slice re-created, and the
+    second runs (before: the first failed with 255 and the second on a TPU that was gone)."""
+    gate = tmp_path / "gate"
+    sweep = subprocess.Popen([sys.executable, str(LAUNCH), "sweep", "exp08", "--variants", "ema0.99,off", "--tpu", "t1",
+                              "--zone", ZONE, "--accelerator-type", "v4-16", "--runtime-version", "v2-alpha",
+                              "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--state-dir", str(tmp_path / "sweeps")],
+                             cwd=tmp_path, env=dict(stub_programme.env, STUB_GATE=str(gate)), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stub_programme.started.append(sweep)
+    home = stub_programme.root / "t1" / "worker-0"
+    wait_for(lambda: any(fake_tpu.is_trainer(cmd) for _, cmd in fake_tpu.vm_processes(home)), timeout=60,
+             what="the first variant's trainer", procs=[sweep])
+    assert fake_tpu.preempt(stub_programme.root, "t1")  # the stub dies on SIGTERM: no checkpoint, a hard stop
+    gate.touch()
+    out = sweep.communicate(timeout=120)[0]
+    assert sweep.returncode == 0, out[-4000:]
+    assert "exp08/ema0.99                completed" in out and "exp08/off                    completed" in out
+    verbs = [c[4] for c in gcloud_calls(tmp_path / "gcloud.jsonl") if c[4] in ("create", "delete")]
+    assert verbs == ["create", "delete", "create", "delete"], verbs  # re-created after the preemption; deleted at the end
+
+
+def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, monkeypatch):
+    """wandb.alert (W&B online only): on a variant failed for good, and on a controller that stops
+    on a failure. In process, the supervision replaced by its outcome."""
+    from experiments import programme_run, supervise
+
+    sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
+                                   runtime_version="v", overrides=["run.wandb.mode=online"])
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert programme_run.Alerts(sub).online and not programme_run.Alerts(
+        programme_run.Submission(**{**sub.__dict__, "overrides": []})).online
+    state = programme_run.State(tmp_path / NAME)
+    state.create(sub)
+    alerts: list[tuple[str, str]] = []
+    controller = programme_run.Controller(state, alert=lambda title, text: alerts.append((title, text)))
+
+    def fails_for_good(self) -> int:
+        self.sup.data["launches"].append({"outcome": "fatal", "cause": "bad input", "line": "error: bad data"})
+        return self.finish("failed", 2, line="error: bad data", cause="'bad input'")
+    monkeypatch.setattr(supervise.Supervisor, "run", fails_for_good)
+    assert controller.take("s1") == EMA[0]
+    controller.run_variant(EMA[0], "s1")
+    assert alerts == [(f"{NAME}: {EMA[0]} failed", "error: bad data")]
+    assert state.ledger["variants"][EMA[0]]["state"] == "failed"
+    controller.halt(programme_run.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
+    assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
