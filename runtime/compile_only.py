@@ -27,6 +27,7 @@ from typing import Iterator
 
 import jax
 
+from runtime import events
 from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
 
@@ -524,7 +525,9 @@ def plan_for_topology(config: Config) -> int:
     report = topology_report(config, lambda key, value: print(f"  {key:<18} {value}"))
     compiled, name = report.compiled, report.generation.device_kind
     if not compiled.fits:
-        print(f"does not fit: {compiled.total_bytes / GiB:.2f} GiB per chip > {compiled.hbm_bytes / GiB:.2f} GiB HBM of {name}")
+        line = f"does not fit: {compiled.total_bytes / GiB:.2f} GiB per chip > {compiled.hbm_bytes / GiB:.2f} GiB HBM of {name}"
+        print(line, flush=True)
+        events.failed(EXIT_DOES_NOT_FIT, line)  # the event carries the line, not "the log above says why"
         return EXIT_DOES_NOT_FIT
     print(f"fits: {_size(compiled.total_bytes)} per chip <= {report.generation.hbm_gib} GiB HBM of {name}")
     return 0

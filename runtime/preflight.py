@@ -161,9 +161,14 @@ def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bo
     the files earlier runs left); any other folder is someone's and is refused before anything is
     written. `steps`: in a checkpoint directory, every step-named entry must be a step folder this
     project wrote: Orbax replaces a file `20` with step 20, and deletes old steps past keep."""
-    names = entries(directory)
+    def listed(path: str) -> dict[str, bool]:
+        # Write probes are this project's and short-lived: another process of the pod may be
+        # probing the same folder (or the checkpoint folder inside it) right now.
+        return {n: d for n, d in entries(path).items() if not n.startswith(PROBE_DIR)}
+
+    names = listed(directory)
     # Empty folders hold nothing to lose (an earlier attempt that stopped before writing left them).
-    names = {n: d for n, d in names.items() if not (d and not n.isdigit() and not entries(f"{directory.rstrip('/')}/{n}"))}
+    names = {n: d for n, d in names.items() if not (d and not n.isdigit() and not listed(f"{directory.rstrip('/')}/{n}"))}
     if steps:
         for name, is_dir in sorted(names.items()):
             if name.isdigit() and not (is_dir and _STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}"))):

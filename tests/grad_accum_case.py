@@ -75,8 +75,8 @@ def _gather(tree) -> dict[str, np.ndarray]:
     import jax
     from jax.experimental import multihost_utils
 
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True)) for p, x in leaves}
+    gathered = multihost_utils.process_allgather(tree, tiled=True)  # one collective for the whole tree
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(gathered)}
 
 
 def run(family: str, grad_accum_steps: int) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ LAUNCH = REPO / "experiments" / "launch.py"
 # fast (same HLO passes and float semantics; only the generated machine code is less optimised).
 # The YNNPACK flag is the one pretrain_jax.py adds on CPU (runtime/cpu_backend.py): with it in both,
 # in-process runs and child processes keep sharing the compilation cache (its key hashes XLA_FLAGS).
-CPU_XLA_FLAGS = f"--xla_backend_optimization_level=0 {YNN_DOTS_ONLY}"
+CPU_XLA_FLAGS = f"--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false {YNN_DOTS_ONLY}"
 
 # A free port p with p + 1 free too (a pod's coordinator and its start-up barrier).
 free_port = find_free_port

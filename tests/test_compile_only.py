@@ -8,6 +8,7 @@ import re
 import pytest
 
 from helpers import assert_exit_one_line, run_pretrain
+from runtime import events
 from runtime.compile_only import collective_bytes, slice_shape, TOPOLOGIES
 from runtime.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR
 
@@ -68,9 +69,12 @@ def test_oversize_model_does_not_fit(tmp_path):
     proc = compile_only(tmp_path, "v5e-8", "arch.hidden=8192", "arch.layers=2", "arch.heads=64")
     assert proc.returncode == EXIT_DOES_NOT_FIT, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout)
-    last = proc.stdout.rstrip().splitlines()[-1]
-    m = re.fullmatch(r"does not fit: ([\d.]+) GiB per chip > 15.75 GiB HBM of TPU v5e", last)
-    assert m and float(m.group(1)) > 15.75, last
+    said = [l for l in proc.stdout.splitlines() if l.startswith("does not fit")]
+    assert len(said) == 1, proc.stdout
+    m = re.fullmatch(r"does not fit: ([\d.]+) GiB per chip > 15.75 GiB HBM of TPU v5e", said[0])
+    assert m and float(m.group(1)) > 15.75, said
+    failed = [e for e in map(events.parse, proc.stdout.splitlines()) if e and e["event"] == "failed"]
+    assert [(e["exit_code"], e["failure"], e["line"]) for e in failed] == [(EXIT_DOES_NOT_FIT, "does-not-fit", said[0])]
     assert to_bytes(table(proc.stdout)["arguments"]) > 20 * 2**30
 
 

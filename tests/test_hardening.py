@@ -84,6 +84,23 @@ def test_an_empty_folder_left_by_a_failed_start_is_used(data, tmp_path):
     assert_user_error(result, "split 'nope' not found")  # refused for the data, not for the folder
 
 
+def test_another_processs_write_probe_is_no_ones_data(tmp_path):
+    """On a pod, process 0 checks the run directory while the others probe the checkpoint folder
+    inside it for write access (runtime/preflight.check_local_writable): their probes are the
+    project's own, not a user's files (seen as a refused first launch of a 3-process pod)."""
+    from runtime.preflight import PROBE_DIR, check_run_dir, local_entries
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / f"{PROBE_DIR}-host-123").write_bytes(b"probe")
+    (out / f"{PROBE_DIR}-host-124").write_bytes(b"probe")
+    check_run_dir(str(out), "output directory", "run.name", local_entries)
+    check_run_dir(str(out / "checkpoints"), "checkpoint directory", "run.checkpoint.dir", local_entries, steps=True)
+    (out / "checkpoints" / "mine.txt").write_text("a user's file")  # beside a probe, still refused
+    with pytest.raises(Exception, match="already holds files .checkpoints."):
+        check_run_dir(str(out), "output directory", "run.name", local_entries)
+
+
 def test_export_never_writes_into_a_folder_it_did_not_create(tmp_path, capsys):
     from runtime.export import main
 

@@ -5,7 +5,7 @@ The checkpoints come as the reference's run folder (step_<N> files and all_confi
 the reference's own arch keys), converted by one command with no overrides; a state_dict that
 contradicts its config, or an override that contradicts the saved config, is one error line.
 
-Needs torch (the CPU wheel, torch==2.13.0); skipped cleanly without it.
+Needs torch (the CPU wheel, torch==2.13.0, a test dependency): without it this file fails.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 import yaml
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from models.recursive_reasoning import HRMConfig, TRMConfig  # noqa: E402

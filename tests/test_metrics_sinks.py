@@ -159,10 +159,13 @@ def test_resume_appends_and_keeps_run_id(tmp_path):
     assert [r.exit_code for r in runs] == [1, 0]
 
 
-def test_system_metrics_console_and_commit(tmp_path):
+def test_system_metrics_console_and_commit(tmp_path, monkeypatch):
     """Process 0's run carries W&B's system metrics, the console (our log lines as written, and
     nothing once the run is closed: the `error:` line comes after) and the code's commit; each
     part off when configured off."""
+    # wandb-core samples every 15 s by default, and this run lasts well under one second: on a busy
+    # machine it could close before its first sample. Sampling every 0.1 s, it holds several.
+    monkeypatch.setenv("WANDB_X_STATS_SAMPLING_INTERVAL", "0.1")
     commit = "0123abcd" * 5
     log = logging.getLogger("runtime.test_console")
     handler = logging.StreamHandler()  # sys.stderr, as the trainer's logging.basicConfig
