@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax scalars only; never probe for a TPU
 
@@ -163,8 +164,9 @@ def test_system_metrics_console_and_commit(tmp_path, monkeypatch):
     """Process 0's run carries W&B's system metrics, the console (our log lines as written, and
     nothing once the run is closed: the `error:` line comes after) and the code's commit; each
     part off when configured off."""
-    # wandb-core samples every 15 s by default, and this run lasts well under one second: on a busy
-    # machine it could close before its first sample. Sampling every 0.1 s, it holds several.
+    # wandb-core samples every 15 s by default (and once more as the run finishes, which a busy
+    # machine may cut short): this run samples every 0.1 s and stays open for 2 s, so that it holds
+    # samples whatever the load. The time is what sampling needs, not a wait for another process.
     monkeypatch.setenv("WANDB_X_STATS_SAMPLING_INTERVAL", "0.1")
     commit = "0123abcd" * 5
     log = logging.getLogger("runtime.test_console")
@@ -174,10 +176,13 @@ def test_system_metrics_console_and_commit(tmp_path, monkeypatch):
     try:
         for name, options in [("on", dict(git_commit=commit)), ("off", dict(system_metrics=False, console="off"))]:
             sinks = make_sinks(tmp_path / name, **options)
+            opened = time.monotonic()
             for step in range(3):
                 sinks.log(step, {"train/loss": 1.0 / (step + 1)})
                 log.info("%s: log line at step %d", name, step)
             print(f"{name}: a line on stdout")
+            if name == "on":
+                time.sleep(max(0.0, 2.0 - (time.monotonic() - opened)))
             sinks.close()
             print(f"error: {name}: after the run", file=sys.stderr)
     finally:

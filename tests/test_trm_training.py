@@ -122,7 +122,7 @@ def test_trm_two_process_pod_matches_single_process(sudoku_dir, tmp_path):
 
     out = io.StringIO()
     env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}
-    code = run_local_pod(2, 4, trm_overrides(sudoku_dir, tmp_path / "pod", 6) + ["mesh=fsdp"],
+    code = run_local_pod(2, 1, trm_overrides(sudoku_dir, tmp_path / "pod", 6) + ["mesh=fsdp"],
                          script=str(REPO / "pretrain_jax.py"), extra_env=env, log_dir=tmp_path / "pod-logs", stream=out,
                          timeout=300)
     assert code == 0, out.getvalue()[-6000:]
