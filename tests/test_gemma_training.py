@@ -48,6 +48,8 @@ def overrides(data: Path, root: Path, name: str, steps: int) -> list[str]:
 
 
 def test_pod_matches_single_process(sft_dir, tmp_path):
+    """A 2 x 4 pod, accumulating gradients over 2 micro-batches (each spread over both processes),
+    gives the losses of one process taking the whole batch at once."""
     from experiments.local_pod import run_local_pod
 
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "arch.remat=full"]
@@ -56,9 +58,11 @@ def test_pod_matches_single_process(sft_dir, tmp_path):
 
     log = io.StringIO()
     env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}
-    code = run_local_pod(2, 4, overrides(sft_dir, tmp_path / "pod", "t", 4) + mesh, script=str(REPO / "pretrain_jax.py"),
-                         extra_env=env, log_dir=tmp_path / "pod-logs", stream=log, timeout=300)
+    code = run_local_pod(2, 4, overrides(sft_dir, tmp_path / "pod", "t", 4) + mesh + ["train.grad_accum_steps=2"],
+                         script=str(REPO / "pretrain_jax.py"), extra_env=env, log_dir=tmp_path / "pod-logs", stream=log,
+                         timeout=300)
     assert code == 0, log.getvalue()[-6000:]
+    assert "gradient accumulation: 2 micro-batches of 8 rows per optimizer step" in log.getvalue()
     pod = train_losses(tmp_path / "pod" / "g" / "t")
     assert sorted(pod) == [1, 2, 3, 4]
     assert pod == pytest.approx(single, rel=1e-5, abs=1e-6)
