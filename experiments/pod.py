@@ -283,7 +283,7 @@ def _say(stream: TextIO, message: str) -> None:
     stream.flush()
 
 
-def _tagged(line: str, tag: str) -> dict | None:
+def tagged(line: str, tag: str) -> dict | None:
     """The JSON after `tag` anywhere in the line (gcloud may prefix worker output)."""
     i = line.find(tag)
     if i < 0:
@@ -493,7 +493,7 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
     rows: list[dict] = []
 
     def take(line: str) -> None:
-        if (row := _tagged(line, VERSIONS_TAG)) is not None:
+        if (row := tagged(line, VERSIONS_TAG)) is not None:
             rows.append(row)
             if on_versions:
                 on_versions(row)
@@ -600,7 +600,7 @@ def pod_status(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, outputs: str
     rows: list[WorkerStatus] = []
 
     def on_line(line: str) -> None:
-        data = _tagged(line, STATUS_TAG)
+        data = tagged(line, STATUS_TAG)
         if data is not None:
             rows.append(WorkerStatus(**{k: data.get(k) for k in WorkerStatus.__dataclass_fields__}))
         elif line.strip():

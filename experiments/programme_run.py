@@ -376,6 +376,18 @@ class Controller:
         """Pod-hours: the slices' READY hours so far."""
         return sum(self.clock(s).ready_seconds(now) for s in self.ledger["slices"]) / 3600
 
+    def ahead_hours(self) -> float:
+        """Pod-hours the running variants are still planned to take (their plan less what they spent):
+        on several slices, a new variant must fit the budget beside them."""
+        ahead = 0.0
+        for variant, record in self.ledger["variants"].items():
+            mark = record.get("mark")
+            if record["state"] != RUNNING or not mark or record.get("slice") not in self.ledger["slices"]:
+                continue
+            spent = record["ready_seconds"] + max(0.0, self.clock(record["slice"]).ready_seconds() - mark["ready"])
+            ahead += max(0.0, (self.sub.planned_hours(variant) or 0.0) - spent / 3600)
+        return ahead
+
     def note_spending(self) -> None:
         self.ledger["history"].append([round(time.time(), 3), round(self.spent_hours(), 6)])
 
@@ -397,6 +409,12 @@ class Controller:
                 return None
             variant = queued[0]
             planned = self.sub.planned_hours(variant) or 0.0
+            if self.sub.budget is not None and self.spent_hours() + planned <= self.sub.budget < (
+                    self.spent_hours() + self.ahead_hours() + planned):
+                # It fits only if the running variants end under their plans: this slice is given
+                # back, and the slice of the last one running takes it then, if it still fits.
+                self.state.event("budget-wait", variant=variant, slice=slice_name, ahead=f"{self.ahead_hours():.3f}")
+                return None
             if self.sub.budget is not None and self.spent_hours() + planned > self.sub.budget:
                 self.budget_line = (f"budget: {variant} not started: {self.spent_hours():.3f} pod-hours spent + "
                                     f"{planned:.3f} planned > budget {self.sub.budget:g}; to go on, raise it: "

@@ -50,17 +50,32 @@ def primary_of(group: str) -> str:
         return PRIMARY
 
 
-def rows(sub: Submission, ledger: dict) -> list[Row]:
+def live_ready_seconds(ledger: dict, record: dict, now: float | None = None) -> float:
+    """A variant's READY seconds, with those of the launch under way on its slice (a running
+    variant's record is settled only when its launch ends)."""
+    seconds, mark = record["ready_seconds"], record.get("mark")
+    if record["state"] == RUNNING and mark and record.get("slice") in ledger["slices"]:
+        from experiments.supervise import ReadyClock
+
+        clock = ReadyClock(dict(ledger["slices"][record["slice"]]["clock"]))
+        seconds += max(0.0, clock.ready_seconds(now) - mark["ready"])
+    return seconds
+
+
+def rows(sub: Submission, ledger: dict, now: float | None = None) -> list[Row]:
     out = []
     for variant in sorted(ledger["variants"], key=lambda v: ledger["variants"][v]["order"]):
         r = ledger["variants"][variant]
         sup = r.get("supervision") or {}
+        live = (sup.get("progress") or {}) if r["state"] == RUNNING else {}  # what the running launch said last
+        steps = [s for s in (r.get("last_step"), live.get("step")) if isinstance(s, int)]
         name = primary_of(variant.split("/", 1)[0])
         value = (r.get("metrics") or {}).get(name)
         out.append(Row(variant, r["state"], r["attempts"], sup.get("preemptions", 0), sup.get("restarts", 0),
-                       r["ready_seconds"] / 3600, sub.planned_hours(variant), r.get("last_step"),
-                       r.get("total") or (sub.planned.get(variant) or {}).get("steps"), name,
-                       value if isinstance(value, (int, float)) else None, r.get("wandb_run_id"), r.get("line")))
+                       live_ready_seconds(ledger, r, now) / 3600, sub.planned_hours(variant), max(steps, default=None),
+                       r.get("total") or live.get("total") or (sub.planned.get(variant) or {}).get("steps"), name,
+                       value if isinstance(value, (int, float)) else None, r.get("wandb_run_id") or live.get("wandb_run_id"),
+                       r.get("line")))
     return out
 
 

@@ -378,7 +378,7 @@ class Supervisor:
         spec, sup = self.spec, self.sup
         rows: list[dict] = []
         code = pod.run_gcloud(pod.gcloud_argv(spec.target, pod.versions_command(spec.repo_dir)),
-                              on_line=lambda l: rows.append(r) if (r := pod._tagged(l, pod.VERSIONS_TAG)) else None)
+                              on_line=lambda l: rows.append(r) if (r := pod.tagged(l, pod.VERSIONS_TAG)) else None)
         if code == 0 and not sup.data.get("setup_pending") and pod.versions_agree(rows, hosts):
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
@@ -414,7 +414,14 @@ class Supervisor:
     def launch_once(self, hosts: int) -> tuple[str, int, "LaunchEvents"]:
         """Launch the run, record the launch; (outcome, exit code, what the trainer said)."""
         spec, sup = self.spec, self.sup
-        seen = LaunchEvents()
+        progress = sup.data.setdefault("progress", {"step": None, "total": None, "wandb_run_id": None})
+
+        def on_progress(seen: LaunchEvents) -> None:  # the live state, for status pages, at each checkpoint
+            progress.update(step=seen.last_step, total=seen.total or progress["total"],
+                            wandb_run_id=seen.run_id or progress["wandb_run_id"])
+            sup.save()
+
+        seen = LaunchEvents(on_progress)
         started = time.time()
         sup.event("launch", run_id=spec.run_id, attempt=len(sup.data["launches"]) + 1)
         sup.data["in_flight"] = True
@@ -545,7 +552,8 @@ class Supervisor:
 class LaunchEvents:
     """What the trainer said during one launch: its events, from every worker's output."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_progress: Callable[["LaunchEvents"], None] | None = None) -> None:
+        self.on_progress = on_progress  # called after a `started` or `checkpoint` event
         self.run_id = self.total = self.last_step = None
         self.completed: dict | None = None
         self.preempted: dict | None = None
@@ -569,6 +577,8 @@ class LaunchEvents:
             self.failures.append(event)
         elif kind == "sigterm" and isinstance(event.get("time"), (int, float)):
             self.sigterm = min(event["time"], self.sigterm or event["time"])
+        if kind in ("started", "checkpoint") and self.on_progress is not None:
+            self.on_progress(self)
 
     def stopped_at(self) -> float | None:
         """When the workers were told to stop: a launch guard's SIGTERM, else the trainer's `preempted`."""

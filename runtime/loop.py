@@ -142,7 +142,7 @@ class _Progress:
                                              "metrics": self.train_metrics | self.eval_metrics,
                                              "data_position": position, "init_states": ctx.init_states})
             self.last_good_ckpt = done
-        log.info("saving the checkpoint of step %d (asynchronously)", done)  # progress, for operators and supervise
+        log.info("saving the checkpoint of step %d (asynchronously)", done)  # progress, for operators (launchers read events)
 
     def profile(self, step: int, done: int | None = None) -> None:
         start, count = self.ctx.config.train.profile_start_step, self.ctx.config.train.profile_steps

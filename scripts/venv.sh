@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ]; then
   torch_pin="$(grep -o '"torch==[^"]*"' "$REPO/pyproject.toml" | tr -d '"')"
   "$VENV/bin/python" -m pip install --quiet "$torch_pin"
   if "$VENV/bin/python" -m pip install --quiet uv==0.13.9; then
-    "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" -e "$REPO[test]"
+    "$VENV/bin/python" -m uv pip install --quiet --compile-bytecode --python "$VENV/bin/python" -e "$REPO[test]"
   else
     "$VENV/bin/python" -m pip install --quiet -e "$REPO[test]"
   fi

@@ -29,9 +29,10 @@ from runtime.errors import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR
 
 def refused(tmp_path: Path, overrides: list[str], *needles: str, code: int = EXIT_USER_ERROR) -> str:
     """The run of `overrides` (in this process) ends with `code` and one line holding `needles`
-    (pretrain_jax.py prints it as its one `error:` line), before any compile, and every file that
-    was under `tmp_path` before is byte-identical afterwards."""
-    before = tree_hash(tmp_path)
+    (pretrain_jax.py prints it as its one `error:` line), before any compile; every file that was
+    under `tmp_path` before is byte-identical afterwards, and no file was added to a folder that
+    was there before (only to folders the run created itself)."""
+    before, folders = tree_hash(tmp_path), {p for p in tmp_path.rglob("*") if p.is_dir()} | {tmp_path}
     result = train(overrides, check=False)
     assert result.code == code and result.error, (result.code, result.error, result.log[-2000:])
     assert "\n" not in result.error and "Traceback" not in result.error, result.error
@@ -40,6 +41,8 @@ def refused(tmp_path: Path, overrides: list[str], *needles: str, code: int = EXI
         assert needle in result.error, (needle, result.error)
     after = tree_hash(tmp_path)
     assert {name: after.get(name) for name in before} == before
+    added = [name for name in after if name not in before and (tmp_path / name).parent in folders]
+    assert not added, f"written into a folder the run did not create: {added}"
     return result.error
 
 

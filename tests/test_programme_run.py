@@ -32,6 +32,7 @@ events.emit("started", run_id=os.environ["PODRUNNER_RUN_ID"], step=0, total=10, 
 if variant in os.environ.get("STUB_BAD", "").split(","):
     events.failed(2, f"{variant}: the stub's bad input")
     sys.exit(2)
+events.emit("checkpoint", step=5)
 gate = os.environ.get("STUB_GATE")
 while gate and not os.path.exists(gate):
     time.sleep(0.05)
@@ -138,6 +139,20 @@ def test_the_budget_stops_the_queue_before_a_variant_that_would_exceed_it(stub_p
     assert json.loads((mirror / "ledger.json").read_text())["variants"][EMA[1]]["state"] == "completed"
 
 
+def test_on_several_slices_the_budget_counts_what_the_running_variants_will_take(stub_programme, tmp_path):
+    """Two slices, a budget of 1 pod-hour, two variants planned at 0.6 each: the second does not
+    start beside the first (0.6 + 0.6 > 1); its slice is given back, and the variant runs after the
+    first on the first's slice, where 0.6 planned on top of what was spent still fits."""
+    plan_csv = write_plan(tmp_path / "plan.csv", {EMA[0]: 0.6, EMA[1]: 0.6})
+    r = stub_programme.submit("--budget", "1", "--plan", str(plan_csv), "--run", slices=("s1", "s2"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed"}
+    log = (stub_programme.state_dir / NAME / "controller.log").read_text()
+    assert log.count("budget-wait") == 1 and "budget:" not in r.stdout, log[-3000:]
+    ran_on = {v: rec["slice"] for v, rec in stub_programme.ledger()["variants"].items()}
+    assert ran_on[EMA[0]] == ran_on[EMA[1]], ran_on  # one after the other, on one slice
+
+
 def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_programme, tmp_path):
     assert stub_programme.submit().returncode == 0
     gate = tmp_path / "gate"
@@ -145,6 +160,14 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
     wait_for(lambda: "running" in stub_programme.states().values() and
              "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
              timeout=60, what="the first controller's launch", procs=[first])
+    # While the launch runs, status shows it: the step of its last checkpoint, its run id, READY time so far.
+    from experiments.programme_status import live_ready_seconds
+
+    progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("progress") or {}  # noqa: E731
+    wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
+    row = next(l for l in stub_programme.command("status").stdout.splitlines() if l.startswith(EMA[0] + " "))
+    assert " running " in row and " 5/10 " in row and progress()["wandb_run_id"] in row, row
+    assert live_ready_seconds(stub_programme.ledger(), stub_programme.ledger()["variants"][EMA[0]]) > 0
     second = stub_programme.command("run")
     assert second.returncode == 2, second.stdout + second.stderr
     error_line(second.stderr, f"another controller runs programme {NAME}", f"pid {first.pid}", last=True)
