@@ -38,6 +38,7 @@ def test_missing_dataset(tmp_path):
     assert_exit_one_line(proc, 2, f"{tmp_path}/nope", "build_sudoku")  # a trainer error, printed by the script
 
 
+@pytest.mark.slow  # waits out the coordinator's timeout
 def test_unreachable_coordinator(tmp_path):
     proc = run_pretrain([f"distributed.coordinator_address=127.0.0.1:{free_port()}", "distributed.num_processes=2",
                          "distributed.process_id=1", "distributed.initialization_timeout_s=3"], check=False)

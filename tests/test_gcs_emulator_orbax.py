@@ -250,6 +250,7 @@ def test_orbax_async_manager_saves_keeps_n_and_restores_with_requested_shardings
 
 
 # ------------------------------------------------------------------ (d): outage mid-save
+@pytest.mark.slow  # waits out a storage outage
 def test_orbax_short_outage_mid_async_save_is_absorbed_by_client_retries(emu):
     """Emulator SIGKILLed on the first request for step 2's arrays, back after 1 s: gcsfs
     (6 tries, ~31 s) and tensorstore (32 tries, ~15 min) retry through it; nothing raises."""
@@ -273,6 +274,7 @@ def test_orbax_short_outage_mid_async_save_is_absorbed_by_client_retries(emu):
     fresh.close()
 
 
+@pytest.mark.slow  # waits out a storage outage
 def test_orbax_long_outage_mid_async_save_fails_then_new_manager_resumes(emu):
     """Outage longer than the clients' retry budgets (shortened here so the test takes
     seconds): the error surfaces in wait_until_finished(), the step is dropped, and after

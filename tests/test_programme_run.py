@@ -21,6 +21,10 @@ from helpers import LAUNCH, error_line, fake_plane, gcloud_calls, make_fake_work
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
 
+# Every test here drives the launcher against the fake TPU control plane, with worker processes:
+# the slow tier (see pyproject.toml).
+pytestmark = pytest.mark.slow
+
 NAME, ZONE = "prog", "us-central2-b"
 EMA = ["exp08/ema0.99", "exp08/off"]
 
@@ -240,7 +244,6 @@ def e2e_overrides(bucket: Path) -> list[str]:
             "distributed.initialization_timeout_s=60"]
 
 
-@pytest.mark.slow
 def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
     import random
 

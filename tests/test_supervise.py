@@ -27,6 +27,10 @@ from helpers import (LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, e
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
 
+# Every test here drives the launcher against the fake TPU control plane, with worker processes:
+# the slow tier (see pyproject.toml).
+pytestmark = pytest.mark.slow
+
 TPU, ZONE, RUN_ID = "sup-tpu", "us-central2-b", "run-1"
 
 STUB = """\
@@ -403,7 +407,6 @@ def test_pod_hours_are_ready_time_times_hosts_and_the_tpu_is_deleted_at_the_end(
 
 # --- end to end: the real trainer on 2 fake workers x 1 CPU device --------------------------------
 
-@pytest.mark.slow
 def test_supervised_run_survives_preemptions_and_a_dead_worker(plane, sudoku_dir, reference_losses):
     """Two preemptions are VM shutdowns (every process of each worker gets SIGTERM, W&B's wandb-core
     included, SIGKILL 30 s later) of a run logging to W&B offline on the workers' own disks: each
