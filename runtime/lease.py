@@ -33,6 +33,8 @@ Hosts' clocks are compared (heartbeat times are wall-clock): keep them in sync (
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -130,7 +132,26 @@ class LocalStore:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
 
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Renewals and take-overs one at a time (an flock beside the record): each reads, compares
+        and writes as one step, so that a renewal never lands on a record another run just took over."""
+        try:
+            fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no room even for an empty file: the rename-aside protocol alone
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def renew(self, raw: bytes, version: Any) -> Any:
+        with self._exclusive():
+            return self._renew(raw, version)
+
+    def _renew(self, raw: bytes, version: Any) -> Any:
         if self.read()[1] != version:
             return None
         tmp = f"{self.path}.{secrets.token_hex(6)}.tmp"
@@ -149,6 +170,10 @@ class LocalStore:
         return raw
 
     def take_over(self, raw: bytes, version: Any) -> Any:
+        with self._exclusive():
+            return self._take_over(raw, version)
+
+    def _take_over(self, raw: bytes, version: Any) -> Any:
         aside = f"{self.path}.stale-{secrets.token_hex(6)}"
         try:
             os.rename(self.path, aside)  # of two runs taking over at once, exactly one gets here

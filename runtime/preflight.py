@@ -135,7 +135,7 @@ def check_wandb_key_shape(key: str) -> None:
 # What says a folder is a run directory of this project: the marker process 0 writes when it takes
 # the lease (runtime/lease.py), or what earlier runs left (the manifest, a lease record, a probe).
 RUN_MARKER = ".podrunner-run"
-_RUN_FILES = (RUN_MARKER, "run_manifest.json", ".lease.json", PROBE_DIR)
+_RUN_FILES = (RUN_MARKER, "run_manifest.json", ".lease.json", ".lease.json.lock", PROBE_DIR)
 # What an Orbax step folder holds (a damaged one at least one of them).
 _STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
 

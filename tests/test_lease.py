@@ -19,7 +19,7 @@ import pytest
 from helpers import (REPO, assert_user_error, base_overrides, error_line, fill, finish, launch_pretrain, read_jsonl,
                      resumed_step, saved_steps, small_disk, start_pod, train, wait_for, wait_for_step)
 from runtime.errors import EXIT_PREEMPTED, StorageError
-from runtime.lease import LEASE_FILE, Lease, LeaseHeld
+from runtime.lease import LEASE_FILE, Lease, LeaseHeld, LocalStore
 
 OTHER_HOST = "another-host"
 
@@ -131,7 +131,10 @@ def test_heartbeat_notices_a_take_over(tmp_path):
         first = record(tmp_path)["heartbeat"]
         wait_for(lambda: record(tmp_path)["heartbeat"] > first, timeout=30, what="a renewal")
         assert not lost and record(tmp_path)["token"] == held.record["token"]  # renewed, still ours
-        write_record(tmp_path, run="test/thief", token="thief")  # another run took it over
+        # Another run takes it over, as runtime/lease.py does (a plain write could land between a
+        # renewal's read and its write, and be overwritten): again if a renewal came first.
+        store, thief = LocalStore(str(tmp_path)), json.dumps(dict(record(tmp_path), run="test/thief", token="thief"))
+        wait_for(lambda: store.take_over(thief.encode(), store.read()[1]) is not None, timeout=30, what="the take-over")
         assert done.wait(30)
         assert "lost the lease" in str(lost[0]) and "run test/thief" in str(lost[0]) and lost[0].exit_code == 6
     finally:
