@@ -220,13 +220,13 @@ def cache_dir(root: Path) -> Path:
     import jax
 
     from runtime import compile_only as c
+    from runtime import hlo_cost
 
     try:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = "none"
-    recorder = [c.CompiledStep, c.compile_train_step, c.optimal_seconds, c.loop_weight, c._computations,
-                c._trip_count, c.collective_ops, c.collective_bytes, c.wire_bytes, c._group_size, c._bytes, c._xla_oom]
+    recorder = [c.CompiledStep, c.compile_train_step, c._xla_oom, hlo_cost]  # hlo_cost: the whole module
     digest = hashlib.sha256("".join(inspect.getsource(f) for f in recorder).encode()).hexdigest()[:8]
     return root / f"jax-{jax.__version__}_libtpu-{libtpu}_{digest}"
 
@@ -438,6 +438,9 @@ class Planner:
             estimate = dataclasses.replace(estimate, compute_s=estimate.compute_s * used.compute_scale)
         row.estimate, row.steps = estimate, used.steps or None
         notes = [row.note, used.note] + ([f"no step time: {estimate.compute_from}"] if estimate.total_s is None else [])
+        if estimate.kernel_s or estimate.undeclared_kernels:  # the part the compiler did not model
+            notes.append(f"{100 * estimate.kernel_share:.0f}% of the step from kernels' declared cost"
+                         + (f", {estimate.undeclared_kernels} kernel calls with none (0 s)" if estimate.undeclared_kernels else ""))
         row.note = "; ".join(n for n in notes if n)
         return row
 
@@ -478,7 +481,8 @@ def markdown(rows: list[Row], topology: str, command: str) -> str:
         f"`{command}`",
         "",
         "Estimates, not measurements. Step time = compute (XLA's `optimal_seconds` of the compiled step, every loop "
-        "iteration counted) + collectives (ring bytes at the chip's ICI bandwidth), not overlapped; a floor on the "
+        "iteration counted; custom kernels at their declared cost's roofline) + collectives (ring bytes at the chip's "
+        "ICI bandwidth, every loop iteration counted), not overlapped; a floor on the "
         "real step time, so MFU is a ceiling (runtime/compile_only.py `StepEstimate`). "
         "Pod-hours = steps x step time / 3600: training steps only (no evaluation, checkpoints, input or compile); "
         "the whole slice is held, so they are wall-clock hours. * = with the change that makes it fit.",
@@ -508,8 +512,8 @@ def markdown(rows: list[Row], topology: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("group", "variant", "fits", "total_gib", "hbm_gib", "compute_s", "collective_s", "step_s", "mfu",
-              "steps", "pod_hours", "change", "note", "key")
+CSV_FIELDS = ("group", "variant", "fits", "total_gib", "hbm_gib", "compute_s", "kernel_s", "collective_s", "step_s",
+              "mfu", "steps", "pod_hours", "change", "note", "key")
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -521,13 +525,14 @@ def write_csv(rows: list[Row], path: Path) -> None:
         for row in rows:
             est = row.estimate
             out.writerow([row.group, row.variant, "" if row.fits is None else row.fits, _g(row.total_gib),
-                          _g(row.hbm_gib), _g(getattr(est, "compute_s", None)), _g(getattr(est, "collective_s", None)),
+                          _g(row.hbm_gib), _g(getattr(est, "compute_s", None)), _g(getattr(est, "kernel_s", None)),
+                          _g(getattr(est, "collective_s", None)),
                           _g(getattr(est, "total_s", None)), _g(getattr(est, "mfu", None)), row.steps or "",
                           _g(row.pod_hours), row.change, row.note, row.key])
         sums = totals(rows)
         for name in [g for g in sums if g != "all"] + ["all"]:
             hours, counted, missing = sums[name]
-            out.writerow(["ALL" if name == "all" else name, "TOTAL", "", "", "", "", "", "", "", "", _g(hours), "",
+            out.writerow(["ALL" if name == "all" else name, "TOTAL", "", "", "", "", "", "", "", "", "", _g(hours), "",
                           f"{counted} variants, {missing} without a figure", ""])
 
 

@@ -21,13 +21,12 @@ import math
 import os
 import re
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import jax
 
 from runtime import events
+from runtime.hlo_cost import collective_bytes, kernels, loop_weight, optimal_seconds, wire_bytes
 from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
 
@@ -46,6 +45,7 @@ class TpuGeneration:
     max_chips: int
     single_host_chips: int  # slices up to this size are one host; larger ones have 4 chips (2x2) per host
     ici_gbytes_s: float  # ICI bandwidth per chip, one direction, GB/s (sources at TOPOLOGIES)
+    hbm_gbytes_s: float  # HBM bandwidth per chip, GB/s (a kernel's declared bytes move at this rate)
     chip_config: str | None = None  # v4: "megacore" = one JAX device per chip (libtpu's default is per core)
 
     def chip_counts(self) -> list[int]:  # powers of two from 4 (3-D) or 1 (2-D; no 2-chip slice)
@@ -63,16 +63,17 @@ class TpuGeneration:
 # v4 "all-reduce bandwidth per Pod 1.1 PB/s" over 4096 chips = 269 GB/s per chip; v5p, v5e, v6e
 # "bidirectional inter-chip interconnect bandwidth per chip" 1200, 400, 800 GB/s, halved for one
 # direction (v5e/v6e: the same 200/400 GB/s per chip as their "all-reduce bandwidth per Pod",
-# 51.2 and 102.4 TB/s over 256 chips). Peak FLOP/s: runtime.perf.PEAK_BF16_FLOPS.
+# 51.2 and 102.4 TB/s over 256 chips). HBM bandwidth per chip, the same pages: v4 1200, v5p 2765,
+# v5e 819, v6e 1640 GB/s. Peak FLOP/s: runtime.perf.PEAK_BF16_FLOPS.
 TOPOLOGIES = {g.name: g for g in (
-    TpuGeneration("v4", "TPU v4", 30.75, 2, 3, 2048, 4, ici_gbytes_s=1.1e6 / 4096, chip_config="megacore"),
-    TpuGeneration("v5p", "TPU v5p", 95.74, 2, 3, 4096, 4, ici_gbytes_s=1200 / 2),
-    TpuGeneration("v5e", "TPU v5e", 15.75, 1, 2, 256, 8, ici_gbytes_s=400 / 2),
-    TpuGeneration("v6e", "TPU v6e", 31.25, 1, 2, 256, 8, ici_gbytes_s=800 / 2),
+    TpuGeneration("v4", "TPU v4", 30.75, 2, 3, 2048, 4, ici_gbytes_s=1.1e6 / 4096, hbm_gbytes_s=1200,
+                  chip_config="megacore"),
+    TpuGeneration("v5p", "TPU v5p", 95.74, 2, 3, 4096, 4, ici_gbytes_s=1200 / 2, hbm_gbytes_s=2765),
+    TpuGeneration("v5e", "TPU v5e", 15.75, 1, 2, 256, 8, ici_gbytes_s=400 / 2, hbm_gbytes_s=819),
+    TpuGeneration("v6e", "TPU v6e", 31.25, 1, 2, 256, 8, ici_gbytes_s=800 / 2, hbm_gbytes_s=1640),
 )}
 KNOWN = ", ".join(f"{g.name}-{{{','.join(str(c * g.cores_per_name_unit) for c in g.chip_counts())}}}"
                   for g in TOPOLOGIES.values())
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def slice_shape(gen: TpuGeneration, chips: int) -> list[int]:
@@ -125,140 +126,6 @@ def expected_local_devices(accelerator_type: str) -> int:
     return chips if chips <= gen.single_host_chips else 4
 
 
-_ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\(([^)]*)\)(.*)$")
-
-
-def _bytes(types: str) -> int:
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * (int(bits) // 8 if bits else 1)
-               for _, bits, dims in _ARRAY.findall(types))
-
-
-def _group_size(attrs: str) -> int | None:
-    """Devices in each replica group of a collective: {{0,1,..},..}, iota [groups,size]<=[n], or
-    mesh[axes] {'axis',..} (the product of the named axes); None when not stated ({} = all)."""
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[\d+,(\d+)\]<=", attrs)
-    if m:
-        return int(m.group(1))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs)
-    if m:
-        sizes = dict(re.findall(r"'([\w.]+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([\w.]+)'", m.group(2)))
-    return None
-
-
-def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None]]:
-    """(kind, bytes, devices per group) of each collective of the compiled HLO, once per channel.
-
-    Bytes of one op = the larger of its operands and results (the whole buffer: the gathered
-    result of an all-gather, the unreduced operand of a reduce-scatter). TPU's async collective
-    fusions repeat an op in several computations under one channel_id, so each channel counts
-    once; an all-reduce inside an `all-reduce-scatter` fusion counts as a reduce-scatter.
-    """
-    sizes: dict[str, int] = {}
-    seen: set[tuple[str, str]] = set()
-    computation = ""
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            computation = line.split()[0].lstrip("%")
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, result, op, operands, attrs = m.groups()
-        sizes[name] = _bytes(result)
-        kind = op.removesuffix("-done")
-        if kind not in COLLECTIVES or op.endswith("-start"):  # -start/-done pairs: the done holds the result
-            continue
-        if kind == "all-reduce" and computation.startswith("all-reduce-scatter"):
-            kind = "reduce-scatter"
-        channel = re.search(r"channel_id=(\d+)", attrs)
-        if (kind, channel.group(1) if channel else name) in seen:
-            continue
-        seen.add((kind, channel.group(1) if channel else name))
-        operand_bytes = sum(sizes.get(o.strip().lstrip("%"), 0) for o in re.sub(r"/\*.*?\*/", "", operands).split(","))
-        yield kind, sizes[name] if op.endswith("-done") else max(sizes[name], operand_bytes), _group_size(attrs)
-
-
-def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
-    """Per kind: (ops, bytes per chip per step) in the compiled HLO (`collective_ops`)."""
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for kind, nbytes, _ in collective_ops(hlo):
-        out[kind][0] += 1
-        out[kind][1] += nbytes
-    return {k: (out[k][0], out[k][1]) for k in COLLECTIVES}
-
-
-def wire_bytes(hlo: str, devices: int) -> float:
-    """Bytes each chip sends per step for the HLO's collectives, by the ring algorithm over a group
-    of n: all-reduce 2(n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all (n-1)/n,
-    collective-permute all of it; a group not stated spans all `devices`."""
-    total = 0.0
-    for kind, nbytes, n in collective_ops(hlo):
-        n = n or devices
-        share = 1.0 if kind == "collective-permute" else (n - 1) / n * (2 if kind == "all-reduce" else 1)
-        total += share * nbytes
-    return total
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """({computation name: its instruction lines}, the entry computation's name) of HLO text."""
-    comps: dict[str, list[str]] = {}
-    current, entry = None, ""
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            words = line.split()
-            name = words[1 if words[0] == "ENTRY" else 0].lstrip("%")
-            entry = name if words[0] == "ENTRY" else entry
-            current = comps.setdefault(name, [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and " = " in line:
-            current.append(line)
-    return comps, entry
-
-
-def _trip_count(cond: list[str]) -> int | None:
-    """N of a loop condition `i < N` (i from 0, as JAX's scans and fori_loops count); None otherwise."""
-    constants = dict(re.findall(r"^\s*%?([\w.\-]+) = s32\[\][^ ]* constant\((\d+)\)", "\n".join(cond), re.M))
-    for line in cond:
-        m = re.search(r"ROOT .*compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(LT|LE)", line)
-        if m and m.group(2) in constants:
-            return int(constants[m.group(2)]) + (m.group(3) == "LE")
-    return None
-
-
-def loop_weight(hlo: str) -> float | None:
-    """How much more a step with loops costs than XLA's cost analysis says: the TPU compiler's own
-    per-op estimates (`estimated_cycles` of each fusion) summed with every while body times its trip
-    count, over the same sum with each body once (as `cost_analysis()` counts). 1.0 without loops;
-    None when a trip count or the estimates cannot be read."""
-    comps, entry = _computations(hlo)
-    unreadable = []
-
-    def cycles(name: str, unrolled: bool, seen: tuple[str, ...] = ()) -> float:
-        total = 0.0
-        for line in comps.get(name, ()):
-            m = re.search(r'"estimated_cycles":"(\d+)"', line)
-            total += int(m.group(1)) if m else 0
-            loop = re.search(r" while\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
-            called = re.search(r" call\(.*to_apply=%?([\w.\-]+)", line)
-            if loop and loop.group(2) not in seen:
-                trips = _trip_count(comps.get(loop.group(1), [])) if unrolled else 1
-                if trips is None:
-                    unreadable.append(loop.group(1))
-                total += (trips or 1) * cycles(loop.group(2), unrolled, seen + (loop.group(2),))
-            elif called and called.group(1) not in seen:
-                total += cycles(called.group(1), unrolled, seen + (called.group(1),))
-        return total
-
-    once, unrolled = cycles(entry, False), cycles(entry, True)
-    return unrolled / once if once > 0 and not unreadable else None
-
-
 def _xla_oom(message: str) -> tuple[float, float] | None:
     """(needed, available) GiB from XLA's early ("(32.27G) exceeds available HBM (15.75G)") or final
     ("Used 16.2G of 15.75G hbm") out-of-HBM compile error; None for any other error."""
@@ -285,30 +152,6 @@ MEMORY_FIELDS = (("arguments", "argument"), ("outputs", "output"), ("aliased", "
                  ("temporaries", "temp"), ("generated_code", "generated_code"))
 
 
-# Custom calls that libtpu's cost model counts as -1 s each (seen: a baseline TRM step with 57
-# ConcatBitcast reports -56.97, the same step in float16 with one ZeroCrop more -57.97).
-UNMODELLED_CALLS = ("ConcatBitcast", "ZeroCrop")
-
-
-def optimal_seconds(cost: dict, hlo: str, peak_flops: float) -> float | None:
-    """XLA's cost-model time of one step on one chip: `optimal_seconds` of `cost_analysis()`,
-    the TPU compiler's ideal time of each op (at peak FLOP/s or HBM bandwidth) summed, a loop
-    body once. libtpu counts -1 for each op it has no model for: the UNMODELLED_CALLS are added
-    back, and where that leaves less than the step's FLOPs at peak, as many of its other custom
-    calls as it takes (one by one). None when the key is missing or no such count gives a time."""
-    raw = cost.get("optimal_seconds")
-    if raw is None:
-        return None
-    floor = 0.99 * float(cost.get("flops", 0.0)) / peak_flops
-    calls = re.findall(r'custom_call_target="([^"]*)"', hlo)
-    known = sum(call in UNMODELLED_CALLS for call in calls)
-    for unmodelled in range(known, len(calls) + 1):
-        value = float(raw) + unmodelled
-        if value > 0 and value >= floor:
-            return value
-    return None
-
-
 @dataclass(frozen=True)
 class CompiledStep:
     """What one TPU compile of a train step says, per chip. Plain data: `launch.py plan` caches
@@ -322,8 +165,14 @@ class CompiledStep:
     optimal_s: float | None = None  # `optimal_seconds`, the same way
     has_loops: bool = False
     loop_weight: float | None = 1.0  # `loop_weight`: the cost of every loop iteration over each body once
-    collectives: dict[str, tuple[int, int]] = field(default_factory=dict)  # kind -> (ops, bytes)
-    wire_bytes: float = 0.0  # `wire_bytes`: sent per chip per step by the ring algorithm
+    collectives: dict[str, tuple[int, int]] = field(default_factory=dict)  # kind -> (ops run, bytes) per step
+    wire_bytes: float = 0.0  # `wire_bytes`: sent per chip per step by the ring algorithm, every loop run counted
+    # Custom kernels (Pallas): the compiler has no model of them, so their time is their declared
+    # cost at the roofline (`hlo_cost.Kernel.seconds`): each call once (as optimal_s counts them),
+    # and every run of their loops; kernels that declare no cost count as 0.
+    kernel_once_s: float = 0.0
+    kernel_s: float = 0.0
+    undeclared_kernels: int = 0
     compile_s: float = 0.0
 
     @property
@@ -353,11 +202,16 @@ def compile_train_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
     memory["upper"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
     hlo, cost = compiled.as_text(), compiled.cost_analysis() or {}
     devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
+    calls = kernels(hlo)
+    hbm_rate = gen.hbm_gbytes_s * 1e9
     return CompiledStep(
         hbm_bytes=gen.hbm_gib * GiB, total_bytes=float(getattr(mem, "peak_memory_in_bytes", 0) or memory["upper"]),
         memory=memory, xla_flops=float(cost.get("flops", 0.0)), optimal_s=optimal_seconds(cost, hlo, gen.peak_flops),
         has_loops=re.search(r"\bwhile\(", hlo) is not None, loop_weight=loop_weight(hlo), collectives=collective_bytes(hlo),
-        wire_bytes=wire_bytes(hlo, devices), compile_s=compile_s)
+        wire_bytes=wire_bytes(hlo, devices), compile_s=compile_s,
+        kernel_once_s=sum(k.seconds(gen.peak_flops, hbm_rate) for k in calls),
+        kernel_s=sum(k.runs * k.seconds(gen.peak_flops, hbm_rate) for k in calls),
+        undeclared_kernels=sum(k.flops is None and k.bytes_accessed is None for k in calls))
 
 
 @dataclass(frozen=True)
@@ -374,6 +228,13 @@ class StepEstimate:
     collective_s: float
     model_flops: float | None  # per chip per step, by the task's formula
     peak_flops: float  # per chip
+    kernel_s: float = 0.0  # the part of compute_s that is custom kernels' declared cost (roofline)
+    undeclared_kernels: int = 0  # custom kernels with no declared cost, counted as 0 s
+
+    @property
+    def kernel_share(self) -> float:
+        """The share of the estimate that comes from declared kernel costs, not the compiler's model."""
+        return self.kernel_s / self.total_s if self.total_s else 0.0
 
     @property
     def total_s(self) -> float | None:
@@ -390,23 +251,28 @@ class StepEstimate:
 def estimate_step(compiled: CompiledStep, gen: TpuGeneration, model_flops: float | None) -> StepEstimate:
     """The step's estimated time. Compute: the compiled step's `optimal_seconds`, which counts a
     loop body once, times its `loop_weight`; where that cannot be read, times formula FLOPs /
-    XLA's FLOPs of the same compile (the loops' share of time taken as their share of FLOPs)."""
+    XLA's FLOPs of the same compile (the loops' share of time taken as their share of FLOPs).
+    Custom kernels, which carry no per-op estimate, are taken out of `optimal_seconds` once and
+    added back at their declared cost for every run (`CompiledStep.kernel_s`)."""
+    kernel_s = compiled.kernel_s
+    own_s = None if compiled.optimal_s is None else max(0.0, compiled.optimal_s - compiled.kernel_once_s)
     if compiled.stopped:
         compute, source = None, "none: the step does not fit"
     elif compiled.optimal_s is None:
         compute, source = None, "none: XLA's cost analysis gave no usable optimal_seconds"
     elif not compiled.has_loops:
-        compute, source = compiled.optimal_s, "XLA optimal_seconds of the compiled step (no loops)"
+        compute, source = own_s + kernel_s, "XLA optimal_seconds of the compiled step (no loops)"
     elif compiled.loop_weight is not None:
-        compute = compiled.optimal_s * compiled.loop_weight
+        compute = own_s * compiled.loop_weight + kernel_s
         source = (f"XLA optimal_seconds of the compiled step x {compiled.loop_weight:.3g} for its loops' "
                   "iterations, by the compiler's per-op cycle estimates")
     elif model_flops and compiled.xla_flops:
-        compute = compiled.optimal_s * model_flops / compiled.xla_flops
+        compute = own_s * model_flops / compiled.xla_flops + kernel_s
         source = "XLA optimal_seconds of the compiled step x formula / XLA FLOPs (loop trip counts not readable)"
     else:
         compute, source = None, "none: the step's loop trip counts are not readable and it has no FLOP formula"
-    return StepEstimate(compute, source, compiled.wire_bytes / (gen.ici_gbytes_s * 1e9), model_flops, gen.peak_flops)
+    return StepEstimate(compute, source, compiled.wire_bytes / (gen.ici_gbytes_s * 1e9), model_flops, gen.peak_flops,
+                        kernel_s=kernel_s if compute is not None else 0.0, undeclared_kernels=compiled.undeclared_kernels)
 
 
 @dataclass(frozen=True)
@@ -459,6 +325,11 @@ def _report_estimate(row, est: StepEstimate, compiled: CompiledStep, gen: TpuGen
     row("step_time", f"{_seconds(est.total_s)} per step (estimate) = compute {_seconds(est.compute_s)} "
                      f"({est.compute_from}) + collectives {_seconds(est.collective_s)} "
                      f"({_size(compiled.wire_bytes)} sent per chip at {gen.ici_gbytes_s:.0f} GB/s ICI), not overlapped")
+    if compiled.kernel_s or compiled.undeclared_kernels:
+        row("kernels", f"{_seconds(est.kernel_s)} of it ({100 * est.kernel_share:.1f}%) from custom kernels' declared "
+                       f"cost at the roofline, max(FLOPs / peak, bytes / {gen.hbm_gbytes_s:.0f} GB/s HBM)"
+            + (f"; {compiled.undeclared_kernels} kernel calls declare no cost (counted as 0)"
+               if compiled.undeclared_kernels else ""))
     if est.mfu is not None:
         row("mfu_estimate", f"{100 * est.mfu:.1f}%: formula FLOPs / (estimated step time x {est.peak_flops / 1e12:.0f} "
                             f"TFLOP/s peak bf16 per chip); a ceiling, see StepEstimate")
@@ -512,7 +383,7 @@ def topology_report(config: Config, row) -> TopologyReport:
         row("xla_time_unrolled", f"{_seconds(unrolled_s)}: optimal_seconds of the analysis compile, a different program "
                                  "(no loops, no remat), for comparison with step_time's compute")
     for kind, (ops, nbytes) in compiled.collectives.items():
-        row(kind, f"{ops} ops, {_size(nbytes)} per chip per step")
+        row(kind, f"{ops} ops, {_size(nbytes)} per chip per step (every loop iteration counted)")
     return TopologyReport(config.compile_only, gen, len(devices), hosts, compiled, formula, unrolled_flops, unrolled_s,
                           estimate)
 

@@ -1,6 +1,7 @@
 """`launch.py plan`: fits, estimated step time and pod-hours of a group at full scale, from train
 steps compiled for a TPU topology (libtpu's compile-only devices), cached by their HLO; and the
-pieces of the estimate (runtime/compile_only.py) on hand-written HLO."""
+pieces of the estimate (runtime/compile_only.py) on hand-written HLO (loops, collectives in them
+and custom kernels: test_hlo_cost.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import pytest
 
 from experiments import plan
 from experiments.launch import main as launch
-from runtime.compile_only import (TOPOLOGIES, CompiledStep, estimate_step, loop_weight, optimal_seconds,
-                                  wire_bytes)
+from runtime.compile_only import TOPOLOGIES, CompiledStep, estimate_step, optimal_seconds, wire_bytes
 
 # exp08 (EMA rates, and EMA off) shrunk: 5 variants, 2 distinct train steps.
 TINY = ["arch.hidden=64", "arch.heads=2", "arch.puzzle_emb_ndim=64", "arch.H_cycles=2", "arch.L_cycles=2",
@@ -65,44 +65,6 @@ def test_hlo_key_blanks_values_but_not_trip_counts_or_special_values():
     assert plan.hlo_key(hlo(trips="12"), "v4-64") != base  # a loop's trip count
     assert plan.hlo_key(hlo(one="9.900000e-01"), "v4-64") != base  # x * 1.0 simplifies away; x * 0.99 does not
     assert plan.hlo_key(hlo(), "v5e-8") != base
-
-
-LOOP_HLO = """HloModule m
-
-%fused (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  ROOT %n = f32[8]{0} negate(%p)
-}
-
-%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
-  %b = (s32[], f32[8]{0}) parameter(0)
-  %i = s32[] get-tuple-element(%b), index=0
-  %x = f32[8]{0} get-tuple-element(%b), index=1
-  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"100"}
-  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %f)
-}
-
-%cond (c: (s32[], f32[8])) -> pred[] {
-  %c = (s32[], f32[8]{0}) parameter(0)
-  %limit = s32[]{:T(128)} constant(5)
-  %i = s32[] get-tuple-element(%c), index=0
-  ROOT %lt = pred[] compare(%i, %limit), direction=LT
-}
-
-ENTRY %main (a: f32[8]) -> f32[8] {
-  %a = f32[8]{0} parameter(0)
-  %g = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"50"}
-  %zero = s32[] constant(0)
-  %t0 = (s32[], f32[8]{0}) tuple(%zero, %g)
-  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body
-  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
-}
-"""
-
-
-def test_loop_weight_counts_every_iteration():
-    assert loop_weight(LOOP_HLO) == pytest.approx((50 + 5 * 100) / (50 + 100))
-    assert loop_weight(LOOP_HLO.replace("constant(5)", "parameter(1)")) is None  # trip count not readable
 
 
 def test_optimal_seconds_adds_back_unmodelled_ops_and_refuses_non_times():

@@ -290,9 +290,13 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
             return any("saving the checkpoint of step" in line and f"step {E2E_STEPS} " not in line for line in last)
         wait_for(saving_on_s2, timeout=300, what=f"a checkpoint save on s2 {seed_note}", procs=[controller],
                  every=0.01)
+        victim = running_on("s2")
         assert fake_tpu.preempt(programme.root, "s2"), "no trainer on s2"
-        wait_for(lambda: programme.ledger()["slices"]["s2"]["clock"]["ready_since"] is None, timeout=300,
-                 what="the controller to see s2 preempted", procs=[controller])
+        # the launch's end recorded (not only the slice seen down): a controller killed before that
+        # never learns of this preemption, and the ledger could not count it
+        wait_for(lambda: programme.ledger()["slices"]["s2"]["clock"]["ready_since"] is None
+                 and programme.ledger()["variants"][victim]["supervision"].get("preemptions", 0) >= 1,
+                 timeout=300, what=f"the controller to record {victim}'s preemption on s2", procs=[controller])
         # 4. the controller killed at a random point of a run, then started again
         kill_at = rng.randint(1, E2E_STEPS - 2)
         wait_for(lambda: any(running_on(s) and step_on(s) >= kill_at for s in ("s1", "s2")), timeout=300,

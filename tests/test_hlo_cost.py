@@ -1,0 +1,244 @@
+"""runtime/hlo_cost.py: every loop iteration counted (trip counts of any counter), collectives
+weighted by their loops, custom kernels at their declared cost. Hand-written HLO with known
+answers, then small programs compiled for a TPU topology against hand-computed figures and, where
+it is the same program, the program unrolled."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+from runtime import hlo_cost
+from runtime.compile_only import TOPOLOGIES, CompiledStep, estimate_step
+
+
+def looped(ctype: str = "s32", start: int = 0, limit: int = 5, step: int = 1, direction: str = "LT",
+           body_op: str = "", entry_op: str = "", annotation: str = "") -> str:
+    """A while loop whose counter (element 0) runs from `start` by `step` while `counter <direction> limit`;
+    `body_op` / `entry_op`: one more instruction inside the body / in the entry computation."""
+    add = "add" if step >= 0 else "subtract"
+    return f"""HloModule m
+
+%fused (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %n = f32[8]{{0}} negate(%p)
+}}
+
+%body (b: ({ctype}[], f32[8])) -> ({ctype}[], f32[8]) {{
+  %b = ({ctype}[], f32[8]{{0}}) parameter(0)
+  %i = {ctype}[] get-tuple-element(%b), index=0
+  %stride = {ctype}[]{{:T(128)}} constant({abs(step)})
+  %next = {ctype}[] {add}(%i, %stride)
+  %x = f32[8]{{0}} get-tuple-element(%b), index=1
+  %f = f32[8]{{0}} fusion(%x), kind=kLoop, calls=%fused, backend_config={{"estimated_cycles":"100"}}
+  {body_op}
+  ROOT %t = ({ctype}[], f32[8]{{0}}) tuple(%next, %f)
+}}
+
+%cond (c: ({ctype}[], f32[8])) -> pred[] {{
+  %c = ({ctype}[], f32[8]{{0}}) parameter(0)
+  %limit = {ctype}[]{{:T(128)}} constant({limit})
+  %i = {ctype}[] get-tuple-element(%c), index=0
+  ROOT %cmp = pred[] compare(%i, %limit), direction={direction}
+}}
+
+ENTRY %main (a: f32[8]) -> f32[8] {{
+  %a = f32[8]{{0}} parameter(0)
+  %g = f32[8]{{0}} fusion(%a), kind=kLoop, calls=%fused, backend_config={{"estimated_cycles":"50"}}
+  {entry_op}
+  %start = {ctype}[] constant({start})
+  %start.copy = {ctype}[] copy(%start)
+  %t0 = ({ctype}[], f32[8]{{0}}) tuple(%start.copy, %g)
+  %w = ({ctype}[], f32[8]{{0}}) while(%t0), condition=%cond, body=%body{annotation}
+  ROOT %r = f32[8]{{0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+def trips(hlo: str) -> float | None:
+    comps, entry = hlo_cost.computations(hlo)
+    counts, unreadable = hlo_cost.executions(comps, entry)
+    return None if unreadable else counts["body"]
+
+
+@pytest.mark.parametrize("loop,expected", [
+    (dict(), 5),
+    (dict(ctype="u32", limit=16, step=2), 8),  # FSDP's collective-matmul loops: u32, stride 2
+    (dict(ctype="u32", limit=15, step=2), 8),  # the last iteration starts at 14
+    (dict(ctype="s64", start=3, limit=10, direction="LE"), 8),
+    (dict(start=10, limit=0, step=-2, direction="GT"), 5),
+    (dict(start=2, limit=12, step=5, direction="NE"), 2),
+    (dict(start=7, limit=5), 0),
+    (dict(limit=99, annotation=', backend_config={"known_trip_count":{"n":"4"}}'), 4),  # XLA's own count first
+])
+def test_trip_count_of_any_counter(loop, expected):
+    assert trips(looped(**loop)) == expected
+    assert hlo_cost.loop_weight(looped(**loop)) == pytest.approx((50 + expected * 100) / (50 + 100))
+
+
+@pytest.mark.parametrize("change", [("constant(5)", "parameter(1)"),  # the bound is not a constant
+                                    ("direction=LT", "direction=GT"),  # counts up while above its bound: no count
+                                    ("%start = s32[] constant(0)", "%start = s32[] parameter(1)")])
+def test_unreadable_trip_count_is_none(change):
+    hlo = looped().replace(*change)
+    assert trips(hlo) is None and hlo_cost.loop_weight(hlo) is None
+
+
+def test_collectives_and_kernels_are_weighted_by_their_loops():
+    ar = "%ar{n} = f32[256]{{0}} all-reduce(%{x}), channel_id={n}, replica_groups={{{{0,1,2,3}}}}, to_apply=%fused"
+    kernel = ('%k = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+              '{"body":"abc","cost_estimate":{"flops":"2750000000","transcendentals":"0","bytes_accessed":"1200000"}}}')
+    hlo = looped(limit=6, body_op=ar.format(n=1, x="x") + "\n  " + kernel, entry_op=ar.format(n=2, x="a"))
+    assert hlo_cost.collective_bytes(hlo)["all-reduce"] == (7, 7 * 1024)
+    assert hlo_cost.wire_bytes(hlo, devices=8) == pytest.approx(7 * 1024 * 2 * 3 / 4)
+    (k,) = hlo_cost.kernels(hlo)
+    assert (k.flops, k.bytes_accessed, k.runs) == (2.75e9, 1.2e6, 6)
+    assert k.seconds(275e12, 1.2e12) == pytest.approx(1e-5)  # FLOP-bound: 10 us at peak, 1 us of bytes
+    assert k.seconds(275e12, 1.2e10) == pytest.approx(1e-4)  # at 1/100 the bandwidth, byte-bound
+
+
+def test_step_estimate_takes_kernels_out_of_the_loop_weight():
+    gen = TOPOLOGIES["v4"]
+    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.5, xla_flops=1e12, optimal_s=0.011, has_loops=True,
+                        loop_weight=3.0, kernel_once_s=0.001, kernel_s=0.006, undeclared_kernels=1)
+    est = estimate_step(step, gen, model_flops=None)
+    assert est.compute_s == pytest.approx(0.010 * 3 + 0.006) and est.kernel_s == pytest.approx(0.006)
+    assert est.kernel_share == pytest.approx(0.006 / 0.036) and est.undeclared_kernels == 1
+    flat = estimate_step(dataclasses.replace(step, has_loops=False, kernel_s=0.001), gen, model_flops=None)
+    assert flat.compute_s == pytest.approx(0.011)  # no loops: optimal_seconds as the compiler gave it
+
+
+# ------------------------------------------------------------- compiled for a TPU topology
+
+
+@pytest.fixture(scope="module")
+def tpu():
+    """A v4-8 slice's 4 compile-only chips (libtpu), one mesh axis over them."""
+    import jax
+    from jax.sharding import Mesh
+
+    from runtime.compile_only import topology_devices
+
+    gen, _, devices = topology_devices("v4-8")
+    return jax, gen, Mesh(np.array(devices), ("x",))
+
+
+def compiled(jax, fn, *shapes):
+    c = jax.jit(fn).lower(*shapes).compile()
+    return c.as_text(), c.cost_analysis()
+
+
+def estimate(jax, gen, fn, *shapes):
+    """(the HLO, the step estimate's compute seconds) of `fn` compiled for the topology."""
+    from runtime.compile_only import optimal_seconds
+
+    hlo, cost = compiled(jax, fn, *shapes)
+    calls = hlo_cost.kernels(hlo)
+    rate = gen.hbm_gbytes_s * 1e9
+    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.0, xla_flops=cost["flops"],
+                        optimal_s=optimal_seconds(cost, hlo, gen.peak_flops), has_loops="while(" in hlo,
+                        loop_weight=hlo_cost.loop_weight(hlo),
+                        kernel_once_s=sum(k.seconds(gen.peak_flops, rate) for k in calls),
+                        kernel_s=sum(k.runs * k.seconds(gen.peak_flops, rate) for k in calls))
+    return hlo, estimate_step(step, gen, model_flops=None)
+
+
+@pytest.mark.slow
+def test_compiled_u32_stride_2_loop_counts_every_iteration(tpu):
+    """A bf16 2048^3 matmul in a loop whose u32 counter steps by 2 (as FSDP's collective matmuls
+    do): 8 iterations below 16, 4 below 8, 16 below 32. The estimate is the compiler's time of the
+    program with its body once, weighted by its per-op cycles: it grows by one body per iteration
+    (affine in the trip count). (The unrolled program is not the same program: XLA copies the
+    loop's carry in each iteration and fuses differently, so the estimates of the two differ.)"""
+    jax, gen, mesh = tpu
+    jnp = jax.numpy
+
+    def loop(limit: int):
+        def fn(x, w):
+            body = lambda c: (c[0] + jnp.uint32(2), c[1] @ w)  # noqa: E731
+            return jax.lax.while_loop(lambda c: c[0] < jnp.uint32(limit), body, (jnp.uint32(0), x))[1]
+        return fn
+
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=jax.NamedSharding(mesh, jax.P()))
+    runs = {}
+    for limit in (8, 16, 32):
+        hlo, est = estimate(jax, gen, loop(limit), x, x)
+        assert "u32[]" in hlo and trips_of_only_loop(hlo) == limit // 2
+        assert "cycle estimates" in est.compute_from  # not the FLOP-ratio fallback of an unreadable loop
+        runs[limit // 2] = est.compute_s
+    per_iteration = (runs[8] - runs[4]) / 4
+    assert per_iteration > 2 * 2048**3 / gen.peak_flops  # at least the matmul at peak
+    assert runs[16] - runs[8] == pytest.approx(8 * per_iteration, rel=1e-6)
+
+
+def trips_of_only_loop(hlo: str) -> float:
+    comps, entry = hlo_cost.computations(hlo)
+    counts, unreadable = hlo_cost.executions(comps, entry, loops_and_calls_only=True)
+    (body,) = [name for name, lines in comps.items() for line in comps[entry] if f"body=%{name}" in line]
+    assert not unreadable
+    return counts[body]
+
+
+@pytest.mark.slow
+def test_compiled_collective_in_a_loop_counts_every_iteration(tpu):
+    """An all-reduce of a [256, 512] f32 shard in a 6-iteration loop: 6 x 512 KiB, as unrolled."""
+    jax, gen, mesh = tpu
+    jnp, P = jax.numpy, jax.P
+
+    def step(x):
+        return x * 0.5 + jnp.tanh(jax.lax.psum(x, "x"))
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 6, lambda i, x: step(x), x)
+
+    def unrolled(x):
+        for _ in range(6):
+            x = step(x)
+        return x
+
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    shard = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    expected = (6, 6 * 256 * 512 * 4)
+    looped_hlo, _ = compiled(jax, shard(loop), x)
+    flat_hlo, _ = compiled(jax, shard(unrolled), x)
+    assert "while(" in looped_hlo and "while(" not in flat_hlo
+    assert hlo_cost.collective_bytes(looped_hlo)["all-reduce"] == expected == hlo_cost.collective_bytes(flat_hlo)["all-reduce"]
+    assert hlo_cost.wire_bytes(looped_hlo, 4) == pytest.approx(expected[1] * 2 * 3 / 4)
+
+
+@pytest.mark.slow
+def test_compiled_kernel_with_a_declared_cost_in_a_loop(tpu):
+    """A Pallas kernel declaring 2.75 GFLOP and 1.2 MB, called 5 times in a loop: 5 x 10 us at
+    v4's 275 TFLOP/s, and the same estimate as the 5 calls unrolled."""
+    jax, gen, mesh = tpu
+    jnp, P = jax.numpy, jax.P
+    from jax.experimental import pallas as pl
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def kernel(x):
+        cost = pl.CostEstimate(flops=2_750_000_000, transcendentals=0, bytes_accessed=1_200_000)
+        return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=cost)(x)
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 5, lambda i, x: kernel(x), x)
+
+    def unrolled(x):
+        for _ in range(5):
+            x = kernel(x)
+        return x
+
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=jax.NamedSharding(mesh, P()))
+    shard = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    hlo, est = estimate(jax, gen, shard(loop), x)
+    _, flat = estimate(jax, gen, shard(unrolled), x)
+    (call,) = hlo_cost.kernels(hlo)
+    assert call.runs == 5 and call.target == "tpu_custom_call"
+    assert est.kernel_s == pytest.approx(5 * 2.75e9 / gen.peak_flops) == pytest.approx(flat.kernel_s)
+    # the rest (the loop's counter and copies) is small beside the kernels: never negative, never the bulk
+    assert est.kernel_s <= est.compute_s < 1.5 * est.kernel_s and est.kernel_share > 0.6
+    assert flat.kernel_s <= flat.compute_s < 1.5 * flat.kernel_s
