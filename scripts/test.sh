@@ -4,7 +4,4 @@
 # gives (files with slow tests first; xdist's own reorder by test count is off); PYTEST_WORKERS=0
 # runs in this process only.
 source "$(dirname "$0")/venv.sh"
-# The suite starts hundreds of Python processes: their bytecode compiled once here, not in each
-# (where PYTHONDONTWRITEBYTECODE is set, as on CI machines, nothing would ever be cached).
-PYTHONDONTWRITEBYTECODE= python -m compileall -q -j 0 runtime experiments models data_pipeline tests pretrain_jax.py >/dev/null
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
