@@ -164,23 +164,49 @@ def test_cache_key_merges_values_not_shapes(tmp_path):
 
 @pytest.mark.slow
 def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path):
-    """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): a
-    smaller batch per chip does not fix that (it is compiled and stops at XLA's memory check); FSDP
-    over the 8 chips does. (One wide layer: the cheapest such model to compile; 4 rows per chip,
-    so that one batch change is tried, not two: each costs 10-20 s of compile.)"""
+    """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): XLA
+    stops at its memory check; FSDP over the 8 chips fits, by a second compile. (One wide layer:
+    the cheapest such model to compile; 2 rows per chip, too few to try a smaller batch per chip,
+    each such try costing 10-20 s of compile: the search through candidates that do not fit is
+    test_the_search_tries_each_change_until_one_fits.)"""
     planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
     job = plan.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8",
-                                        "train.global_batch_size=32"))
+                                        "train.global_batch_size=16"))
     (row,) = planner.plan([job])
-    assert row.fits is False and row.total_gib > 15.75
+    assert row.fits is False and row.total_gib > 15.75 and planner.compiled(job).stopped
     tried = [j for j in planner.lowered if j != job]
-    assert [j.overrides[len(job.overrides):] for j in tried] == plan.fix_candidates(planner.lowered[job],
-                                                                                   planner.compiled(job))
-    assert len(tried) == 2  # a smaller batch per chip, then FSDP
+    assert [j.overrides[len(job.overrides):] for j in tried] == [("mesh.data=1", "mesh.fsdp=-1")]
+    assert plan.fix_candidates(planner.lowered[job], planner.compiled(job)) == [("mesh.data=1", "mesh.fsdp=-1")]
     fix = plan.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
     assert fix == tried[-1] and planner.compiled(fix).fits
-    assert all(not planner.compiled(j).fits for j in tried[:-1])
     assert row.pod_hours == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
+
+
+def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
+    """Compiles stood in for: remat does not fit, 4 or 8 micro-batches do not, FSDP does. The
+    row names FSDP, with its figures; each candidate was compiled once, in order, none after it."""
+    gib = 2**30
+    sizes = {(): 40, ("arch.remat=true",): 30, ("train.grad_accum_steps=4",): 20, ("train.grad_accum_steps=8",): 18,
+             ("mesh.data=1", "mesh.fsdp=-1"): 10}
+    compiled: list[tuple[str, ...]] = []
+
+    def lower(job, topology):
+        return plan.Lowered(key=f"k{len(job.overrides)}{job.overrides[-1:]}".replace(" ", ""), steps=100,
+                            global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
+
+    def compile_job(job, topology):
+        change = job.overrides[1:]
+        compiled.append(change)
+        return CompiledStep(hbm_bytes=15.75 * gib, total_bytes=sizes[change] * gib, optimal_s=0.5)
+
+    monkeypatch.setattr(plan, "lower", lower)
+    monkeypatch.setattr(plan, "compile_job", compile_job)
+    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: True)
+    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    (row,) = planner.plan([plan.Job("g", "v", ("x=1",))])
+    assert compiled == list(sizes)  # the job, then each change in order until one fits
+    assert row.fits is False and row.change == "mesh.data=1 mesh.fsdp=-1" and row.total_gib == 40
+    assert row.estimate.total_s == pytest.approx(0.5) and row.pod_hours == pytest.approx(100 * 0.5 / 3600)
 
 
 def test_fix_candidates_in_order(monkeypatch):
