@@ -44,22 +44,41 @@ def compilation_cache(tmp_path_factory):
         os.environ.pop(name, None)
 
 
+def _built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder shared by the session's pytest-xdist workers: the first to take its lock builds it
+    (`build(folder)`), the others wait for that and read it."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / ".built").exists():
+            folder.mkdir(exist_ok=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sudoku_dir(tmp_path_factory) -> Path:
     """A small generated Sudoku dataset in the reference format (built once per session)."""
     from data_pipeline.build_sudoku import build_sudoku_dataset
 
-    root = tmp_path_factory.mktemp("data") / "sudoku"
-    build_sudoku_dataset(root, generate=360, test_size=40, min_givens=30, seed=0)
-    return root
+    build = lambda folder: build_sudoku_dataset(folder / "sudoku", generate=360, test_size=40, min_givens=30,  # noqa: E731
+                                                seed=0)
+    return _built_once(tmp_path_factory, "data", build) / "sudoku"
 
 
 @pytest.fixture(scope="session")
 def reference_losses(sudoku_dir, tmp_path_factory) -> dict[int, float]:
     """step -> train/loss of the shared reference run (trained once per session, in process)."""
-    root = tmp_path_factory.mktemp("reference")
-    train(base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA)
-    losses = train_losses(root / "test" / "t")
+    def build(root: Path) -> None:
+        train(base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA)
+        (root / "losses.json").write_text(json.dumps(train_losses(root / "test" / "t")))
+
+    root = _built_once(tmp_path_factory, "reference", build)
+    losses = {int(step): loss for step, loss in json.loads((root / "losses.json").read_text()).items()}
     assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
     return losses
 
