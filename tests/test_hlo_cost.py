@@ -182,6 +182,19 @@ def trips_of_only_loop(hlo: str) -> float:
     return counts[body]
 
 
+def looped_and_unrolled(jax, body, trips: int):
+    """`body` applied `trips` times: in a fori_loop, and as that many calls in a row."""
+    def loop(x):
+        return jax.lax.fori_loop(0, trips, lambda i, x: body(x), x)
+
+    def unrolled(x):
+        for _ in range(trips):
+            x = body(x)
+        return x
+
+    return loop, unrolled
+
+
 @pytest.mark.slow
 def test_compiled_collective_in_a_loop_counts_every_iteration(tpu):
     """An all-reduce of a [256, 512] f32 shard in a 6-iteration loop: 6 x 512 KiB, as unrolled."""
@@ -191,14 +204,7 @@ def test_compiled_collective_in_a_loop_counts_every_iteration(tpu):
     def step(x):
         return x * 0.5 + jnp.tanh(jax.lax.psum(x, "x"))
 
-    def loop(x):
-        return jax.lax.fori_loop(0, 6, lambda i, x: step(x), x)
-
-    def unrolled(x):
-        for _ in range(6):
-            x = step(x)
-        return x
-
+    loop, unrolled = looped_and_unrolled(jax, step, 6)
     x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=jax.NamedSharding(mesh, P("x")))
     shard = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     expected = (6, 6 * 256 * 512 * 4)
@@ -224,14 +230,7 @@ def test_compiled_kernel_with_a_declared_cost_in_a_loop(tpu):
         cost = pl.CostEstimate(flops=2_750_000_000, transcendentals=0, bytes_accessed=1_200_000)
         return pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), cost_estimate=cost)(x)
 
-    def loop(x):
-        return jax.lax.fori_loop(0, 5, lambda i, x: kernel(x), x)
-
-    def unrolled(x):
-        for _ in range(5):
-            x = kernel(x)
-        return x
-
+    loop, unrolled = looped_and_unrolled(jax, kernel, 5)
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=jax.NamedSharding(mesh, P()))
     shard = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     hlo, est = estimate(jax, gen, shard(loop), x)
