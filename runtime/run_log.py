@@ -2,8 +2,8 @@
 libraries' own reports go.
 
 Orbax and tensorstore report a failed save with a traceback from each of their threads (a
-full checkpoint disk printed ~600 lines), tensorstore's late callbacks add unraisable
-"Event loop is closed" tracebacks, and gcsfs logs one per request whose retries ran out in a
+full checkpoint disk printed ~600 lines), tensorstore's late callbacks add "Event loop is
+closed" tracebacks (as unraisable exceptions, or through sys.excepthook), and gcsfs logs one per request whose retries ran out in a
 GCS outage; the run's one `error:` line already names the fault, the step and the fix. So
 while the run lives, their loggers (and `sys.unraisablehook`) write to `<output dir>/run.log`
 (process k > 0: `run.process<k>.log`) instead of the console; the run's own progress lines
@@ -69,10 +69,12 @@ def library_logs_to(path: str) -> Iterator[None]:
         lg.addHandler(handler)
         lg.propagate = False
     unraisable_hook, sys.unraisablehook = sys.unraisablehook, _Filtered.of(_log_unraisable)
+    sys.excepthook = _LateLoopCallbacks(sys.excepthook, log=True)
     try:
         yield
     finally:
         sys.unraisablehook = _Filtered.of(unraisable_hook) if _DROPPED else unraisable_hook
+        sys.excepthook = _LateLoopCallbacks(sys.excepthook, log=False)  # after the run: dropped
         for lg, propagate in saved:
             lg.removeHandler(handler)
             lg.propagate = propagate
@@ -87,6 +89,32 @@ def _log_unraisable(unraisable) -> None:
     logging.getLogger(UNRAISABLE_LOGGER).warning("%s%s", unraisable.err_msg or "Exception ignored", where,
                                                  exc_info=(unraisable.exc_type, unraisable.exc_value,
                                                            unraisable.exc_traceback))
+
+
+def late_loop_callback(exc_type, exc_value, tb) -> bool:
+    """A callback that tensorstore's C++ threads run after a failed save, on Orbax's event loop
+    that is already closed: Python prints it as an uncaught exception (sys.excepthook, no
+    "Exception ignored" header) whose every frame is asyncio's: nothing of ours called it."""
+    if exc_type is not RuntimeError or str(exc_value) != "Event loop is closed" or tb is None:
+        return False
+    return os.sep + "asyncio" + os.sep in tb.tb_frame.f_code.co_filename
+
+
+class _LateLoopCallbacks:
+    """sys.excepthook for a run's process: late loop callbacks (`late_loop_callback`) go to the
+    run log while the run lives (log=True) and are dropped after it; every other exception goes
+    to the hook that was there before."""
+
+    def __init__(self, hook: Callable, log: bool) -> None:
+        self.hook = hook.hook if isinstance(hook, _LateLoopCallbacks) else hook
+        self.log = log
+
+    def __call__(self, exc_type, exc_value, tb) -> None:
+        if not late_loop_callback(exc_type, exc_value, tb):
+            self.hook(exc_type, exc_value, tb)
+        elif self.log:
+            logging.getLogger(UNRAISABLE_LOGGER).warning("a late callback on a closed event loop",
+                                                         exc_info=(exc_type, exc_value, tb))
 
 
 _DROPPED: list[Callable] = []  # unraisable reports nobody needs, dropped for the rest of the process

@@ -328,3 +328,35 @@ def test_dropped_unraisable_reports_stay_dropped_after_the_run(tmp_path):
     finally:
         sys.unraisablehook = before
     assert seen == [kept]
+
+
+def test_late_event_loop_callbacks_go_to_the_run_log_never_the_console(tmp_path):
+    """tensorstore's callbacks that land on Orbax's closed event loop after a failed save reach
+    sys.excepthook with only asyncio's frames (seen under load: a stray traceback before the one
+    error line). During the run they go to run.log, after it nowhere; any other exception, and
+    the same error raised from our own code, still reach the previous hook."""
+    import asyncio
+    import sys
+
+    from runtime import run_log
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        ours = e
+    late = (RuntimeError, ours, ours.__traceback__.tb_next)  # called from C++: asyncio's frames only
+    other = (ValueError, ValueError("x"), None)
+    seen, before = [], sys.excepthook
+    try:
+        sys.excepthook = lambda *exc: seen.append(exc)
+        with run_log.library_logs_to(str(tmp_path / "run.log")):
+            sys.excepthook(*late)
+            sys.excepthook(*other)
+        sys.excepthook(*late)
+        sys.excepthook(RuntimeError, ours, ours.__traceback__)  # raised by this test's own frame
+    finally:
+        sys.excepthook = before
+    assert seen == [other, (RuntimeError, ours, ours.__traceback__)]
+    assert "Event loop is closed" in (tmp_path / "run.log").read_text()
