@@ -226,7 +226,7 @@ def cache_dir(root: Path) -> Path:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = "none"
-    recorder = [c.CompiledStep, c.compile_train_step, c._xla_oom, hlo_cost]  # hlo_cost: the whole module
+    recorder = [c.CompiledStep, c.compile_train_step, c.cost_figures, c._xla_oom, hlo_cost]  # hlo_cost: the whole module
     digest = hashlib.sha256("".join(inspect.getsource(f) for f in recorder).encode()).hexdigest()[:8]
     return root / f"jax-{jax.__version__}_libtpu-{libtpu}_{digest}"
 

@@ -353,6 +353,16 @@ class Stop(Exception):
         self.line, self.code = line, code
 
 
+def live_ready_seconds(ledger: dict, record: dict, now: float | None = None) -> float:
+    """A variant's READY seconds, with those of the launch under way on its slice (a running
+    variant's record is settled only when its launch ends)."""
+    seconds, mark = record["ready_seconds"], record.get("mark")
+    if record["state"] == RUNNING and mark and record.get("slice") in ledger["slices"]:
+        clock = supervise.ReadyClock(dict(ledger["slices"][record["slice"]]["clock"]))  # a copy: read only
+        seconds += max(0.0, clock.ready_seconds(now) - mark["ready"])
+    return seconds
+
+
 class Controller:
     """Runs the programme's queue on its slices until nothing is left (see the module docstring)."""
 
@@ -379,14 +389,9 @@ class Controller:
     def ahead_hours(self) -> float:
         """Pod-hours the running variants are still planned to take (their plan less what they spent):
         on several slices, a new variant must fit the budget beside them."""
-        ahead = 0.0
-        for variant, record in self.ledger["variants"].items():
-            mark = record.get("mark")
-            if record["state"] != RUNNING or not mark or record.get("slice") not in self.ledger["slices"]:
-                continue
-            spent = record["ready_seconds"] + max(0.0, self.clock(record["slice"]).ready_seconds() - mark["ready"])
-            ahead += max(0.0, (self.sub.planned_hours(variant) or 0.0) - spent / 3600)
-        return ahead
+        return sum(max(0.0, (self.sub.planned_hours(variant) or 0.0) - live_ready_seconds(self.ledger, record) / 3600)
+                   for variant, record in self.ledger["variants"].items()
+                   if record["state"] == RUNNING and record.get("mark") and record.get("slice") in self.ledger["slices"])
 
     def note_spending(self) -> None:
         self.ledger["history"].append([round(time.time(), 3), round(self.spent_hours(), 6)])
@@ -409,11 +414,12 @@ class Controller:
                 return None
             variant = queued[0]
             planned = self.sub.planned_hours(variant) or 0.0
+            ahead = self.ahead_hours() if self.sub.budget is not None else 0.0
             if self.sub.budget is not None and self.spent_hours() + planned <= self.sub.budget < (
-                    self.spent_hours() + self.ahead_hours() + planned):
+                    self.spent_hours() + ahead + planned):
                 # It fits only if the running variants end under their plans: this slice is given
                 # back, and the slice of the last one running takes it then, if it still fits.
-                self.state.event("budget-wait", variant=variant, slice=slice_name, ahead=f"{self.ahead_hours():.3f}")
+                self.state.event("budget-wait", variant=variant, slice=slice_name, ahead=f"{ahead:.3f}")
                 return None
             if self.sub.budget is not None and self.spent_hours() + planned > self.sub.budget:
                 self.budget_line = (f"budget: {variant} not started: {self.spent_hours():.3f} pod-hours spent + "

@@ -19,7 +19,7 @@ import io
 import time
 from dataclasses import dataclass
 
-from experiments.programme_run import COMPLETED, FAILED, QUEUED, RUNNING, SKIPPED, Submission
+from experiments.programme_run import COMPLETED, FAILED, QUEUED, RUNNING, SKIPPED, Submission, live_ready_seconds
 
 UNFINISHED = (QUEUED, RUNNING)
 
@@ -48,18 +48,6 @@ def primary_of(group: str) -> str:
         return GROUPS[group].primary
     except KeyError:
         return PRIMARY
-
-
-def live_ready_seconds(ledger: dict, record: dict, now: float | None = None) -> float:
-    """A variant's READY seconds, with those of the launch under way on its slice (a running
-    variant's record is settled only when its launch ends)."""
-    seconds, mark = record["ready_seconds"], record.get("mark")
-    if record["state"] == RUNNING and mark and record.get("slice") in ledger["slices"]:
-        from experiments.supervise import ReadyClock
-
-        clock = ReadyClock(dict(ledger["slices"][record["slice"]]["clock"]))
-        seconds += max(0.0, clock.ready_seconds(now) - mark["ready"])
-    return seconds
 
 
 def rows(sub: Submission, ledger: dict, now: float | None = None) -> list[Row]:

@@ -200,18 +200,22 @@ def compile_train_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
     # That sum is an upper bound: XLA's peak (its simulation of live ranges) can be lower, and it is
     # what XLA checks against HBM (e.g. 14.67 GiB peak for a 16.37 GiB sum that compiled on v5e).
     memory["upper"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-    hlo, cost = compiled.as_text(), compiled.cost_analysis() or {}
     devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
-    calls = kernels(hlo)
-    hbm_rate = gen.hbm_gbytes_s * 1e9
     return CompiledStep(
         hbm_bytes=gen.hbm_gib * GiB, total_bytes=float(getattr(mem, "peak_memory_in_bytes", 0) or memory["upper"]),
-        memory=memory, xla_flops=float(cost.get("flops", 0.0)), optimal_s=optimal_seconds(cost, hlo, gen.peak_flops),
-        has_loops=re.search(r"\bwhile\(", hlo) is not None, loop_weight=loop_weight(hlo), collectives=collective_bytes(hlo),
-        wire_bytes=wire_bytes(hlo, devices), compile_s=compile_s,
-        kernel_once_s=sum(k.seconds(gen.peak_flops, hbm_rate) for k in calls),
-        kernel_s=sum(k.runs * k.seconds(gen.peak_flops, hbm_rate) for k in calls),
-        undeclared_kernels=sum(k.flops is None and k.bytes_accessed is None for k in calls))
+        memory=memory, compile_s=compile_s, **cost_figures(compiled.as_text(), compiled.cost_analysis() or {}, gen, devices))
+
+
+def cost_figures(hlo: str, cost: dict, gen: TpuGeneration, devices: int) -> dict:
+    """The `CompiledStep` fields that come from a compiled program's HLO text and cost analysis."""
+    calls = kernels(hlo)
+    hbm_rate = gen.hbm_gbytes_s * 1e9
+    return dict(xla_flops=float(cost.get("flops", 0.0)), optimal_s=optimal_seconds(cost, hlo, gen.peak_flops),
+                has_loops=re.search(r"\bwhile\(", hlo) is not None, loop_weight=loop_weight(hlo),
+                collectives=collective_bytes(hlo), wire_bytes=wire_bytes(hlo, devices),
+                kernel_once_s=sum(k.seconds(gen.peak_flops, hbm_rate) for k in calls),
+                kernel_s=sum(k.runs * k.seconds(gen.peak_flops, hbm_rate) for k in calls),
+                undeclared_kernels=sum(k.flops is None and k.bytes_accessed is None for k in calls))
 
 
 @dataclass(frozen=True)

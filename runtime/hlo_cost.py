@@ -11,6 +11,7 @@ condition, stepped by a constant in the body, from a constant start.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import defaultdict
@@ -194,6 +195,13 @@ def executions(comps: dict[str, list[str]], entry: str, *, unroll: bool = True,
     return dict(counts), unreadable
 
 
+@functools.lru_cache(maxsize=2)  # one compile's HLO is read by several of the functions below
+def _runs(hlo: str) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """(computations, times each runs per step) of HLO text; shared, never to be modified."""
+    comps, entry = computations(hlo)
+    return comps, executions(comps, entry)[0]
+
+
 def loop_weight(hlo: str) -> float | None:
     """How much more a step with loops costs than XLA's cost analysis says: the TPU compiler's own
     per-op estimates (`estimated_cycles` of each fusion) summed with every while body times its trip
@@ -219,8 +227,7 @@ def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None, float]]:
     fusion counts as a reduce-scatter. Within one computation every op counts (XLA may give
     several the same channel_id: the n-th of a channel and size is matched across computations).
     """
-    comps, entry = computations(hlo)
-    times, _ = executions(comps, entry)
+    comps, times = _runs(hlo)
     ops: dict[tuple[str, str], list] = {}
     for computation, lines in comps.items():
         sizes: dict[str, int] = {}
@@ -293,8 +300,7 @@ def _float(text: str | None) -> float | None:
 
 def kernels(hlo: str) -> list[Kernel]:
     """The step's custom kernel calls (`KERNEL_CALLS`, or any custom call that declares a cost)."""
-    comps, entry = computations(hlo)
-    times, _ = executions(comps, entry)
+    comps, times = _runs(hlo)
     out = []
     for computation, lines in comps.items():
         for line in lines:

@@ -3,9 +3,10 @@ libraries' own reports go.
 
 Orbax and tensorstore report a failed save with a traceback from each of their threads (a
 full checkpoint disk printed ~600 lines), tensorstore's late callbacks add "Event loop is
-closed" tracebacks (as unraisable exceptions, or through sys.excepthook), and gcsfs logs one per request whose retries ran out in a
-GCS outage; the run's one `error:` line already names the fault, the step and the fix. So
-while the run lives, their loggers (and `sys.unraisablehook`) write to `<output dir>/run.log`
+closed" tracebacks (as unraisable exceptions, or through sys.excepthook), and gcsfs logs one per
+request whose retries ran out in a GCS outage; the run's one `error:` line already names the
+fault, the step and the fix. So while the run lives, their loggers (and `sys.unraisablehook`,
+and those tracebacks of `sys.excepthook`) write to `<output dir>/run.log`
 (process k > 0: `run.process<k>.log`) instead of the console; the run's own progress lines
 go to both. When the output directory itself is the one that failed (full, read-only), the
 file cannot take those lines either and they are dropped silently: the `error:` line still
@@ -91,7 +92,7 @@ def _log_unraisable(unraisable) -> None:
                                                            unraisable.exc_traceback))
 
 
-def late_loop_callback(exc_type, exc_value, tb) -> bool:
+def _late_loop_callback(exc_type, exc_value, tb) -> bool:
     """A callback that tensorstore's C++ threads run after a failed save, on Orbax's event loop
     that is already closed: Python prints it as an uncaught exception (sys.excepthook, no
     "Exception ignored" header) whose every frame is asyncio's: nothing of ours called it."""
@@ -101,7 +102,7 @@ def late_loop_callback(exc_type, exc_value, tb) -> bool:
 
 
 class _LateLoopCallbacks:
-    """sys.excepthook for a run's process: late loop callbacks (`late_loop_callback`) go to the
+    """sys.excepthook for a run's process: late loop callbacks (`_late_loop_callback`) go to the
     run log while the run lives (log=True) and are dropped after it; every other exception goes
     to the hook that was there before."""
 
@@ -110,7 +111,7 @@ class _LateLoopCallbacks:
         self.log = log
 
     def __call__(self, exc_type, exc_value, tb) -> None:
-        if not late_loop_callback(exc_type, exc_value, tb):
+        if not _late_loop_callback(exc_type, exc_value, tb):
             self.hook(exc_type, exc_value, tb)
         elif self.log:
             logging.getLogger(UNRAISABLE_LOGGER).warning("a late callback on a closed event loop",

@@ -19,7 +19,7 @@ if [ ! -f "$stamp" ]; then
   if "$VENV/bin/python" -m pip install --quiet uv==0.13.9; then
     "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" -e "$REPO[test]"
   else
-    "$VENV/bin/python" -m pip install --quiet -e "$REPO[test]"
+    "$VENV/bin/python" -m pip install --quiet --no-compile -e "$REPO[test]"
   fi
   rm -f "$VENV"/.installed-* && touch "$stamp"
 fi

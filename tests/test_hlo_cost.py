@@ -132,17 +132,11 @@ def compiled(jax, fn, *shapes):
 
 
 def estimate(jax, gen, fn, *shapes):
-    """(the HLO, the step estimate's compute seconds) of `fn` compiled for the topology."""
-    from runtime.compile_only import optimal_seconds
+    """(the HLO, the step estimate) of `fn` compiled for the topology, read as a train step's is."""
+    from runtime.compile_only import cost_figures
 
     hlo, cost = compiled(jax, fn, *shapes)
-    calls = hlo_cost.kernels(hlo)
-    rate = gen.hbm_gbytes_s * 1e9
-    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.0, xla_flops=cost["flops"],
-                        optimal_s=optimal_seconds(cost, hlo, gen.peak_flops), has_loops="while(" in hlo,
-                        loop_weight=hlo_cost.loop_weight(hlo),
-                        kernel_once_s=sum(k.seconds(gen.peak_flops, rate) for k in calls),
-                        kernel_s=sum(k.runs * k.seconds(gen.peak_flops, rate) for k in calls))
+    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.0, **cost_figures(hlo, cost, gen, devices=4))
     return hlo, estimate_step(step, gen, model_flops=None)
 
 

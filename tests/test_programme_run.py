@@ -165,7 +165,7 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
              "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
              timeout=60, what="the first controller's launch", procs=[first])
     # While the launch runs, status shows it: the step of its last checkpoint, its run id, READY time so far.
-    from experiments.programme_status import live_ready_seconds
+    from experiments.programme_run import live_ready_seconds
 
     progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("progress") or {}  # noqa: E731
     wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
