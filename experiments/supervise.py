@@ -432,7 +432,7 @@ class Supervisor:
                               on_line=seen.line, on_gcloud=self._gcloud_started)
         self.gcloud_proc = None
         state_after = None
-        if code != 0 and not seen.completed:
+        if code != 0 or seen.stopped_at() is not None:  # the TPU may have gone, even under a run that completed
             looked = time.time()
             state_after = tpu_state(spec, self.run_gcloud)[0]
             if state_after not in (READY, "UNKNOWN"):  # it went when a worker was told to stop, if one said so

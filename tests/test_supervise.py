@@ -55,6 +55,12 @@ if code == 0:
     events.emit("completed", step=step, metrics={"eval/exact_accuracy": 0.5})
 else:
     events.failed(code, f"stub failure {code}")
+if os.environ.get("STUB_LINGER"):  # still exiting (a last upload, W&B's end) until SIGTERM, then as long again
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(float(os.environ["STUB_LINGER"])), os._exit(code)))
+    open(os.path.join(state, "ended"), "w").close()
+    while True:
+        time.sleep(0.05)
 sys.exit(code)
 """
 
@@ -231,6 +237,26 @@ def test_queued_resource_and_preemption(stub_plane):
     calls = [c[3:5] for c in stub_plane.gcloud_calls() if c[3] == "queued-resources" and c[4] != "describe"]
     assert calls == [["queued-resources", "create"], ["queued-resources", "delete"], ["queued-resources", "create"]]
     assert "queued-resource-created" in stub_plane.events()
+
+
+def test_a_tpu_preempted_as_a_completed_run_exits_is_counted_to_the_preemption(stub_plane):
+    """The run completed, and its workers were still exiting when the TPU was preempted: the
+    launch is a completion, and the slice's READY time ends at the shutdown's SIGTERM (the launch
+    guard's event), not when the ssh ended after the workers' last seconds (seen as 5% too many
+    pod-hours in the programme's end-to-end test)."""
+    linger = 3.0
+    proc = stub_plane.start(stub_env={"STUB_LINGER": str(linger)})
+    wait_for(lambda: all(stub_plane.stub_file(i, "ended").exists() for i in range(2)), timeout=60,
+             what="both stubs past their completed event", procs=[proc])
+    assert fake_tpu.preempt(stub_plane.root, TPU)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    record = stub_plane.record()
+    assert [(launch["outcome"], launch["tpu_state_after"]) for launch in record["launches"]] == [
+        ("completed", "PREEMPTED")], out
+    billed = fake_tpu.ready_host_seconds(stub_plane.root)
+    counted = record["slice"]["host_seconds"]
+    assert counted == pytest.approx(billed, abs=0.2 * linger), (counted, billed)  # without: billed + 2 x linger
 
 
 def test_dry_run_prints_the_commands_for_each_state(plane):
