@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules: helpers, gcs_emulator, wandb_offline
 from helpers import (CPU_XLA_FLAGS, FAKE_GCLOUD_DIR, LAUNCH, POD_SECRET, POD_STUB, POD_WORKERS,  # noqa: E402
-                     REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, make_fake_workers, train, train_losses)
+                     REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, make_fake_workers, train, train_losses,
+                     use_cpu_devices)
 
 # Before jax/gcsfs are imported anywhere in the session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never probe for a TPU (libtpu may be installed)
@@ -42,6 +43,13 @@ def compilation_cache(tmp_path_factory):
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
         os.environ.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def cpu_devices(request):
+    """The test's CPU devices in this process: 8 (XLA_FLAGS above), or what its devices(n) mark asks."""
+    mark = request.node.get_closest_marker("devices")
+    use_cpu_devices(mark.args[0] if mark else 8)
 
 
 def _built_once(tmp_path_factory, name: str, build) -> Path:
@@ -74,6 +82,7 @@ def sudoku_dir(tmp_path_factory) -> Path:
 def reference_losses(sudoku_dir, tmp_path_factory) -> dict[int, float]:
     """step -> train/loss of the shared reference run (trained once per session, in process)."""
     def build(root: Path) -> None:
+        use_cpu_devices(1)  # the pods and 8-device runs compared with it agree to 1e-5 all the same
         train(base_overrides(sudoku_dir, root, steps=REFERENCE_STEPS) + REFERENCE_EXTRA)
         (root / "losses.json").write_text(json.dumps(train_losses(root / "test" / "t")))
 

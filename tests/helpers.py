@@ -209,6 +209,17 @@ def read_jsonl(path: os.PathLike) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def use_cpu_devices(n: int) -> None:
+    """Give this process n CPU devices from now on: JAX's backends are dropped and made again (the
+    arrays and compiled programs of the old ones go with them; the persistent cache stays)."""
+    import jax
+    from jax.extend import backend
+
+    if jax.device_count() != n:
+        backend.clear_backends()
+        jax.config.update("jax_num_cpu_devices", n)
+
+
 def train_losses(output_dir: os.PathLike) -> dict[int, float]:
     """step -> train/loss from a run's metrics.jsonl (log_every=1 gives every step)."""
     return {r["step"]: r["train/loss"] for r in read_jsonl(Path(output_dir) / "metrics.jsonl") if "train/loss" in r}

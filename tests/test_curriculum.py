@@ -68,6 +68,7 @@ def test_bad_curriculum_is_one_line(override, message):
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # stages and their checks, not the mesh
 def test_curriculum_run_switches_stages_and_logs_them(sudoku_dir, tmp_path):
     """A real run: H_cycles 1 -> 2 over the first half; each stage compiles once, the logged
     values follow the schedule, and the exploration probability anneals."""
@@ -85,6 +86,7 @@ def test_curriculum_run_switches_stages_and_logs_them(sudoku_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # stages and their checks, not the mesh
 def test_resume_refuses_another_variant_s_optimizer(sudoku_dir, tmp_path):
     """One checkpoint directory, two variants that differ only in the optimizer (a sweep with a
     fixed run.checkpoint.dir): the second must not continue the first's run."""

@@ -162,12 +162,12 @@ def test_cpu_demo_learns_the_format(tmp_path):
     greedy answers follow <reasoning>...</reasoning><answer>...</answer> and the loss falls. A subprocess:
     the demo runs on one CPU device (this process has 8)."""
     run_pretrain(["+experiment=gemma_sft/tiny_cpu", f"data.path={tmp_path / 'data'}", "data.generate_puzzles=1000",
-                  f"run.root={tmp_path}", "run.progress_bar=false", "run.wandb.mode=disabled", "train.steps=150", "train.eval_every=150",
-                  "train.checkpoint_every=150", "data.eval_generate_examples=16", "optim.warmup_steps=15",
+                  f"run.root={tmp_path}", "run.progress_bar=false", "run.wandb.mode=disabled", "train.steps=100", "train.eval_every=100",
+                  "train.checkpoint_every=100", "data.eval_generate_examples=16", "optim.warmup_steps=15",
                   "train.global_batch_size=16"],  # half the demo's batch: half the time, the format still learned
                  devices=1, timeout=600, optimized=True)
     rows = read_jsonl(tmp_path / "gemma_sft" / "tiny_cpu" / "metrics.jsonl")
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     final = next(r for r in rows if "eval/format_adherence" in r)
-    assert losses[-1] < 0.3 * losses[0]  # 0.25 measured
-    assert final["eval/format_adherence"] >= 0.5, final  # 0 before training; 0.94 measured at step 150
+    assert losses[-1] < 0.45 * losses[0]  # 0.30 measured
+    assert final["eval/format_adherence"] >= 0.5, final  # 0 before training; 1.0 measured at step 100

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from helpers import (REFERENCE_EXTRA, REFERENCE_STEPS, REPO, assert_user_error, base_overrides, child_env, free_port,
-                     resumed_step, train, train_losses)
+                     resumed_step, train, train_losses, use_cpu_devices)
 
 # A failed restore abandons Orbax's other reads; their late "Exception ignored" reports must not
 # reach stderr (runtime.checkpointing drops them): any that does fails the test.
-pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+# Damaged checkpoints, not the mesh: one CPU device (resume across meshes is test_pod's).
+pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"), pytest.mark.devices(1)]
 CKPT = Path("test") / "t" / "checkpoints"
 FIRST, SECOND, LAST = REFERENCE_STEPS // 3, 2 * REFERENCE_STEPS // 3, REFERENCE_STEPS  # the steps saved
 SAVED = [str(FIRST), str(SECOND), str(LAST)]
@@ -38,6 +39,7 @@ def overrides(sudoku_dir: Path, root: Path, *extra: str) -> list[str]:
 def trained(sudoku_dir, tmp_path_factory) -> Path:
     """A finished reference run with checkpoints at steps FIRST, SECOND and LAST (copy it before damaging it)."""
     root = tmp_path_factory.mktemp("trained")
+    use_cpu_devices(1)  # set up before the first test's own devices
     train(overrides(sudoku_dir, root))
     assert sorted(p.name for p in (root / CKPT).iterdir() if p.name.isdigit()) == SAVED
     return root

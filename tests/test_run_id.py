@@ -25,6 +25,7 @@ def manifest_run_id(out: Path) -> str:
     return json.loads((out / "run_manifest.json").read_text())["run_id"]
 
 
+@pytest.mark.devices(1)  # ids, not the mesh
 def test_a_resumed_run_keeps_its_checkpoint_id(sudoku_dir, tmp_path, monkeypatch):
     overrides, out = base_overrides(sudoku_dir, tmp_path, steps=2), tmp_path / "test" / "t"
     monkeypatch.setenv("PODRUNNER_RUN_ID", "launch-1")

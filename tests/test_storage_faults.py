@@ -42,6 +42,7 @@ def test_storage_fault_names_the_fault():
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # storage faults, not the mesh
 def test_full_checkpoint_disk_is_one_line_and_the_last_checkpoint_resumes(sudoku_dir, tmp_path):
     disk = tmp_path / "disk"
     overrides = base_overrides(sudoku_dir, tmp_path, steps=2000) + [
@@ -70,6 +71,7 @@ def test_full_checkpoint_disk_is_one_line_and_the_last_checkpoint_resumes(sudoku
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # storage faults, not the mesh
 def test_full_output_directory_is_one_line_and_metrics_keep_whole_lines(sudoku_dir, tmp_path):
     disk = tmp_path / "disk"
     with small_disk(disk, "32k"):

@@ -27,6 +27,7 @@ def trm_overrides(data: Path, root: Path, steps: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # learning, not the mesh
 def test_trm_learns(sudoku_dir, tmp_path):
     steps = 80
     train(trm_overrides(sudoku_dir, tmp_path, steps) + [f"train.eval_every={steps}"])
