@@ -156,6 +156,27 @@ def test_pretrained_weights_lora_and_merged_export(sft_dir, tmp_path):
         theirs = hf(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, want, rtol=1e-5, atol=1e-5)
 
+    # Exporting again into an earlier export replaces its files and removes those of its own it no
+    # longer writes (its marker lists them), never a user's file; --overwrite writes into a user's
+    # folder and leaves the rest of it alone.
+    marker = out / ".podrunner-export"
+    files = json.loads(marker.read_text())["files"]
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files)
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"an earlier export's shard")
+    marker.write_text(json.dumps({"files": [*files, "model-00002-of-00002.safetensors"]}))
+    (out / "notes.txt").write_text("the user's notes")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    (mine / "notes.txt").write_text("the user's notes")
+    checkpoints = ["--checkpoint-dir", str(tmp_path / "g" / "lora" / "checkpoints"), "--dtype", "float32"]
+    assert export_main([*checkpoints, "--out", str(out)]) == 0
+    assert export_main([*checkpoints, "--out", str(mine), "--overwrite"]) == 0
+    assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "notes.txt").exists()
+    assert json.loads(marker.read_text())["files"] == files
+    assert (mine / "notes.txt").read_text() == "the user's notes"
+    assert json.loads((mine / "config.json").read_text()) == written
+
 
 def test_cpu_demo_learns_the_format(tmp_path):
     """A shortened `+experiment=gemma_sft/tiny_cpu` (README: format adherence 1.0 at step 200):
