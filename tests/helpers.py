@@ -244,6 +244,19 @@ def base_overrides(data: Path, root: Path, *, steps: int = 8, name: str = "t", w
             "arch.hidden=32", "arch.heads=2", "optim.warmup_steps=2", f"run.wandb.mode={wandb}"]
 
 
+# A tiny TRM-MLP run with the reference optimizers (AdamATan2 + sign-SGD table + EMA) and a
+# constant LR after warmup (a run stopped and extended follows one schedule). halt_max_steps=3
+# with checkpoints every 2 or 4 steps: a resume lands mid-ACT (rows with steps > 0 in the carry).
+TRM = ["arch=trm_mlp", "optim=adam_atan2", "arch.hidden=64", "arch.heads=2", "arch.L_layers=1", "arch.H_cycles=2",
+       "arch.L_cycles=2", "arch.halt_max_steps=3", "arch.puzzle_emb_len=1", "arch.forward_dtype=float32", "optim.lr=5e-3",
+       "optim.puzzle_emb_lr=1e-2", "optim.weight_decay=0.1", "optim.ema_rate=0.9", "optim.lr_min_ratio=1.0"]
+
+
+def trm_overrides(data: Path, root: Path, steps: int, **options) -> list[str]:
+    base = [o for o in base_overrides(data, root, steps=steps, **options) if not o.startswith(("arch.hidden=", "arch.heads="))]
+    return base + TRM
+
+
 # The shared reference: REFERENCE_STEPS steps of base_overrides + REFERENCE_EXTRA, uninterrupted.
 # Tests that stop and resume a run with these settings (and any checkpoint/mesh settings, which do
 # not change the losses) compare against its losses (conftest's reference_losses) instead of

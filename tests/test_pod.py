@@ -1,7 +1,9 @@
-"""A simulated pod: 2 processes x 4 CPU devices joined with jax.distributed on loopback.
+"""A simulated pod: 2 processes x 4 CPU devices joined with jax.distributed on loopback, training
+the tiny TRM (its puzzle table, ACT carry and reference optimizers all sharded over the mesh).
 
 The same config must give the same losses on 1 process x 8 devices, and a checkpoint must
-resume across process counts (the data order depends on (seed, step, global batch) only).
+resume across process counts, the carry mid-ACT included (the data order depends on (seed,
+step, global batch) only).
 """
 
 from __future__ import annotations
@@ -12,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, base_overrides, child_env, read_jsonl, saved_steps, train, train_losses
+from helpers import REPO, child_env, read_jsonl, saved_steps, train, train_losses, trm_overrides
 from experiments.local_pod import run_local_pod
 from wandb_offline import read_offline_runs
 
 pytestmark = pytest.mark.slow
 
-# Constant LR after warmup: a run stopped at step 4 and extended to 8 follows the same schedule.
-ELASTIC = ["optim.lr_min_ratio=1.0", "mesh=fsdp"]
+FSDP = ["mesh=fsdp"]  # parameters and optimizer state sharded too, not only the batch
 
 
 def run_pod(overrides: list[str], tmp_path: Path, processes: int = 2, devices: int = 4) -> str:
@@ -35,14 +36,14 @@ def run_pod(overrides: list[str], tmp_path: Path, processes: int = 2, devices: i
 @pytest.fixture(scope="module")
 def single_process_run(sudoku_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
-    train(base_overrides(sudoku_dir, root, steps=8) + ELASTIC)
+    train(trm_overrides(sudoku_dir, root, 8) + FSDP)
     return train_losses(root / "test" / "t")
 
 
 def test_pod_run_resumed_by_one_process(sudoku_dir, tmp_path, single_process_run):
     """A 2-process pod trains steps 1-4 with the single process's losses, only process 0 writing;
     one process x 8 devices resumes its checkpoint and continues with the same losses."""
-    overrides = base_overrides(sudoku_dir, tmp_path, steps=4, wandb="offline") + ELASTIC
+    overrides = trm_overrides(sudoku_dir, tmp_path, 4, wandb="offline") + FSDP
     log = run_pod(overrides, tmp_path)
     assert "[p0] process 0/2, local devices 4, global devices 8, platform cpu (explicit)" in log
     assert "[p1] process 1/2, local devices 4, global devices 8, platform cpu (explicit)" in log
@@ -65,7 +66,7 @@ def test_pod_run_resumed_by_one_process(sudoku_dir, tmp_path, single_process_run
     console = (runs[0].path / "files" / "output.log").read_text()
     assert "compiled train step in" in console and "saving the checkpoint of step 4" in console
 
-    assert "resumed from step 4" in train(base_overrides(sudoku_dir, tmp_path, steps=8) + ELASTIC).log
+    assert "resumed from step 4" in train(trm_overrides(sudoku_dir, tmp_path, 8) + FSDP).log
     losses = train_losses(out)
     assert sorted(losses) == list(range(1, 9))  # steps 1-4 from the pod, 5-8 after the resume
     assert losses == pytest.approx(single_process_run, rel=1e-5, abs=1e-6)
@@ -73,8 +74,8 @@ def test_pod_run_resumed_by_one_process(sudoku_dir, tmp_path, single_process_run
 
 
 def test_one_process_run_resumed_by_a_pod(sudoku_dir, tmp_path, single_process_run):
-    train(base_overrides(sudoku_dir, tmp_path, steps=4) + ELASTIC)
-    log = run_pod(base_overrides(sudoku_dir, tmp_path, steps=8) + ELASTIC, tmp_path)
+    train(trm_overrides(sudoku_dir, tmp_path, 4) + FSDP)
+    log = run_pod(trm_overrides(sudoku_dir, tmp_path, 8) + FSDP, tmp_path)
     assert "resumed from step 4" in log
     losses = train_losses(tmp_path / "test" / "t")
     assert sorted(losses) == list(range(1, 9))  # steps 1-4 from the first run, 5-8 on the pod

@@ -1,10 +1,9 @@
 """TRM end to end through `pretrain_jax.py`: it learns, the ACT carry is part of the train state
 (checkpointed and restored: resume gives identical losses), the puzzle table and the carry are
-sharded over the batch axes, and a 2-process pod gives the losses of one process."""
+sharded over the batch axes. (On a pod, resumed across process counts: test_pod.py.)"""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import jax
@@ -12,18 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import REPO, base_overrides, child_env, read_jsonl, train, train_losses
-
-# A tiny TRM-MLP with the reference optimizers (AdamATan2 + sign-SGD table + EMA).
-# halt_max_steps=3 with checkpoints every 4 steps: a resume lands mid-ACT (rows with steps > 0).
-TRM = ["arch=trm_mlp", "optim=adam_atan2", "arch.hidden=64", "arch.heads=2", "arch.L_layers=1", "arch.H_cycles=2", "arch.L_cycles=2",
-       "arch.halt_max_steps=3", "arch.puzzle_emb_len=1", "arch.forward_dtype=float32", "optim.lr=5e-3",
-       "optim.puzzle_emb_lr=1e-2", "optim.weight_decay=0.1", "optim.ema_rate=0.9", "optim.lr_min_ratio=1.0"]
-
-
-def trm_overrides(data: Path, root: Path, steps: int) -> list[str]:
-    base = [o for o in base_overrides(data, root, steps=steps) if not o.startswith(("arch.hidden=", "arch.heads="))]
-    return base + TRM
+from helpers import read_jsonl, train, train_losses, trm_overrides
 
 
 @pytest.mark.slow
@@ -112,21 +100,3 @@ def test_puzzle_table_and_carry_sharded_over_batch_axes():
     assert bool(metrics["finite"]) and int(new.step) == 1
     sums = steps.eval(new.params, new.ema_params, batch)
     assert int(sums["steps"]) == 2 * int(sums["count"])  # eval: halt_max_steps steps per row
-
-
-@pytest.mark.slow
-def test_trm_two_process_pod_matches_single_process(sudoku_dir, tmp_path):
-    from experiments.local_pod import run_local_pod
-
-    train(trm_overrides(sudoku_dir, tmp_path / "single", 6) + ["mesh=fsdp"])
-    single = train_losses(tmp_path / "single" / "test" / "t")
-
-    out = io.StringIO()
-    env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}
-    code = run_local_pod(2, 1, trm_overrides(sudoku_dir, tmp_path / "pod", 6) + ["mesh=fsdp"],
-                         script=str(REPO / "pretrain_jax.py"), extra_env=env, log_dir=tmp_path / "pod-logs", stream=out,
-                         timeout=300)
-    assert code == 0, out.getvalue()[-6000:]
-    pod = train_losses(tmp_path / "pod" / "test" / "t")
-    assert sorted(pod) == list(range(1, 7))
-    assert pod == pytest.approx(single, rel=1e-5, abs=1e-6)
