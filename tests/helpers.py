@@ -41,10 +41,11 @@ free_port = find_free_port
 # ------------------------------------------------------------------------------ processes
 
 
-def child_env(devices: int = 8, *, optimized: bool = False, **extra: str) -> dict[str, str]:
-    """The environment of a child process on `devices` CPU devices. `optimized`: XLA's default
-    optimisation instead of -O0, for children whose running time is in executing larger steps
-    rather than compiling tiny ones (3x faster for the programme's smoke runs)."""
+def child_env(devices: int = 1, *, optimized: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a child process on `devices` CPU devices (1 unless a test asks for a mesh:
+    a trainer started as a process is there for its command line, a signal or a kill). `optimized`:
+    XLA's default optimisation instead of -O0, for children whose running time is in executing
+    larger steps rather than compiling tiny ones (3x faster for the programme's smoke runs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS_ID"))}
     flags = YNN_DOTS_ONLY if optimized else CPU_XLA_FLAGS
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {flags}",
@@ -53,7 +54,7 @@ def child_env(devices: int = 8, *, optimized: bool = False, **extra: str) -> dic
     return env
 
 
-def run_pretrain(overrides: Sequence[str], *, devices: int = 8, timeout: float = 300, env: dict | None = None,
+def run_pretrain(overrides: Sequence[str], *, devices: int = 1, timeout: float = 300, env: dict | None = None,
                  check: bool = True, optimized: bool = False) -> subprocess.CompletedProcess:
     """`pretrain_jax.py <overrides>` to its end, its output captured."""
     proc = subprocess.run([sys.executable, str(PRETRAIN), *overrides], cwd=REPO, capture_output=True,
@@ -63,7 +64,7 @@ def run_pretrain(overrides: Sequence[str], *, devices: int = 8, timeout: float =
     return proc
 
 
-def launch_pretrain(overrides: Sequence[str], *, devices: int = 8, env: dict | None = None,
+def launch_pretrain(overrides: Sequence[str], *, devices: int = 1, env: dict | None = None,
                     merge_stderr: bool = True) -> subprocess.Popen:
     """`pretrain_jax.py <overrides>` started, not waited for (stdout piped, stderr into it)."""
     return subprocess.Popen([sys.executable, str(PRETRAIN), *overrides], cwd=REPO, env=env or child_env(devices),

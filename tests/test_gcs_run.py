@@ -32,7 +32,7 @@ def test_gcs_checkpoint_kill_and_resume(sudoku_dir, tmp_path, emulator, referenc
     steps, reference = REFERENCE_STEPS, reference_losses  # the same run, checkpointing locally
     gcs = base_overrides(sudoku_dir, tmp_path / "gcs", steps=steps) + REFERENCE_EXTRA + [
         "train.checkpoint_every=10", "run.checkpoint.keep=2", "run.checkpoint.dir=gs://pod-runs/exp/t"]
-    proc = launch_pretrain(gcs, env=emulator.child_env(child_env(8)))
+    proc = launch_pretrain(gcs, env=emulator.child_env(child_env()))
     out = tmp_path / "gcs" / "test" / "t"
     kill_after_step(proc, out / "metrics.jsonl", 22)  # the save at 20 started, so the one at 10 is committed
 
@@ -73,7 +73,7 @@ def test_storage_outage_during_async_save(sudoku_dir, tmp_path, emulator, refere
     # The trainer with the clients' retry budgets shortened (tests/short_gcs_retries): the outage
     # fails its save in seconds, not after gcsfs's ~35 s of backoff; what it then says and does is
     # the same.
-    env = emulator.child_env(child_env(8))
+    env = emulator.child_env(child_env())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHORT_RETRIES), env.get("PYTHONPATH")) if p)
     proc = launch_pretrain(gcs, env=env, merge_stderr=False)
     died: list[tuple[int, float]] = []
