@@ -362,6 +362,29 @@ def test_load_from_gcs_emulator(ckpts, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 5. bad input
+def test_unread_orbax_metadata_is_tried_again_then_one_line(ckpts, monkeypatch):
+    """Orbax logs a failed metadata read (a storage blip: seen once on the GCS emulator under load)
+    and returns None: read again; when it never comes, a storage line, not "no layer tensors"."""
+    import orbax.checkpoint as ocp
+
+    cfg, ref, _, kaggle = ckpts["g2"]
+    real, calls = ocp.PyTreeCheckpointer.metadata, []
+
+    def flaky(self, path, failures):
+        calls.append(path)
+        return None if len(calls) <= failures else real(self, path)
+
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "metadata", lambda self, path: flaky(self, path, 1))
+    assert_tree(W.load_params(str(kaggle), cfg, None), ref, cfg.param_dtype)
+    assert len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "metadata", lambda self, path: flaky(self, path, 99))
+    raises_one_line(W.WeightsError, lambda: W.load_params(str(kaggle), cfg, None), str(kaggle),
+                    "Orbax metadata of this checkpoint could not be read", "3 tries")
+    assert len(calls) == W.METADATA_READS
+
+
 def test_bad_input_one_line_errors(ckpts, tmp_path):
     cfg, ref, hf, kaggle = ckpts["g2"]
     load = W.load_params

@@ -130,15 +130,28 @@ class _HFSource:
         return np.asarray(self._file[name].get_slice(name)[idx])
 
 
+METADATA_READS = 3  # Orbax logs a failed metadata read and returns nothing: a storage blip, tried again
+
+
 class _KaggleSource:
     """An Orbax PyTree checkpoint read leaf-slice by leaf-slice with TensorStore."""
 
     def __init__(self, path: str):
+        import time
+
         import orbax.checkpoint as ocp
         from etils import epath
 
-        meta = ocp.PyTreeCheckpointer().metadata(path)
-        meta = getattr(meta, "item_metadata", meta)
+        for attempt in range(METADATA_READS):
+            meta = ocp.PyTreeCheckpointer().metadata(path)
+            meta = getattr(meta, "item_metadata", meta)
+            if meta is not None or not epath.Path(path, "_METADATA").exists():
+                break  # read, or no Orbax metadata to read (the layout check names what is missing)
+            if attempt + 1 == METADATA_READS:
+                raise WeightsError(f"{path}: the Orbax metadata of this checkpoint could not be read "
+                                   f"({METADATA_READS} tries; the log has the storage error); check its access and "
+                                   "try again")
+            time.sleep(0.5 * (attempt + 1))
         use_zarr3 = bool(getattr(meta, "use_zarr3", False))
         flat: dict[str, Any] = {}
 
