@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules: helpers, gcs_emulator, wandb_offline
 from helpers import (CPU_XLA_FLAGS, FAKE_GCLOUD_DIR, LAUNCH, POD_SECRET, POD_STUB, POD_WORKERS,  # noqa: E402
-                     REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, make_fake_workers, train, train_losses,
-                     use_cpu_devices)
+                     REFERENCE_EXTRA, REFERENCE_STEPS, SUITE_DEVICES, base_overrides, make_fake_workers, train,
+                     train_losses, use_cpu_devices)
 
 # Before jax/gcsfs are imported anywhere in the session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never probe for a TPU (libtpu may be installed)
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {CPU_XLA_FLAGS}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={SUITE_DEVICES} {CPU_XLA_FLAGS}")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else gcsfs stalls on the emulator
 
 import pytest  # noqa: E402
@@ -47,9 +47,9 @@ def compilation_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cpu_devices(request):
-    """The test's CPU devices in this process: 8 (XLA_FLAGS above), or what its devices(n) mark asks."""
+    """The test's CPU devices in this process: SUITE_DEVICES, or what its devices(n) mark asks."""
     mark = request.node.get_closest_marker("devices")
-    use_cpu_devices(mark.args[0] if mark else 8)
+    use_cpu_devices(mark.args[0] if mark else SUITE_DEVICES)
 
 
 def _built_once(tmp_path_factory, name: str, build) -> Path:

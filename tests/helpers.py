@@ -33,6 +33,7 @@ LAUNCH = REPO / "experiments" / "launch.py"
 # The YNNPACK flag is the one pretrain_jax.py adds on CPU (runtime/cpu_backend.py): with it in both,
 # in-process runs and child processes keep sharing the compilation cache (its key hashes XLA_FLAGS).
 CPU_XLA_FLAGS = f"--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false {YNN_DOTS_ONLY}"
+SUITE_DEVICES = 8  # the suite's own process: a data-parallel mesh of 8 CPU devices (a devices(n) mark asks for others)
 
 # A free port p with p + 1 free too (a pod's coordinator and its start-up barrier).
 free_port = find_free_port
