@@ -446,3 +446,15 @@ def test_fake_gcloud_rejects_other_commands(pod):
     r = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "x", "--zone", "z", "--worker=0",
                         "--command", "true"], env=pod.env, capture_output=True, text=True)
     assert r.returncode == 2 and "--worker=all" in r.stderr
+
+
+def test_fake_gcloud_starts_many_workers_at_once_without_text_file_busy(pod):
+    """Each worker's `hostname` shim is written while other workers start: a fork that inherits a
+    shim's write descriptor made it fail with "Text file busy" (seen in CI; 8 of 30 such ssh calls
+    failed before the shims were written under the spawn lock)."""
+    env = dict(pod.env, FAKE_GCLOUD_WORKERS="16")
+    for _ in range(15):
+        r = subprocess.run(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-tpu", "--zone", "z", "--worker=all",
+                            "--command", "hostname"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert sorted(r.stdout.splitlines()) == sorted(f"[worker {i}] t1v-n-my-tpu-w-{i}" for i in range(16))
