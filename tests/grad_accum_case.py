@@ -1,6 +1,7 @@
 """Train steps with and without gradient accumulation from the same start on the same batches
-(TRM, Gemma, multi-task TRM), for tests/test_grad_accum.py: in the test process (8 CPU devices), and as the script each process
-of a 2-process pod runs (`python tests/grad_accum_case.py OUT.npz`), process 0 writing the arrays.
+(TRM, Gemma, multi-task TRM), for tests/test_grad_accum.py, in the test process (8 CPU devices).
+(On a 2-process pod, through the trainer: the TRM in tests/test_pod.py, Gemma in
+tests/test_gemma_training.py.)
 
 SGD on the network (an update proportional to the gradient, so a wrongly scaled gradient shows in
 the parameters; Adam's would hide it), sign-SGD on the TRM puzzle table, no halt exploration (its
@@ -9,7 +10,6 @@ random draws are per micro-batch), float32 forward passes.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,6 @@ MESHES = {"trm": {"data": 4, "fsdp": 2, "tensor": 1}, "gemma": {"data": 2, "fsdp
           "multitask": {"data": 2, "fsdp": 2, "tensor": 1}}
 # micro-batches of 8 rows over 8 batch devices; of 4 over 4; of 2 + 2 rows (two tasks' sub-batches) over 2
 ACCUM = {"trm": 2, "gemma": 4, "multitask": 2}
-POD_FAMILIES = ("trm",)  # Gemma accumulates on a pod in test_gemma_training.test_pod_matches_single_process
 TOKENS, PUZZLES = 6, 5  # token ids drawn from [1, TOKENS), puzzle ids from [0, PUZZLES)
 
 
@@ -71,12 +70,10 @@ def _batches(shapes: dict[str, tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
 
 
 def _gather(tree) -> dict[str, np.ndarray]:
-    """Every leaf as a global numpy array (on every process), keyed by its path."""
+    """Every leaf as a numpy array, keyed by its path."""
     import jax
-    from jax.experimental import multihost_utils
 
-    gathered = multihost_utils.process_allgather(tree, tiled=True)  # one collective for the whole tree
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(gathered)}
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
 
 
 def run(family: str, grad_accum_steps: int) -> dict[str, np.ndarray]:
@@ -103,25 +100,3 @@ def run(family: str, grad_accum_steps: int) -> dict[str, np.ndarray]:
         parts = {"params": state.params, "carry": state.carry, "sums": metrics["sums"], "grad_norm": metrics["grad_norm"]}
         out |= {f"step{i}/{name}{key}": value for name, tree in parts.items() for key, value in _gather(tree).items()}
     return out
-
-
-def main(out_path: str) -> None:
-    """One process of the pod: both families, without and with accumulation, into one npz."""
-    sys.path.insert(0, str(REPO))  # this checkout's modules, not an installed copy
-    import os
-
-    import jax
-
-    jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["JAX_PROCESS_ID"]))
-    arrays = {}
-    for family in POD_FAMILIES:
-        arrays |= {f"{family}/full/{key}": v for key, v in run(family, 1).items()}
-        arrays |= {f"{family}/accum/{key}": v for key, v in run(family, ACCUM[family]).items()}
-    if jax.process_index() == 0:
-        np.savez(out_path, **arrays)
-    print(f"process {jax.process_index()}/{jax.process_count()}: {len(arrays)} arrays", flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
