@@ -51,6 +51,7 @@ def test_partial_distributed_values():
 
 
 @pytest.mark.slow
+@pytest.mark.devices(1)  # the refusal, not the mesh
 def test_incompatible_checkpoint_is_refused_and_left_intact(sudoku_dir, tmp_path):
     train(base_overrides(sudoku_dir, tmp_path, steps=2))
     ckpt = tmp_path / "test" / "t" / "checkpoints"

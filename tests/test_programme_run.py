@@ -244,6 +244,7 @@ def e2e_overrides(bucket: Path) -> list[str]:
             "distributed.initialization_timeout_s=60"]
 
 
+@pytest.mark.devices(1)  # this process trains only the uninterrupted reference
 def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
     import random
 
