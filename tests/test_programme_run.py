@@ -383,3 +383,30 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     assert state.ledger["variants"][EMA[0]]["state"] == "failed"
     controller.halt(programme_run.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
     assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
+
+
+def test_cheapest_order_and_programme_stop(stub_programme, tmp_path):
+    """--order cheapest queues by planned pod-hours; `programme stop` while a variant runs stops
+    its workers (through the launch's stop: SIGTERM, so a real trainer checkpoints) and ends the
+    controller with exit 0 and one line; the variant is queued again and the next `programme run`
+    carries it and the rest to the end."""
+    plan_csv = write_plan(tmp_path / "plan.csv", {EMA[0]: 2.0, EMA[1]: 0.5})
+    r = stub_programme.submit("--plan", str(plan_csv), "--order", "cheapest")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert list(stub_programme.ledger()["variants"]) == [EMA[1], EMA[0]]
+    gate = tmp_path / "gate"
+    controller = stub_programme.start(STUB_GATE=str(gate))
+    progress = lambda: stub_programme.ledger()["variants"][EMA[1]]["supervision"].get("progress") or {}  # noqa: E731
+    wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[controller])
+    assert stub_programme.command("stop").returncode == 0
+    out = controller.communicate(timeout=120)[0]
+    assert controller.returncode == 0, out[-3000:]
+    assert "stopped by `programme stop`" in out, out[-3000:]
+    assert stub_programme.states() == {EMA[1]: "queued", EMA[0]: "queued"}, out[-3000:]
+    trainers = [pid for home in stub_programme.root.glob("*/worker-*") for pid, cmd in fake_tpu.vm_processes(home)
+                if fake_tpu.is_trainer(cmd)]
+    assert not trainers  # nothing left running on the workers
+    gate.touch()
+    r = stub_programme.command("run", timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    assert stub_programme.states() == {EMA[1]: "completed", EMA[0]: "completed"}
