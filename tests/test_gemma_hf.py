@@ -20,7 +20,7 @@ import transformers
 from omegaconf import OmegaConf
 from safetensors.numpy import save_file
 
-from helpers import REPO, compose_config, raises_one_line
+from helpers import REPO, compose_config, raises_one_line, tree_hash
 from models.gemma import Gemma, GemmaConfig, generate
 from models.gemma.checkpoint_arch import model_differences
 from models.gemma.hf_config import HF_DEFAULTS, arch_from_hf, hf_config
@@ -438,8 +438,10 @@ def test_a_vocab_size_beyond_the_table_is_refused_or_padded_for_real(hf_models, 
 
     path, model = hf_models[2]
     wide = with_files(path, tmp_path / "wide", {"vocab_size": 400})
+    before = tree_hash(wide)
     one_line(lambda: arch_of("arch=gemma", f"arch.checkpoint={wide}"), "vocab_size=400 but model.embed_tokens.weight "
              "has 300 rows", "set vocab_size to 300 in config.json", "arch.vocab_size=400")
+    assert tree_hash(wide) == before  # the refused folder is left as it was
     with pytest.raises(Exception, match="size mismatch|mismatched sizes|ignore_mismatched_sizes"):
         transformers.AutoModelForCausalLM.from_pretrained(wide)
     cfg = arch_of("arch=gemma", f"arch.checkpoint={path}", "arch.vocab_size=320", "arch.dtype=float32",
@@ -461,8 +463,10 @@ def test_an_untied_lm_head_is_refused_and_a_tied_copy_loads(hf_models, tmp_path)
     path, model = hf_models[2]
     embedding = model.model.embed_tokens.weight.detach().clone()
     untied = with_files(path, tmp_path / "untied", tensors={"lm_head.weight": torch.randn_like(embedding)})
+    before = tree_hash(untied)
     one_line(lambda: arch_of("arch=gemma", f"arch.checkpoint={untied}"), "lm_head.weight that differs from "
              "model.embed_tokens.weight", "transformers uses even with tie_word_embeddings=true")
+    assert tree_hash(untied) == before
     theirs = transformers.AutoModelForCausalLM.from_pretrained(untied, attn_implementation="eager")  # why: it uses it
     assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
 
@@ -500,8 +504,10 @@ def test_a_shape_error_names_config_json_when_it_is_what_is_wrong(hf_models, tmp
     path, _ = hf_models[2]
     wrong = with_files(path, tmp_path / "wrong", {"num_attention_heads": 2})
     cfg = arch_of("arch=gemma", f"arch.checkpoint={wrong}")
+    before = tree_hash(wrong)
     msg = one_line(lambda: load_params(str(wrong), cfg), "self_attn.q_proj.weight", "its config.json says",
                    "num_attention_heads=2, which its tensors contradict", "correct config.json")
+    assert tree_hash(wrong) == before
     assert "set arch." not in msg
 
 

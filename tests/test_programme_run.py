@@ -2,7 +2,10 @@
 
 Most tests run a stub trainer (PROGRAMME_STUB: the events of a run of 10 steps, a bad-input failure
 for the variants in STUB_BAD, a wait for the file STUB_GATE); the end-to-end test runs the real
-trainer on 2 slices of 2 workers x 1 CPU device through preemptions and a killed controller.
+trainer on 2 single-host slices (1 CPU device each) through preemptions and a killed controller.
+A programme's launches on multi-host slices are the stub tests' (2 workers a slice); the real
+trainer as a 2-worker pod through VM shutdowns and a dead worker is test_supervise.py's, through
+the same Supervisor the controller runs for each variant.
 """
 
 from __future__ import annotations
@@ -58,11 +61,11 @@ class Programme:
         return [sys.executable, str(LAUNCH), "programme", verb, NAME, "--state-dir", str(self.state_dir), *args]
 
     def submit(self, *args: str, variants: list[str] = EMA, slices: tuple[str, ...] = ("s1",),
-               overrides: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+               overrides: tuple[str, ...] = (), accelerator: str = "v4-16") -> subprocess.CompletedProcess:
         groups = sorted({v.split("/")[0] for v in variants})
         slice_args = [a for s in slices for a in ("--slice", s)]
         return self.command("submit", *groups, "--variants", ",".join(variants), *slice_args, "--zone", ZONE,
-                            "--accelerator-type", "v4-16", "--runtime-version", "tpu-ubuntu2204-base", "--spot",
+                            "--accelerator-type", accelerator, "--runtime-version", "tpu-ubuntu2204-base", "--spot",
                             "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--backoff-seconds", "0.1",
                             "--stop-grace", "5", *args, "--", *overrides)
 
@@ -224,7 +227,7 @@ def test_preflight_is_one_line_per_variant_and_commands_steer_the_queue(stub_pro
     assert stub_programme.command("retry", "nope/x").returncode == 2
 
 
-# --- end to end: the real trainer on 2 fake slices of 2 workers x 1 CPU device --------------------
+# --- end to end: the real trainer on 2 fake single-host slices (v4-8), 1 CPU device each -----------
 
 # Two data-scaling groups: every variant trains the same model (one compile for all) on its own set.
 E2E_VARIANTS = ["exp04a/puzzles100", "exp04a/puzzles500", "exp04b/aug10", "exp04b/aug100"]
@@ -256,12 +259,12 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     data.mkdir()
     for name in ("100-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
         (data / f"sudoku-extreme-{name}").symlink_to(sudoku_dir)
-    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4")
-    make_fake_workers(programme.root, 2, None, image=True)
+    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4", FAKE_GCLOUD_WORKERS="1")
+    make_fake_workers(programme.root, 1, None, image=True)
     overrides = e2e_overrides(bucket)
     try:
         r = programme.submit("--env", f"PODRUNNER_DATA={data}", "--poll-seconds", "0.2", variants=E2E_VARIANTS,
-                             slices=("s1", "s2"), overrides=tuple(overrides))
+                             slices=("s1", "s2"), overrides=tuple(overrides), accelerator="v4-8")
         assert r.returncode == 0, r.stdout + r.stderr
         controller = programme.start()
 
