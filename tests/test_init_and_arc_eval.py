@@ -114,6 +114,7 @@ def arc_dir(tmp_path_factory):
     return build_arc_dataset(tmp_path_factory.mktemp("arc") / "arc", subsets, num_aug=3, seed=0)
 
 
+@pytest.mark.devices(4)  # 1 process x 4 devices against 2 x 2
 def test_arc_eval_in_trainer_and_on_a_pod(arc_dir, tmp_path):
     from experiments.local_pod import run_local_pod
 
@@ -133,16 +134,17 @@ def test_arc_eval_in_trainer_and_on_a_pod(arc_dir, tmp_path):
     assert all(len(submission[p]) == len(tests[p]["test"]) and set(submission[p][0]) == {"attempt_1", "attempt_2"}
                for p in tests)
 
-    # eval_only on a 2 x 4 pod from the same checkpoint: the votes and scores of the run's own
-    # evaluation on one process x 8 devices (each process votes on its own rows, then they gather).
+    # eval_only on a 2 x 2 pod from the same checkpoint: the votes and scores of the run's own
+    # evaluation on one process x 4 devices (each process votes on its own rows, then they gather).
     root = tmp_path / "eval"
     overrides = common + [f"run.root={root}", "run.name=e", f"run.checkpoint.dir={ckpt}", "train.steps=2",
                           "train.eval_only=true"]
     log = io.StringIO()
-    env = {k: v for k, v in child_env(4).items() if k != "XLA_FLAGS"}
-    code = run_local_pod(2, 4, overrides, script=str(REPO / "pretrain_jax.py"), extra_env=env,
+    env = {k: v for k, v in child_env(2).items() if k != "XLA_FLAGS"}
+    code = run_local_pod(2, 2, overrides, script=str(REPO / "pretrain_jax.py"), extra_env=env,
                          log_dir=tmp_path / "pod-logs", stream=log, timeout=600)
     assert code == 0, log.getvalue()[-6000:]
+    assert "[p1] process 1/2, local devices 2, global devices 4" in log.getvalue()
     row = next(r for r in read_jsonl(root / "arc" / "e" / "metrics.jsonl") if "eval/ARC/pass@1" in r)
     assert json.loads((root / "arc" / "e" / "submission.json").read_text()) == submission
     for k in (1, 2, 5):

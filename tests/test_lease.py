@@ -295,7 +295,7 @@ def test_every_process_of_a_pod_stops_with_the_refusal(sudoku_dir, tmp_path):
     out = tmp_path / "test" / "t"
     out.mkdir(parents=True)
     write_record(out, heartbeat_age=3)  # a live run elsewhere holds the output directory
-    procs = start_pod(2, 4, base_overrides(sudoku_dir, tmp_path, steps=4))
+    procs = start_pod(2, 1, base_overrides(sudoku_dir, tmp_path, steps=4))  # refused before any compile
     results = finish(procs, 180)
     lines = []
     for code, output, _ in results:

@@ -1,8 +1,8 @@
-"""A simulated pod: 2 processes x 4 CPU devices joined with jax.distributed on loopback, training
+"""A simulated pod: 2 processes x 2 CPU devices joined with jax.distributed on loopback, training
 the tiny TRM (its puzzle table, ACT carry and reference optimizers all sharded over the mesh), its
 gradient accumulated over 2 micro-batches (each spread over both processes).
 
-The same config must give the same losses and gradient norms on 1 process x 8 devices taking the
+The same config must give the same losses and gradient norms on 1 process x 4 devices taking the
 whole batch at once, and a checkpoint must resume across process counts both ways, the carry
 mid-ACT included (the data order depends on (seed, step, global batch) only).
 """
@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, child_env, read_jsonl, saved_steps, train, train_losses, trm_overrides
+from helpers import REPO, child_env, read_jsonl, saved_steps, train, train_losses, trm_overrides, use_cpu_devices
 from experiments.local_pod import run_local_pod
 from wandb_offline import read_offline_runs
 
-pytestmark = pytest.mark.slow
+# 4 devices in all: several a process and more than one process, as a pod has. (2 x 4 costs the pod's
+# processes a third more CPU: their collectives go through gloo, one rank a device.)
+DEVICES, PROCESSES = 4, 2
+pytestmark = [pytest.mark.slow, pytest.mark.devices(DEVICES)]
 
 FSDP = ["mesh=fsdp"]  # parameters and optimizer state sharded too, not only the batch
 ACCUM = ["train.grad_accum_steps=2"]  # on the pod: 2 micro-batches of 8 rows, 4 on each process
@@ -31,10 +34,11 @@ def grad_norms(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/grad_norm"] for r in read_jsonl(output_dir / "metrics.jsonl") if "train/grad_norm" in r}
 
 
-def run_pod(overrides: list[str], tmp_path: Path, processes: int = 2, devices: int = 4) -> str:
+def run_pod(overrides: list[str], tmp_path: Path) -> str:
     out = io.StringIO()
+    devices = DEVICES // PROCESSES
     env = {k: v for k, v in child_env(devices).items() if k != "XLA_FLAGS"}
-    code = run_local_pod(processes, devices, overrides, script=str(REPO / "pretrain_jax.py"), extra_env=env,
+    code = run_local_pod(PROCESSES, devices, overrides, script=str(REPO / "pretrain_jax.py"), extra_env=env,
                          log_dir=tmp_path / f"pod-logs-{len(list(tmp_path.glob('pod-logs-*')))}", stream=out,
                          timeout=300)
     assert code == 0, out.getvalue()[-6000:]
@@ -44,20 +48,21 @@ def run_pod(overrides: list[str], tmp_path: Path, processes: int = 2, devices: i
 @pytest.fixture(scope="module")
 def single_process_run(sudoku_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
+    use_cpu_devices(DEVICES)  # a module fixture: set up before the test's own devices mark applies
     train(trm_overrides(sudoku_dir, root, 8) + FSDP)
     return train_losses(root / "test" / "t"), grad_norms(root / "test" / "t")
 
 
 def test_a_run_moves_between_a_pod_and_one_process(sudoku_dir, tmp_path, single_process_run):
     """A 2-process pod, accumulating, trains steps 1-4 as the single process does at once, only
-    process 0 writing; one process x 8 devices resumes its checkpoint and trains steps 5-6; the pod
+    process 0 writing; one process x 4 devices resumes its checkpoint and trains steps 5-6; the pod
     resumes that and trains 7-8. Every step's loss and gradient norm is the uninterrupted single
     process's."""
     reference, reference_norms = single_process_run
     overrides = trm_overrides(sudoku_dir, tmp_path, 4, wandb="offline") + FSDP + ACCUM
     log = run_pod(overrides, tmp_path)
-    assert "[p0] process 0/2, local devices 4, global devices 8, platform cpu (explicit)" in log
-    assert "[p1] process 1/2, local devices 4, global devices 8, platform cpu (explicit)" in log
+    assert "[p0] process 0/2, local devices 2, global devices 4, platform cpu (explicit)" in log
+    assert "[p1] process 1/2, local devices 2, global devices 4, platform cpu (explicit)" in log
     assert "gradient accumulation: 2 micro-batches of 8 rows per optimizer step" in log
     out = tmp_path / "test" / "t"
     assert saved_steps(out / "checkpoints") == [2, 4]
