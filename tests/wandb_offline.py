@@ -96,6 +96,14 @@ def _remove(target: dict, keys: list[str]) -> None:
     target.pop(keys[-1], None)
 
 
+def _apply(target: dict, change) -> None:
+    """A config or summary record's updates and removals, applied to `target`."""
+    for item in change.update:
+        _set(target, _key_path(item), json.loads(item.value_json))
+    for item in change.remove:
+        _remove(target, _key_path(item))
+
+
 def _history_value(item: pb.HistoryItem) -> Any:
     kind = item.WhichOneof("value")  # typed values; otherwise value_json
     if kind == "none":
@@ -122,20 +130,14 @@ def read_run_dir(run_dir: str | Path) -> OfflineRun:
             for item in r.config.update:
                 _set(run.config, _key_path(item), json.loads(item.value_json))
         elif kind == "config":
-            for item in record.config.update:
-                _set(run.config, _key_path(item), json.loads(item.value_json))
-            for item in record.config.remove:
-                _remove(run.config, _key_path(item))
+            _apply(run.config, record.config)
         elif kind == "history":
             row: dict = {}
             for item in record.history.item:
                 _set(row, _key_path(item), _history_value(item))
             run.history.append(row)
         elif kind == "summary":
-            for item in record.summary.update:
-                _set(run.summary, _key_path(item), json.loads(item.value_json))
-            for item in record.summary.remove:
-                _remove(run.summary, _key_path(item))
+            _apply(run.summary, record.summary)
         elif kind == "files":
             run.files.extend(f.path for f in record.files.files if f.path not in run.files)
         elif kind == "stats":
