@@ -69,7 +69,7 @@ def _batches(shapes: dict[str, tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def _gather(tree) -> dict[str, np.ndarray]:
+def _host_arrays(tree) -> dict[str, np.ndarray]:
     """Every leaf as a numpy array, keyed by its path."""
     import jax
 
@@ -98,5 +98,5 @@ def run(family: str, grad_accum_steps: int) -> dict[str, np.ndarray]:
                  for k, v in host.items()}
         state, metrics = steps.train(state, batch)
         parts = {"params": state.params, "carry": state.carry, "sums": metrics["sums"], "grad_norm": metrics["grad_norm"]}
-        out |= {f"step{i}/{name}{key}": value for name, tree in parts.items() for key, value in _gather(tree).items()}
+        out |= {f"step{i}/{name}{key}": value for name, tree in parts.items() for key, value in _host_arrays(tree).items()}
     return out
