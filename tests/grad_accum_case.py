@@ -73,7 +73,8 @@ def _host_arrays(tree) -> dict[str, np.ndarray]:
     """Every leaf as a numpy array, keyed by its path."""
     import jax
 
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+    leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(tree))
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
 def run(family: str, grad_accum_steps: int) -> dict[str, np.ndarray]:
