@@ -20,7 +20,8 @@ The controller (`Controller.run`): one thread per slice takes the next queued va
 or cheapest first), runs it under the supervisor's logic (create or re-create the slice, set up,
 launch with the variant's fixed run id, resume after preemptions) until it completes or fails for
 good, and takes the next; a slice with nothing left to run is deleted. A variant whose run has
-completed (its `completed` event beside its checkpoints) is never launched again.
+completed (its `completed` event beside its checkpoints, or a committed checkpoint at its final
+step) is never launched again.
 
 Failure classes:
   permanent       bad input, non-finite loss, does not fit: the variant is failed with its one
@@ -92,6 +93,7 @@ class Submission:
     create_attempts: int = 3
     infra_streak: int = 3
     checkpoint_dirs: dict[str, str] = field(default_factory=dict)  # variant -> its run's checkpoint directory
+    total_steps: dict[str, int] = field(default_factory=dict)  # variant -> its steps, where known before its run
 
     def run_id(self, variant: str) -> str:
         """The variant's fixed run id (every launch resumes its checkpoint): letters, digits, . _ -."""
@@ -177,6 +179,9 @@ def preflight(sub: Submission) -> list[str]:
                 problems.append(f"{variant}: {' '.join(str(e).split())[:300]}")
                 continue
             sub.checkpoint_dirs[variant] = run_dirs(config)[1]
+            total = config.train.steps or (sub.planned.get(variant) or {}).get("steps")  # epochs: the plan's count
+            if total:
+                sub.total_steps[variant] = int(total)
             if str(config.data.path).startswith("gs://") and not _exists(str(config.data.path)):
                 problems.append(f"{variant}: dataset {config.data.path} does not exist")
             if sub.budget is not None and sub.planned_hours(variant) is None:
@@ -444,15 +449,33 @@ class Controller:
         return variant
 
     def already_complete(self, variant: str) -> dict | None:
-        """The `completed` event beside the variant's checkpoints (a run that needs no launch), if readable."""
-        path = self.sub.events_file(variant)
-        if not path:
+        """A run that needs no launch: the `completed` event beside its checkpoints, else its newest
+        committed checkpoint at its final step (the event lost: the run stopped right after that
+        commit, or copying its events failed). None when neither, or when they cannot be read from
+        here (the trainer then finds out)."""
+        directory = self.sub.checkpoint_dirs.get(variant)
+        if not directory:
             return None
         try:
-            found = [e for e in events.read(path) if e.get("event") == "completed"]
-        except Exception:  # noqa: BLE001 - not readable from here: the trainer finds out (nothing to do)
+            said = events.read(self.sub.events_file(variant))
+        except Exception:  # noqa: BLE001 - unreadable here: the checkpoints may still tell
+            said = []
+        completed = [e for e in said if e.get("event") == "completed"]
+        if completed:
+            return completed[-1]
+        totals = [e["total"] for e in said if e.get("event") == "started" and isinstance(e.get("total"), int)]
+        total = totals[-1] if totals else self.sub.total_steps.get(variant)
+        if not total:
             return None
-        return found[-1] if found else None
+        try:
+            from runtime.checkpointing import newest_committed
+
+            newest = newest_committed(directory)
+        except Exception:  # noqa: BLE001 - as above
+            return None
+        if newest is None or newest[0] < total:
+            return None
+        return {"event": "completed", "step": newest[0], "metrics": newest[1].get("metrics"), "from": "checkpoint"}
 
     # -- one variant on one slice
 
@@ -460,7 +483,8 @@ class Controller:
         record = self.ledger["variants"][variant]
         done = self.already_complete(variant)
         if done is not None:
-            self.state.event("skipped-complete", variant=variant, step=done.get("step"))
+            self.state.event("skipped-complete", variant=variant, step=done.get("step"),
+                             seen=done.get("from", "completed-event"))
             self.end(variant, slice_name, COMPLETED, metrics=done.get("metrics"), last_step=done.get("step"))
             return
         sup = VariantSupervision(self.state, variant, slice_name)
@@ -689,13 +713,23 @@ class _SliceRecord(supervise.Supervision):
 
 class Alerts:
     """wandb.alert on a failed variant and when the controller stops, when W&B is online (the
-    programme's overrides say run.wandb.mode=online and WANDB_API_KEY is set here); else nothing."""
+    programme's runs log online, as their composed config says, and WANDB_API_KEY is set here);
+    else nothing. The alerts go to a run of their own in the runs' project."""
 
     def __init__(self, sub: Submission) -> None:
         self.sub = sub
-        self.online = "run.wandb.mode=online" in sub.overrides and bool(os.environ.get("WANDB_API_KEY"))
+        self.wandb = self.runs_wandb(sub) if os.environ.get("WANDB_API_KEY") else None
+        self.online = self.wandb is not None and str(getattr(self.wandb.mode, "value", self.wandb.mode)) == "online"
         self.run = None
         self.warned = False
+
+    @staticmethod
+    def runs_wandb(sub: Submission):
+        """The W&B settings of the programme's runs (its first variant's composed config), or None."""
+        try:
+            return supervise.composed(sub.overrides_of(sub.variants[0])).run.wandb if sub.variants else None
+        except Exception:  # noqa: BLE001 - the preflight said why; no alerts then
+            return None
 
     def send(self, title: str, text: str) -> None:
         if not self.online:
@@ -704,9 +738,8 @@ class Alerts:
             import wandb
 
             if self.run is None:
-                project = next((o.split("=", 1)[1] for o in self.sub.overrides if o.startswith("run.wandb.project=")),
-                               "podrunner")
-                self.run = wandb.init(project=project, name=f"programme-{self.sub.name}", id=f"programme-{self.sub.name}",
+                self.run = wandb.init(project=self.wandb.project, entity=self.wandb.entity,
+                                      name=f"programme-{self.sub.name}", id=f"programme-{self.sub.name}",
                                       job_type="programme", tags=[self.sub.name], resume="allow")
             self.run.alert(title=title, text=text[:1000])
         except Exception as e:  # noqa: BLE001 - an alert never stops the programme

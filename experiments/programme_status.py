@@ -115,7 +115,7 @@ def totals(table: list[Row]) -> list[list[str]]:
 
 
 def text(sub: Submission, ledger: dict, now: float | None = None) -> str:
-    table = rows(sub, ledger)
+    table = rows(sub, ledger, now)
     lines = [HEADER, *(columns(r) for r in table), *totals(table)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
@@ -154,7 +154,8 @@ def picture(sub: Submission, ledger: dict) -> bytes:
     if sub.budget is not None:
         spent_ax.axhline(sub.budget, color="red", linestyle="--", label="budget")
     spent_ax.set(xlabel="hours since the first record", ylabel="pod-hours", title="pod-hours: spent vs planned")
-    spent_ax.legend(loc="upper left")
+    if spent_ax.get_legend_handles_labels()[0]:  # nothing recorded yet: no lines to name
+        spent_ax.legend(loc="upper left")
     scored = [r for r in table if r.metric is not None]
     metric_ax.bar(range(len(scored)), [r.metric for r in scored],
                   color=[f"C{sorted({x.variant.split('/')[0] for x in scored}).index(r.variant.split('/')[0])}"

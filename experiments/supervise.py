@@ -281,6 +281,7 @@ class Supervisor:
         self.owns_slice = owns_slice
         self.report = report or (lambda line: print(f"error: {line}", file=sys.stderr, flush=True))
         self.gcloud_proc: subprocess.Popen | None = None
+        self.seen_down = False  # the TPU was seen gone, missing or being created since this supervisor started
 
     def act(self, argv: list[str], event: str) -> bool:
         code, out = self.run_gcloud(argv)
@@ -359,6 +360,8 @@ class Supervisor:
         while not self.stop.is_set():
             asked = time.time()
             state, hosts = tpu_state(self.spec, self.run_gcloud)
+            if state in (*GONE, MISSING, "CREATING"):
+                self.seen_down = True
             if state == READY:
                 self.clock.ready(asked, hosts)
                 self.sup.save()
@@ -443,6 +446,8 @@ class Supervisor:
                                      "cause": why, "line": seen.line_of_failure(), "last_step": seen.last_step,
                                      "total": seen.total, "wandb_run_id": seen.run_id, "tpu_state_after": state_after,
                                      "metrics": (seen.completed or {}).get("metrics")})
+        if outcome == "preempted":  # counted in the launch's own save: a kill cannot record one without the other
+            sup.data["preemptions"] += 1
         sup.data["in_flight"] = False
         sup.save()
         sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(why), last_step=seen.last_step,
@@ -512,6 +517,12 @@ class Supervisor:
                 return self.finish("failed", EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
             if self.stop.is_set():
                 return self.finish("interrupted", EXIT_INTERRUPTED)
+            if orphaned and self.seen_down:  # the slice went down under the launch left in flight:
+                orphaned = False  # a preemption no supervisor saw end, counted here (once)
+                sup.data["preemptions"] += 1
+                sup.data["in_flight"] = False
+                sup.save()
+                sup.event("preempted-unwatched", last_step=(sup.data.get("progress") or {}).get("step"))
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
                 orphaned = False
                 code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
@@ -528,8 +539,6 @@ class Supervisor:
             if self.stop.is_set() or code == EXIT_INTERRUPTED:
                 return self.finish("interrupted", EXIT_INTERRUPTED)
             if outcome == "preempted":
-                sup.data["preemptions"] += 1
-                sup.save()
                 continue
             sup.data["restarts"] += 1
             sup.save()

@@ -356,6 +356,17 @@ class Checkpoints:
         self.manager.close()
 
 
+def newest_committed(directory: str) -> tuple[int, dict[str, Any]] | None:
+    """(step, meta) of the newest committed step under `directory`, read without a manager, so
+    nothing is created or moved (a launcher looking in on a run); None when it holds no step."""
+    path = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+    steps = ocp.utils.checkpoint_steps(path)  # committed steps only (a rename locally, commit_success on GCS)
+    if not steps:
+        return None
+    meta = ocp.JsonCheckpointHandler().restore(path / str(max(steps)) / "meta")
+    return max(steps), meta if isinstance(meta, dict) else {}
+
+
 def tree_mismatch(saved: Any, abstract: Any) -> str | None:
     """The first difference between a saved state's tree (Orbax metadata) and this run's
     abstract state, in arrays or shapes; None when they fit (dtypes are cast on restore)."""

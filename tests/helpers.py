@@ -227,6 +227,18 @@ def train_losses(output_dir: os.PathLike) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_jsonl(Path(output_dir) / "metrics.jsonl") if "train/loss" in r}
 
 
+def logged_metrics(output_dir: os.PathLike) -> dict[int, dict[str, float]]:
+    """step -> every train/ and eval/ metric a run logged at that step (rows of a step merged; a
+    step logged again after a resume: its last row). Left out: wall-clock (`time`, perf/*) and
+    what each launch logs of the model where it starts (model/*)."""
+    out: dict[int, dict[str, float]] = {}
+    for row in read_jsonl(Path(output_dir) / "metrics.jsonl"):
+        kept = {k: v for k, v in row.items() if k.startswith(("train/", "eval/"))}
+        if kept:
+            out.setdefault(row["step"], {}).update(kept)
+    return out
+
+
 def saved_steps(checkpoint_dir: os.PathLike) -> list[int]:
     """The step folders in a local checkpoint directory, in order."""
     return sorted(int(p.name) for p in Path(checkpoint_dir).iterdir() if p.name.isdigit())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -251,7 +252,7 @@ def e2e_overrides(bucket: Path) -> list[str]:
 def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
     import random
 
-    from helpers import read_jsonl, train, train_losses
+    from helpers import logged_metrics, read_jsonl, train
 
     seed = int.from_bytes(os.urandom(2), "big")
     rng, seed_note = random.Random(seed), f"(random seed {seed})"
@@ -296,13 +297,7 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
             return any("saving the checkpoint of step" in line and f"step {E2E_STEPS} " not in line for line in last)
         wait_for(saving_on_s2, timeout=300, what=f"a checkpoint save on s2 {seed_note}", procs=[controller],
                  every=0.01)
-        victim = running_on("s2")
         assert fake_tpu.preempt(programme.root, "s2"), "no trainer on s2"
-        # the launch's end recorded (not only the slice seen down): a controller killed before that
-        # never learns of this preemption, and the ledger could not count it
-        wait_for(lambda: programme.ledger()["slices"]["s2"]["clock"]["ready_since"] is None
-                 and programme.ledger()["variants"][victim]["supervision"].get("preemptions", 0) >= 1,
-                 timeout=300, what=f"the controller to record {victim}'s preemption on s2", procs=[controller])
         # 4. the controller killed at a random point of a run, then started again
         kill_at = rng.randint(1, E2E_STEPS - 2)
         wait_for(lambda: any(running_on(s) and step_on(s) >= kill_at for s in ("s1", "s2")), timeout=300,
@@ -319,18 +314,21 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     states = {v: r["state"] for v, r in ledger["variants"].items()}
     assert states == {v: "failed" if v == BAD else "completed" for v in E2E_VARIANTS}, (states, seed_note)
     assert "not found" in ledger["variants"][BAD]["line"] and ledger["variants"][BAD]["failure"] == "bad input"
-    # Each completed variant's metrics, from beside its checkpoints, equal an uninterrupted run's at every step.
+    # Each completed variant's metrics (all but wall-clock ones), from beside its checkpoints, equal an
+    # uninterrupted run's at every step.
     # Here the variants differ only in their data folder, and every folder links to one set: one
     # uninterrupted run is each one's reference.
     monkeypatch.setenv("PODRUNNER_DATA", str(data))
     reference = tmp_path / "reference"
     train([f"+experiment={E2E_VARIANTS[0]}", *overrides, f"run.root={reference}", f"run.checkpoint.dir={reference}/ckpt"])
-    expected = train_losses(reference / E2E_VARIANTS[0])
-    assert sorted(expected) == list(range(1, E2E_STEPS + 1))
+    expected = logged_metrics(reference / E2E_VARIANTS[0])
+    assert sorted(expected) == list(range(1, E2E_STEPS + 1)) and "eval/exact_accuracy" in expected[E2E_STEPS]
     for variant in E2E_VARIANTS:
         if variant != BAD:
-            got = train_losses(bucket / variant / "run_files")
-            assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (variant, seed_note)
+            got = logged_metrics(bucket / variant / "run_files")
+            assert got.keys() == expected.keys(), (variant, seed_note)
+            for step, metrics in expected.items():  # loss, accuracies, gradient norm, learning rate, eval ...
+                assert got[step] == pytest.approx(metrics, rel=1e-5, abs=1e-6), (variant, step, seed_note)
     # The ledger's pod time is the fake's READY time (x hosts).
     billed = fake_tpu.ready_host_seconds(programme.root)
     counted = sum(s["clock"]["host_seconds"] for s in ledger["slices"].values())
@@ -367,10 +365,15 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     from experiments import programme_run, supervise
 
     sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
-                                   runtime_version="v", overrides=["run.wandb.mode=online"])
+                                   runtime_version="v", overrides=["++run.wandb.mode=online", "run.wandb.project=p1",
+                                                                   "run.wandb.tags=[mine]"])
+    # Each run is tagged with the programme's name, beside the user's tags.
+    assert list(supervise.composed(sub.overrides_of(EMA[1])).run.wandb.tags) == ["mine", NAME]
+    assert not programme_run.Alerts(sub).online  # no API key here
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    assert programme_run.Alerts(sub).online and not programme_run.Alerts(
-        programme_run.Submission(**{**sub.__dict__, "overrides": []})).online
+    online = programme_run.Alerts(sub)
+    assert online.online and online.wandb.project == "p1"  # as the runs' composed config says, whatever the form
+    assert not programme_run.Alerts(programme_run.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
     state = programme_run.State(tmp_path / NAME)
     state.create(sub)
     alerts: list[tuple[str, str]] = []
@@ -413,3 +416,96 @@ def test_cheapest_order_and_programme_stop(stub_programme, tmp_path):
     r = stub_programme.command("run", timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     assert stub_programme.states() == {EMA[1]: "completed", EMA[0]: "completed"}
+
+
+def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch):
+    """Complete means its `completed` event beside its checkpoints, or, with the event lost (the
+    run stopped right after its last commit), its newest committed checkpoint at the run's total
+    (from the run's `started` event, else the config's or the plan's steps). In process; a
+    launch would fail the test."""
+    import jax.numpy as jnp
+
+    from experiments import programme_run, supervise
+    from runtime import events
+    from runtime.checkpointing import Checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
+                                   runtime_version="v", checkpoint_dirs={v: str(ckpt / v) for v in EMA},
+                                   total_steps={EMA[1]: 10})
+    state = programme_run.State(tmp_path / NAME)
+    state.create(sub)
+    controller = programme_run.Controller(state, alert=lambda title, text: None)
+    assert controller.already_complete(EMA[0]) is None  # nothing there yet
+
+    def save(variant: str, step: int) -> None:
+        saved = Checkpoints(str(ckpt / variant), keep=3, async_save=False)
+        meta = {"step": step, "metrics": {"eval/exact_accuracy": step / 100}}
+        saved.save(step, {"w": jnp.full(2, float(step))}, meta)
+        saved.wait()
+        saved.close()
+
+    events_dir = Path(sub.events_file(EMA[0])).parent  # where the run's events are copied
+    events_dir.mkdir(parents=True)
+    events.attach(str(events_dir), process=0)
+    try:
+        events.emit("started", run_id="r", step=0, total=8, resumed=False)
+        save(EMA[0], 4)
+        assert controller.already_complete(EMA[0]) is None  # 4 of 8
+        save(EMA[0], 8)
+        assert controller.already_complete(EMA[0])["step"] == 8  # no completed event: the checkpoint at the total
+        events.emit("completed", step=8, metrics={"eval/exact_accuracy": 0.5})
+    finally:
+        events.detach()
+    assert controller.already_complete(EMA[0])["metrics"] == {"eval/exact_accuracy": 0.5}
+    save(EMA[1], 10)  # no events at all: the total known before the run (config or plan)
+    assert controller.already_complete(EMA[1])["metrics"] == {"eval/exact_accuracy": 0.1}
+
+    monkeypatch.setattr(supervise.Supervisor, "run", lambda self: pytest.fail("a complete run was launched"))
+    for variant in EMA:
+        assert controller.take("s1") == variant
+        controller.run_variant(variant, "s1")
+    record = state.ledger["variants"]
+    assert [(record[v]["state"], record[v]["last_step"]) for v in EMA] == [("completed", 8), ("completed", 10)]
+    assert record[EMA[1]]["metrics"] == {"eval/exact_accuracy": 0.1}
+
+
+def test_status_table_totals_eta_and_page(tmp_path):
+    """`programme status` from a ledger: a row per variant, totals per group and for the programme,
+    the ETA (a running variant at its own measured pace; a queued one at its plan, scaled by how
+    the measured variants compare with theirs; shared over the slices), failures' lines, the page."""
+    from experiments import programme_run, programme_status
+
+    done, running, queued, bad = "exp08/ema0.99", "exp08/off", "exp08/ema0.995", "exp04a/puzzles100"
+    sub = programme_run.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
+                                   accelerator_type="v4-8", runtime_version="v",
+                                   planned={v: {"pod_hours": h, "steps": 100}
+                                            for v, h in ((done, 0.5), (running, 1.0), (queued, 2.0), (bad, 0.25))})
+    state = programme_run.State(tmp_path / NAME)
+    state.create(sub)
+    now = 1_000_000.0
+    v = state.ledger["variants"]
+    primary = programme_status.primary_of("exp08")
+    v[done].update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
+                   metrics={primary: 0.75}, wandb_run_id="w1")
+    v[running].update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark={"ready": 0.0, "host": 0.0},
+                      supervision={"preemptions": 1, "restarts": 0, "progress": {"step": 50, "total": 100}})
+    state.ledger["slices"]["s1"].update(variant=running, clock={"ready_since": now - 1800, "hosts": 1,
+                                                                "ready_seconds": 0.0, "host_seconds": 0.0})
+    v[bad].update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
+
+    out = programme_status.text(sub, state.ledger, now=now)
+    cells = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()) if len(c) > 2}
+    assert cells[done] == ["completed", "1", "0", "0", "1.000/0.500", "100/100", f"{primary}=0.75", "w1"]
+    assert cells[running] == ["running", "2", "1", "0", "0.500/1.000", "50/100", f"{primary}=-", "-"]
+    assert cells[queued] == ["queued", "0", "0", "0", "0.000/2.000", "-/100", f"{primary}=-", "-"]
+    assert cells["exp08 total"] == ["1 completed, 1 running, 1 queued", "1.500/3.500"]
+    assert cells["programme total"] == ["1 completed, 1 running, 1 queued, 1 failed", "1.500/3.750"]
+    # ETA: running 0.5 h more at its pace (0.5 h for 50 steps); queued 2.0 h x 1.5 (measured 1.5 h
+    # where the plans said 1.0 for the same work); over 2 slices
+    assert "ETA 1.75 h" in out, out
+    assert out.rstrip().endswith("exp04a/puzzles100: exp04a/puzzles100: dataset not found")
+    del sub.planned[queued]
+    assert "ETA unknown" in programme_status.text(sub, state.ledger, now=now)
+    page = programme_status.page(sub, state.ledger)
+    assert page.count("<tr class='completed'>") == 1 and "<img alt=" in page and "dataset not found" not in page

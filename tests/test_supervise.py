@@ -224,6 +224,24 @@ def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
     assert "completed; 2 launches, 1 restarts" in pod_status.stdout, pod_status.stdout + pod_status.stderr
 
 
+def test_a_preemption_no_supervisor_saw_end_is_counted(stub_plane):
+    """The supervisor killed mid-launch, then the TPU preempted before it is started again: the
+    new one finds the slice down under the launch left in flight, counts that preemption once
+    (before: never, as no launch end was recorded) and re-creates the slice for the next launch,
+    with no stale processes to stop on its fresh VMs."""
+    first = stub_plane.start(stub_env={"STUB_CODES": "0", "STUB_WAIT_LAUNCH": "1"})
+    stub_plane.wait_launched(first, 1)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert fake_tpu.preempt(stub_plane.root, TPU)
+    result = stub_plane.supervise()
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = stub_plane.record()
+    assert record["preemptions"] == 1 and [launch["outcome"] for launch in record["launches"]] == ["completed"]
+    events = stub_plane.events()
+    assert "preempted-unwatched" in events and "stopped-stale-processes" not in events, events
+
+
 def test_queued_resource_and_preemption(stub_plane):
     stub_plane.env["FAKE_GCLOUD_QUEUE_POLLS"] = "2"
     proc = stub_plane.start("--queued-resource", "qr-1", stub_env={"STUB_CODES": "0", "STUB_WAIT_LAUNCH": "1"})
