@@ -16,7 +16,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 KERNEL_CALLS = ("tpu_custom_call",)  # Mosaic kernels (Pallas on TPU): cost only as declared
@@ -50,18 +50,24 @@ def _group_size(attrs: str) -> int | None:
     return None
 
 
+_HEADER = re.compile(r"^(ENTRY )?%?[\w.\-]+ \(.*\{\s*$")
+
+
 def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """({computation name: its instruction lines}, the entry computation's name) of HLO text."""
+    """({computation name: its instruction lines}, the entry computation's name) of HLO text.
+    An instruction whose attributes hold line breaks (a Pallas kernel's metadata) is one line."""
     comps: dict[str, list[str]] = {}
     current, entry = None, ""
     for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+        if _HEADER.match(line):
             words = line.split()
             name = words[1 if words[0] == "ENTRY" else 0].lstrip("%")
             entry = name if words[0] == "ENTRY" else entry
             current = comps.setdefault(name, [])
-        elif line.startswith("}"):
+        elif line.strip() == "}":
             current = None
+        elif current is not None and line and not line[0].isspace() and current:
+            current[-1] += " " + line  # the rest of the instruction above
         elif current is not None and " = " in line:
             current.append(line)
     return comps, entry
@@ -298,6 +304,12 @@ def _float(text: str | None) -> float | None:
     return None if text is None else float(text)
 
 
+# Kernels that declare no cost of their own (jax's splash attention) priced by the code that calls
+# them: an HLO instruction-name prefix -> a function of (instruction name, output types) giving
+# (FLOPs, bytes accessed) per run, or None when it does not know the call (models/attention.py).
+PRICED_KERNELS: dict[str, Callable[[str, str], tuple[float, float] | None]] = {}
+
+
 def kernels(hlo: str) -> list[Kernel]:
     """The step's custom kernel calls (`KERNEL_CALLS`, or any custom call that declares a cost)."""
     comps, times = _runs(hlo)
@@ -311,8 +323,13 @@ def kernels(hlo: str) -> list[Kernel]:
             if target.group(1) not in KERNEL_CALLS and not cost:
                 continue
             declared = dict(re.findall(r'"(\w+)":"?([\d.eE+\-]+)"?', cost.group(1))) if cost else {}
-            out.append(Kernel(target.group(1), _float(declared.get("flops")), _float(declared.get("bytes_accessed")),
-                              times.get(computation, 1.0) or 1.0))
+            flops, nbytes = _float(declared.get("flops")), _float(declared.get("bytes_accessed"))
+            instr = _INSTR.match(line)
+            if not cost and instr:
+                priced = next((fn(instr.group(1), instr.group(2)) for prefix, fn in PRICED_KERNELS.items()
+                               if instr.group(1).startswith(prefix)), None)
+                flops, nbytes = priced or (None, None)
+            out.append(Kernel(target.group(1), flops, nbytes, times.get(computation, 1.0) or 1.0))
     return out
 
 

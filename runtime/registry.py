@@ -82,6 +82,9 @@ class ModelFamily:
     # The arch field naming the compute dtype, where "auto" picks one by platform
     # (runtime/config.resolve_compute_dtype); None: the family has no such setting.
     compute_dtype: str | None = None
+    # Arch fields that choose how a step computes, not what (the attention's kernel): a checkpoint
+    # resumes under any value of them.
+    forms: tuple[str, ...] = ()
     # The arch field naming the pretrained weights a run starts from (read when the config is
     # validated); a run's own checkpoint holds the weights and the arch they determined, so a
     # tool reading that checkpoint (runtime.export) drops it. None: the family has none.

@@ -35,7 +35,7 @@ from runtime.loop import LoopContext, train_loop
 from runtime.metrics_sinks import MetricsSinks
 from runtime.preemption import PreemptionWatcher
 from runtime.preflight import preflight
-from runtime.registry import dataset_kind
+from runtime.registry import dataset_kind, family_of
 from runtime.run_files import RunFiles
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
 from runtime.run_log import library_logs_to, run_log_path
@@ -114,8 +114,11 @@ def check_resumable(meta: dict[str, Any], config: Config, train_examples: int, d
                        if f.name not in ("lr", "puzzle_emb_lr", "warmup_steps", "grad_clip_norm"))
     checks = (("arch", None), ("optim", optim_keys), ("curriculum", None), ("train", ("seed", "global_batch_size")),
               ("data", ("name",)), ("dataset", None))
+    forms = set(family_of(config.arch).forms)  # how a step computes, not what: any value resumes
     for section, keys in checks:
         old, new = saved.get(section, {}), now[section]
+        if section == "arch":
+            old, new = ({k: v for k, v in d.items() if k not in forms} for d in (old, new))
         if keys is None and old:  # keys added to the schema since the checkpoint was written: not compared
             added = sorted(set(new) - set(old))
             if added:

@@ -98,10 +98,10 @@ def _has_checkpoint(model, params, batch) -> bool:
 
 
 @pytest.mark.parametrize("cls,cfg", [
-    (TRM, small_trm(H_cycles=2, L_cycles=3, L_layers=1, mlp_t=True, pos_encodings="none")),
+    (TRM, small_trm(H_cycles=2, L_cycles=3, L_layers=1, mlp_t=True, pos_encodings="none", recompute_mlp=False)),
     (HRM, HRMConfig(hidden=32, heads=4, H_layers=1, L_layers=1, H_cycles=1, L_cycles=1, puzzle_emb_ndim=32,
-                    forward_dtype="float32", halt_max_steps=4, halt_exploration_prob=0.0)),
-], ids=["trm", "hrm"])
+                    forward_dtype="float32", halt_max_steps=4, halt_exploration_prob=0.0, recompute_mlp=False)),
+], ids=["trm", "hrm"])  # recompute_mlp off: its own checkpoint (the TPU form's) is not the one looked for
 def test_remat_same_loss_and_gradients(cls, cfg):
     """remat=True gives the same loss and parameter gradients as remat=False (it only changes
     what the backward pass stores), and the traced step really contains a checkpoint."""
@@ -333,6 +333,22 @@ def test_full_window_equals_no_mask():
     assert_trees_close(o1, o0, rtol=1e-6, atol=1e-6)
     # and a small window does change the outputs
     assert float(jnp.abs(o3[1] - o0[1]).max()) > 1e-4
+
+
+def test_splash_form_of_the_windowed_trm_equals_xla():
+    """models/attention.py's splash kernel (Pallas' interpreter on CPU) inside the recursion (the
+    mask a constant of the scanned network), with a gradient through the cycle: equal to XLA's form."""
+    batch = make_batch(b=2, seq=16)
+    cfg = small_trm(H_cycles=1, L_cycles=1, L_layers=1, attention_window=3, attention="xla")
+    model, params = build(cfg, batch)
+    splash = TRM(dataclasses.replace(cfg, attention="splash"), VOCAB, 16, PUZZLES)
+    c = random_carry(model, 2)
+
+    def out_and_grad(m):
+        loss = lambda p: (m.apply({"params": p}, batch, c)[1] ** 2).mean()  # noqa: E731
+        return m.apply({"params": params}, batch, c), jax.grad(loss)(params)
+
+    assert_trees_close(out_and_grad(splash), out_and_grad(model), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_window_config_errors():

@@ -235,3 +235,67 @@ def test_compiled_kernel_with_a_declared_cost_in_a_loop(tpu):
     # the rest (the loop's counter and copies) is small beside the kernels: never negative, never the bulk
     assert est.kernel_s <= est.compute_s < 1.5 * est.kernel_s and est.kernel_share > 0.6
     assert flat.kernel_s <= flat.compute_s < 1.5 * flat.kernel_s
+
+
+@pytest.mark.slow
+def test_splash_attention_is_priced_by_the_blocks_it_visits(tpu):
+    """jax's splash kernels declare no cost; models/attention.py prices each (PRICED_KERNELS):
+    forward, dq and dkv do 2, 3 and 4 products of 2 x block^2 x head_dim FLOPs per visited block
+    pair, on each chip's shard of the batch. A full mask's forward is the XLA form's two attention
+    products (XLA's own count of that compile, an independent figure); a block-diagonal mask
+    visits half the blocks: half the FLOPs."""
+    jax, gen, mesh = tpu
+    jnp, P = jax.numpy, jax.P
+    from models.attention import splash_heads_major, xla_attention
+    from runtime.sharding import activation_rules, make_mesh
+
+    chips, heads, length, head_dim, block = 4, 4, 1024, 64, 512
+    mesh = make_mesh({"data": chips, "fsdp": 1, "tensor": 1}, list(mesh.devices.flat))
+    batch = jax.NamedSharding(mesh, P(("data", "fsdp")))
+    heads_major = jax.ShapeDtypeStruct((chips, heads, length, head_dim), jnp.bfloat16, sharding=batch)
+    full = np.ones((length, length), dtype=bool)
+    diagonal = np.kron(np.eye(2, dtype=bool), np.ones((block, block), dtype=bool))
+
+    def priced(mask):
+        def loss(q, k, v):
+            with activation_rules(mesh):  # as in a train step: the kernel runs per shard
+                return splash_heads_major(q, k, v, mask).astype(jnp.float32).sum()
+        hlo, est = estimate(jax, gen, jax.grad(loss, argnums=(0, 1, 2)), *(heads_major,) * 3)
+        calls = dict(zip(("fwd", "dq", "dkv"), hlo_cost.kernels(hlo)))
+        assert len(calls) == 3 and est.undeclared_kernels == 0 and est.kernel_s > 0
+        return {name: k.flops for name, k in calls.items()}, hlo
+
+    flops, hlo = priced(full)
+    for name in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+        assert name in hlo
+    per_product = 2 * 1 * heads * length * length * head_dim  # one batch row per chip; all 4 block pairs
+    assert flops == {"fwd": 2 * per_product, "dq": 3 * per_product, "dkv": 4 * per_product}
+    rows_major = jax.ShapeDtypeStruct((chips, length, heads, head_dim), jnp.bfloat16, sharding=batch)
+    xla_forward = compiled(jax, xla_attention, *(rows_major,) * 3)[1]["flops"]
+    assert flops["fwd"] == pytest.approx(xla_forward, rel=0.05)  # the softmax's few FLOPs per score aside
+    half, _ = priced(diagonal)
+    assert half == {name: f / 2 for name, f in flops.items()}
+
+
+@pytest.mark.slow
+def test_auto_attention_compiled_for_tpu_is_splash_for_long_sequences_only(tpu):
+    """arch.attention=auto is chosen where the step is lowered: for a TPU topology (from this CPU
+    host) the splash kernels from SPLASH_MIN_LENGTH tokens, XLA's form below."""
+    jax, gen, mesh = tpu
+    jnp = jax.numpy
+    from models.attention import SPLASH_MIN_LENGTH
+    from models.recursive_reasoning.layers import Attention
+    from runtime.sharding import activation_rules, make_mesh
+
+    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, list(mesh.devices.flat))
+    module = Attention(128, 2, jnp.bfloat16, "auto")
+    kernels = {}
+    for length in (SPLASH_MIN_LENGTH - 1, SPLASH_MIN_LENGTH):
+        x = jax.ShapeDtypeStruct((4, length, 128), jnp.bfloat16, sharding=jax.NamedSharding(mesh, jax.P("data")))
+        params = jax.eval_shape(module.init, jax.random.key(0), x)
+
+        def forward(p, x):
+            with activation_rules(mesh):
+                return module.apply(p, x)
+        kernels[length] = len(hlo_cost.kernels(compiled(jax, forward, params, x)[0]))
+    assert kernels == {SPLASH_MIN_LENGTH - 1: 0, SPLASH_MIN_LENGTH: 1}

@@ -46,6 +46,8 @@ class HRMConfig(Freezable):
     no_ACT_continue: bool = False
     loss_type: str = "stablemax_cross_entropy"  # | softmax_cross_entropy
     remat: bool = False  # jax.checkpoint the final (with-gradient) L- and H-updates, as TRMConfig.remat
+    attention: str = "auto"  # as TRMConfig.attention
+    recompute_mlp: bool = True  # as TRMConfig.recompute_mlp
 
 
 class HRM(RecursiveIO):

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.attention import attend, padded_length, padded_mask, splash_heads_major, tpu_form
+from models.attention import check as check_attention
 from models.flops import in_analysis
 
 RMS_EPS = 1e-5
@@ -83,10 +85,11 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-second, first], axis=-1)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, L, H, Dh]; cos/sin [L, Dh]; rotation done in float32, result in x's dtype."""
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, heads_first: bool = False) -> jax.Array:
+    """x [B, L, H, Dh] (heads_first: [B, H, L, Dh]); cos/sin [L, Dh]; rotation done in float32,
+    result in x's dtype."""
     x32 = x.astype(jnp.float32)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = (cos, sin) if heads_first else (cos[:, None, :], sin[:, None, :])
     return (x32 * c + rotate_half(x32) * s).astype(x.dtype)
 
 
@@ -150,6 +153,15 @@ def _swiglu_fused(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Arra
     return jnp.einsum("...f,fd->...d", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], down)
 
 
+def recomputed(fn: Callable, recompute: bool) -> Callable:
+    """`fn` whose backward pass recomputes its intermediates from its inputs rather than keeping
+    them (`jax.checkpoint`, nothing saved) when `recompute` (arch.recompute_mlp); as it is in the
+    analysis compile, whose FLOPs must be the formula's."""
+    if not recompute or in_analysis():
+        return fn
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 def _swiglu_rows(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """SwiGLU over x's last axis as 2-D products on its rows, gate and up apart (CPU). A sharded
     batch axis comes first, so each shard stays one block of rows."""
@@ -209,11 +221,13 @@ class SwiGLU(nn.Module):
     dim: int
     expansion: float
     dtype: jnp.dtype = jnp.bfloat16
+    recompute: bool = False  # the TPU/GPU form's backward recomputes it (`recomputed`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.dim, self.expansion, "embed", self.dtype)
-        return jax.lax.platform_dependent(x, gate_up, down, cpu=_swiglu_rows, default=_swiglu_fused)
+        return jax.lax.platform_dependent(x, gate_up, down, cpu=_swiglu_rows,
+                                          default=recomputed(_swiglu_fused, self.recompute))
 
 
 class SequenceMixer(nn.Module):
@@ -225,20 +239,22 @@ class SequenceMixer(nn.Module):
     expansion: float
     dtype: jnp.dtype = jnp.bfloat16
     eps: float = RMS_EPS
+    recompute: bool = False  # as SwiGLU.recompute (the transposes and the norm with it)
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.length, self.expansion, "length", self.dtype)
+        tpu = recomputed(functools.partial(_mix_sequence_transposed, eps=self.eps), self.recompute)
         return jax.lax.platform_dependent(h, gate_up, down, cpu=functools.partial(_mix_sequence_major, eps=self.eps),
-                                          default=functools.partial(_mix_sequence_transposed, eps=self.eps))
+                                          default=tpu)
 
 
 class Attention(nn.Module):
     """Non-causal multi-head attention, fused qkv (kv heads == heads), no biases.
 
     Unmasked by default; an optional bool `mask` [T, T] (True = may attend, e.g.
-    `local_global_mask`) sets the disallowed float32 scores to the float32 minimum before the
-    softmax (every row must allow at least one key).
+    `local_global_mask`; every row must allow at least one key). `impl`: the form of the
+    attention itself (models/attention.py: xla, splash, dot_product, or auto).
 
     The qkv kernel is [embed, 3, heads, head_dim] (the reference's [3*H*Dh, D] transposed and
     reshaped in the same order), the output kernel [heads, head_dim, embed].
@@ -247,6 +263,7 @@ class Attention(nn.Module):
     hidden: int
     heads: int
     dtype: jnp.dtype = jnp.bfloat16
+    impl: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
@@ -257,16 +274,43 @@ class Attention(nn.Module):
                            (self.hidden, 3, self.heads, head_dim))
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
-        q, k, v = jax.lax.platform_dependent(x, qkv_w.astype(self.dtype), cpu=_qkv_rows, default=_qkv_fused)
-        if cos_sin is not None:
-            cos, sin = cos_sin
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * (head_dim ** -0.5)
-        if mask is not None:
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return jax.lax.platform_dependent(y, out_w.astype(self.dtype), cpu=_attn_out_rows, default=_attn_out_fused)
+
+        def form(name: str) -> Callable:
+            if name == "splash":
+                return lambda x, qkv_w, out_w: _splash_attention(x, qkv_w, out_w, cos_sin, mask)
+            return lambda x, qkv_w, out_w: _attention_rows_major(x, qkv_w, out_w, cos_sin, mask, name)
+
+        impl = "xla" if self.is_initializing() else check_attention(self.impl)  # init: shapes only
+        args = (x, qkv_w.astype(self.dtype), out_w.astype(self.dtype))
+        if impl == "auto":  # chosen where the step is lowered (models/attention.py)
+            return jax.lax.platform_dependent(*args, tpu=form(tpu_form(x.shape[1])), cuda=form("dot_product"),
+                                              rocm=form("dot_product"), default=form("xla"))
+        return form(impl)(*args)
+
+
+def _attention_rows_major(x, qkv_w, out_w, cos_sin: CosSin, mask: Mask, impl: str) -> jax.Array:
+    """q, k, v as [B, T, H, Dh] (the xla and dot_product forms)."""
+    q, k, v = jax.lax.platform_dependent(x, qkv_w, cpu=_qkv_rows, default=_qkv_fused)
+    if cos_sin is not None:
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    y = attend(q, k, v, mask, impl=impl)
+    return jax.lax.platform_dependent(y, out_w, cpu=_attn_out_rows, default=_attn_out_fused)
+
+
+def _splash_attention(x, qkv_w, out_w, cos_sin: CosSin, mask: Mask) -> jax.Array:
+    """The splash form end to end heads-major: the sequence padded once (x and the rope tables),
+    q, k, v projected straight to [B, H, P, Dh] and the output projected from it; no transposes
+    of q, k, v or y (on TPU such copies cost more than the attention itself)."""
+    length = x.shape[1]
+    padded = padded_length(length)
+    qkv = jnp.einsum("bld,dthk->tbhlk", jnp.pad(x, ((0, 0), (0, padded - length), (0, 0))), qkv_w)
+    q, k, v = qkv[0] * jnp.asarray(qkv_w.shape[-1] ** -0.5, qkv.dtype), qkv[1], qkv[2]
+    if cos_sin is not None:
+        cos, sin = (jnp.pad(t, ((0, padded - length), (0, 0))) for t in cos_sin)
+        q, k = apply_rope(q, cos, sin, heads_first=True), apply_rope(k, cos, sin, heads_first=True)
+    y = splash_heads_major(q, k, v, padded_mask(mask, length))
+    return jnp.einsum("bhlk,hkd->bld", y, out_w)[:, :length]
 
 
 class Block(nn.Module):
@@ -279,16 +323,19 @@ class Block(nn.Module):
     mlp_t: bool = False
     dtype: jnp.dtype = jnp.bfloat16
     eps: float = RMS_EPS
+    attention: str = "xla"
+    recompute_mlp: bool = False
 
     @nn.compact
     def __call__(self, h: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         if self.mlp_t:
             if mask is not None:
                 raise ValueError("an attention mask needs the attention token mixer (mlp_t=False)")
-            h = SequenceMixer(self.total_len, self.expansion, self.dtype, self.eps, name="mlp_t")(h)
+            h = SequenceMixer(self.total_len, self.expansion, self.dtype, self.eps, self.recompute_mlp, name="mlp_t")(h)
         else:
-            h = rms_norm(h + Attention(self.hidden, self.heads, self.dtype, name="attn")(h, cos_sin, mask), self.eps)
-        return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, name="mlp")(h), self.eps)
+            attn = Attention(self.hidden, self.heads, self.dtype, self.attention, name="attn")
+            h = rms_norm(h + attn(h, cos_sin, mask), self.eps)
+        return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, self.recompute_mlp, name="mlp")(h), self.eps)
 
 
 class ReasoningNet(nn.Module):
@@ -301,13 +348,15 @@ class ReasoningNet(nn.Module):
     total_len: int
     mlp_t: bool = False
     dtype: jnp.dtype = jnp.bfloat16
+    attention: str = "xla"  # models/attention.py
+    recompute_mlp: bool = False  # SwiGLU.recompute
 
     @nn.compact
     def __call__(self, h: jax.Array, inj: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         h = h + inj
         for i in range(self.layers):
             h = Block(self.hidden, self.heads, self.expansion, self.total_len, self.mlp_t, self.dtype,
-                      name=f"block_{i}")(h, cos_sin, mask)
+                      attention=self.attention, recompute_mlp=self.recompute_mlp, name=f"block_{i}")(h, cos_sin, mask)
         return h
 
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from models.attention import IMPLEMENTATIONS
 from models.flops import attention_core, matmul, swiglu, trained
 from models.layers import check_at_least, check_dtype_names, check_heads
 from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
@@ -160,11 +161,15 @@ def validate(arch: Any) -> None:
     if not arch.expansion > 0 or not 0 <= arch.halt_exploration_prob <= 1:
         raise UserError(f"arch.expansion={arch.expansion} must be > 0 and arch.halt_exploration_prob="
                         f"{arch.halt_exploration_prob} in [0, 1]")
+    if arch.attention not in IMPLEMENTATIONS:
+        raise UserError(f"arch.attention={arch.attention!r} is not one of {list(IMPLEMENTATIONS)}")
     window = getattr(arch, "attention_window", None)
     if window is not None and (window < 1 or window % 2 == 0 or arch.mlp_t):
         raise UserError(f"arch.attention_window={window} must be a positive odd side length, with arch.mlp_t=false "
                         "(the attention variant); or null for full attention")
 
 
-register_model_family(ModelFamily("trm", TRMConfig, build_task, validate, compute_dtype="forward_dtype"))
-register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate, compute_dtype="forward_dtype"))
+register_model_family(ModelFamily("trm", TRMConfig, build_task, validate, compute_dtype="forward_dtype",
+                                  forms=("attention", "recompute_mlp")))
+register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate, compute_dtype="forward_dtype",
+                                  forms=("attention", "recompute_mlp")))

@@ -78,6 +78,13 @@ class TRMConfig(Freezable):
     # grid cells attend only cells within it, prefix tokens attend / are attended by all. None = full.
     attention_window: Optional[int] = None
     grid_width: Optional[int] = None  # grid columns for attention_window; None = sqrt(seq_len) (square grids)
+    # Attention variant only: the attention's form (models/attention.py): auto (the platform's:
+    # splash on TPU, dot_product on GPU, xla on CPU) | xla | splash | dot_product. Same values.
+    attention: str = "auto"
+    # On TPU/GPU, the backward pass recomputes each SwiGLU (the channel MLP, the mlp_t mixer with
+    # its transposes and norm) from its input rather than keeping its intermediates: the same
+    # values, less HBM traffic (exp02a/L6 on v4-64: 138.8 -> 109.5 ms by the compile-only estimate).
+    recompute_mlp: bool = True
 
 
 @flax.struct.dataclass
@@ -227,6 +234,7 @@ class RecursiveIO(nn.Module):
         cfg = self.cfg
         return ReasoningNet(layers=layers, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
                             total_len=self.total_len, mlp_t=getattr(cfg, "mlp_t", False), dtype=self.dtype,
+                            attention=getattr(cfg, "attention", "xla"), recompute_mlp=getattr(cfg, "recompute_mlp", False),
                             parent=None)
 
 
@@ -254,8 +262,7 @@ class TRM(RecursiveIO):
         if carry is None:
             carry = self.initial_carry(x.shape[0])
         cos_sin = self._cos_sin()
-        mask = self.attention_mask()
-        mask = None if mask is None else jnp.asarray(mask)
+        mask = self.attention_mask()  # numpy: a constant of every trace (the splash kernel is built from it)
         net_def = self._net_def(cfg.L_layers)
         params = self._net_params("L_level", net_def, (carry.z_L, carry.z_H + x), cos_sin, mask)
         if self.is_initializing():  # parameters exist now; skip the recursion (cheaper init compile)

@@ -1,0 +1,221 @@
+"""Non-causal multi-head attention in one of three forms (`arch.attention`), same semantics:
+softmax(q k^T / sqrt(head_dim), masked) v, over [batch, length, heads, head_dim] activations.
+
+  xla          the scores written out: float32 [B, H, T, T], masked with float32's minimum, softmax
+               in float32, probabilities cast to the compute dtype for the product with v. Every
+               platform runs it; on TPU the scores and the probabilities saved for the backward
+               pass are most of a long sequence's step time.
+  splash       jax's Pallas TPU kernel (jax.experimental.pallas.ops.tpu.splash_attention): scores
+               only block by block in VMEM, blocks the mask leaves empty skipped. The sequence is
+               padded to a multiple of 128 (padded keys masked; a padded query sees only itself
+               and is dropped). Under a mesh it runs per shard (shard_map over the batch and head
+               axes). Where the step is lowered for CPU it runs in Pallas' interpret mode (tests).
+  dot_product  jax.nn.dot_product_attention: on GPU, XLA's cuDNN fused attention where cuDNN
+               takes the shapes; elsewhere its XLA form.
+  auto         chosen where the step is lowered (jax.lax.platform_dependent, so a compile for a TPU
+               topology on a CPU host gets the TPU choice): on TPU splash from SPLASH_MIN_LENGTH
+               tokens, xla below (the padding and the heads-major copies cost more than the scores
+               save: Sudoku's 97 tokens, 16.4 ms xla vs 21.0 ms splash by the v4-64 estimate); on
+               GPU dot_product; elsewhere xla.
+
+The splash kernels declare no cost, so `price_splash` gives runtime/hlo_cost.py the FLOPs and HBM
+bytes of each (from the blocks of the mask it visits) for the compile-only estimate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("auto", "xla", "splash", "dot_product")
+SPLASH_MIN_LENGTH = 512
+PAD_MULTIPLE = 128  # splash's smallest block
+
+
+def tpu_form(length: int) -> str:
+    """What arch.attention=auto runs on TPU for a sequence of `length` tokens."""
+    return "splash" if length >= SPLASH_MIN_LENGTH else "xla"
+
+
+def check(impl: str) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {impl!r} is not one of {IMPLEMENTATIONS}")
+    return impl
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.ndarray] = None, *,
+           impl: str = "xla", interpret: bool = False) -> jax.Array:
+    """q, k, v [B, T, H, Dh] -> [B, T, H, Dh] in v's dtype. `mask`: bool [T, T] (True = may attend;
+    every row allows at least one key), a constant (numpy)."""
+    if check(impl) == "auto":
+        form = lambda name: lambda q, k, v: attend(q, k, v, mask, impl=name)  # noqa: E731
+        return jax.lax.platform_dependent(q, k, v, tpu=form(tpu_form(q.shape[1])), cuda=form("dot_product"),
+                                          rocm=form("dot_product"), default=form("xla"))
+    if impl == "splash":
+        return splash_attention(q, k, v, mask, interpret=interpret)
+    if impl == "dot_product":
+        return jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else jnp.asarray(mask)[None, None])
+    return xla_attention(q, k, v, mask)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.ndarray] = None) -> jax.Array:
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+
+# ---------------------------------------------------------------- splash (Pallas, TPU)
+
+def padded_length(length: int) -> int:
+    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def block_size(padded: int) -> int:
+    """The largest of 512, 256, 128 that divides the padded length."""
+    return next(b for b in (512, 256, 128) if padded % b == 0)
+
+
+def padded_mask(mask: Optional[np.ndarray], length: int) -> np.ndarray:
+    """bool [P, P]: `mask` (None: all True) on the first `length` rows and columns; a padded query
+    attends only to itself (its row is dropped), no real query sees a padded key."""
+    padded = padded_length(length)
+    out = np.zeros((padded, padded), dtype=bool)
+    out[:length, :length] = True if mask is None else np.asarray(mask, dtype=bool)
+    pad = np.arange(length, padded)
+    out[pad, pad] = True
+    return out
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """The (q block, kv block) pairs a splash kernel visits for one head of one batch row."""
+    padded: int
+    block: int
+    visited: int  # pairs with any True in the mask (the kernel skips the others)
+
+
+def block_stats(mask: np.ndarray) -> BlockStats:
+    padded = mask.shape[0]
+    block = block_size(padded)
+    n = padded // block
+    visited = int(mask.reshape(n, block, n, block).any(axis=(1, 3)).sum())
+    return BlockStats(padded, block, visited)
+
+
+# Visited-block statistics of the splash kernels traced in this process, by (padded length,
+# head_dim): what `price_splash` needs to price a kernel it finds in a compiled step.
+KernelCosts: dict[tuple[int, int], BlockStats] = {}
+
+# Per visited (q block, kv block) pair, 2 x the [block, Dh] x [Dh, block]-sized products each kernel
+# does: forward s = q k^T, o += p v; dq: s again, dp = do v^T, dq += ds k; dkv: s and dp again,
+# dv += p^T do, dk += ds^T q.
+SPLASH_PRODUCTS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+_LANES = 128  # splash keeps each query row's softmax statistics lane-broadcast: float32 [.., P, 128]
+_ITEM = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def price_splash(name: str, types: str) -> tuple[float, float] | None:
+    """(FLOPs, HBM bytes) of one run of a splash kernel (instruction `name`, output `types` of a
+    compiled TPU step): its products over the visited blocks; q, k, v and do read once per visited
+    block where a kernel streams them (the rest once), the softmax statistics, and its outputs."""
+    from runtime.hlo_cost import _bytes
+
+    kind = next((k for k in SPLASH_PRODUCTS if name.startswith(k)), None)
+    found = []
+    for dtype, dims in re.findall(r"\b(bf16|f16|f32)\[([\d,]+)\]", types):
+        *lead, length, head_dim = (int(d) for d in dims.split(","))
+        if lead and (length, head_dim) in KernelCosts:  # [(batch,) heads, P, Dh]: the batch is gone when 1
+            found.append((dtype, math.prod(lead), KernelCosts[(length, head_dim)], head_dim))
+    if kind is None or not found:
+        return None
+    dtype, rows, stats, head_dim = found[0]
+    item, length, block, visited = _ITEM[dtype], stats.padded, stats.block, stats.visited
+    flops = rows * visited * SPLASH_PRODUCTS[kind] * 2 * block * block * head_dim
+    row_stats = length * _LANES * 4
+    streamed = visited * block * head_dim * item * 2  # the other side's two operands, per visited block
+    reads = {"splash_mha_fwd": length * head_dim * item + streamed,  # q; k, v streamed
+             "splash_mha_dq": 2 * length * head_dim * item + 2 * row_stats + streamed,  # q, do, stats; k, v
+             "splash_mha_dkv": 2 * length * head_dim * item + streamed + 2 * visited * block * _LANES * 4}[kind]
+    return float(flops), float(rows * reads + _bytes(types))
+
+
+def _register_pricing() -> None:
+    from runtime.hlo_cost import PRICED_KERNELS
+
+    PRICED_KERNELS["splash_mha_"] = price_splash
+
+
+_register_pricing()
+
+
+_kernels: dict[tuple, object] = {}  # one splash kernel per mask, length, heads and mode (its mask info is built once)
+
+
+def _splash_kernel(mask: np.ndarray, heads: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    key = (hashlib.sha1(mask.tobytes()).hexdigest(), mask.shape[0], heads, interpret)
+    if key not in _kernels:
+        b = block_size(mask.shape[0])
+        sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+        head_mask = sm.FullMask(mask.shape) if mask.all() else sm.NumpyMask(mask)
+        with jax.ensure_compile_time_eval():  # its mask arrays concrete, whatever trace asked first (it is kept)
+            _kernels[key] = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * heads), block_sizes=sizes,
+                                               head_shards=1, q_seq_shards=1, interpret=interpret)
+    return _kernels[key]
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.ndarray] = None, *,
+                     interpret: bool = False) -> jax.Array:
+    """The splash form on [B, T, H, Dh] activations (see the module docstring): heads-major and
+    padded for `splash_heads_major`, and back."""
+    _, length, _, head_dim = q.shape
+    padded = padded_length(length)
+
+    def heads_major(x):
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, padded - length), (0, 0)))
+
+    out = splash_heads_major(heads_major(q * jnp.asarray(head_dim ** -0.5, q.dtype)), heads_major(k), heads_major(v),
+                             padded_mask(mask, length), interpret=interpret)
+    return jnp.swapaxes(out[:, :, :length], 1, 2).astype(v.dtype)
+
+
+def splash_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarray, *,
+                       interpret: bool = False) -> jax.Array:
+    """softmax(q k^T, masked) v on heads-major [B, H, P, Dh] (q already scaled; P a multiple of
+    128, `mask` bool [P, P] from `padded_mask`). `interpret`: Pallas' interpreter wherever the step
+    is lowered (tests); else the Mosaic kernel on TPU and the interpreter elsewhere."""
+    stats = block_stats(mask)
+    KernelCosts[(stats.padded, q.shape[-1])] = stats
+
+    def run(interpreted: bool):
+        def per_shard(q, k, v):  # [b, H_local, P, Dh]
+            return jax.vmap(_splash_kernel(mask, q.shape[1], interpreted))(q, k, v)
+        return lambda q, k, v: _per_shard(per_shard, q, k, v)
+
+    if interpret:
+        return run(True)(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, tpu=run(False), default=run(True))
+
+
+def _per_shard(fn, *args):
+    """`fn` on each shard of [B, H, P, Dh] arrays, batch and heads split as the logical-axis table
+    says (a Pallas call is not partitioned by XLA); directly when no mesh is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return fn(*args)
+    from runtime.sharding import logical_spec
+
+    spec = logical_spec(("batch", "heads", None, None), mesh, args[0].shape)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)
