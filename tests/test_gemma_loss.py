@@ -106,3 +106,29 @@ def test_chunked_matches_plain_sharded():
     np.testing.assert_allclose(lc, lp, rtol=1e-6)
     np.testing.assert_allclose(ghc, ghp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gec, gep, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loss_chunk_is_per_batch_device(monkeypatch):
+    """arch.loss_chunk_size counts tokens on each device the batch is split over: in a step
+    traced on a mesh of 4 batch devices a chunk holds 4 times as many of the flattened tokens."""
+    import flax.linen as nn
+
+    from models.gemma import task as gemma_task
+    from models.gemma.config import GemmaConfig
+    from runtime.sharding import activation_rules, make_mesh
+
+    seen = []
+    monkeypatch.setattr(gemma_task, "cross_entropy", lambda *a, chunk_size, **k: seen.append(chunk_size) or (
+        jnp.zeros(()), {"tokens": jnp.zeros((), jnp.int32), "correct": jnp.zeros((), jnp.int32)}))
+    task = gemma_task.GemmaTask(GemmaConfig(num_layers=1, embed_dim=16, hidden_dim=32, num_heads=2, num_kv_heads=1,
+                                            head_dim=8, vocab_size=64, dtype="float32", loss_chunk_size=32))
+    batch = {"inputs": jnp.zeros((8, 16), jnp.int32), "labels": jnp.zeros((8, 16), jnp.int32)}
+    params = nn.meta.unbox(jax.eval_shape(task.init, jax.random.key(0), batch))
+
+    def sums(p):
+        with activation_rules(make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, jax.devices()[:8])):
+            return task.eval_sums(p, batch)
+
+    jax.eval_shape(sums, params)
+    jax.eval_shape(task.eval_sums, params, batch)  # no mesh: the tokens of this one device
+    assert seen == [32 * 4, 32]

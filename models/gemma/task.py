@@ -32,6 +32,15 @@ PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
 
 
+def traced_batch_shards() -> int:
+    """Devices the batch is split over in the step being traced (its mesh, set by the train
+    step's activation rules); 1 outside one."""
+    from runtime.grad_accum import batch_shards
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else batch_shards(mesh)
+
+
 class GemmaTask(Task):
     def __init__(self, cfg: GemmaConfig, packed: bool = False):
         self.cfg = cfg
@@ -52,7 +61,8 @@ class GemmaTask(Task):
                                   return_hidden=True)
         embedding = params["embedder"]["input_embedding"].astype(dtype_from_name(self.cfg.dtype))
         loss_sum, stats = cross_entropy(hidden, embedding, batch["labels"], kind=self.cfg.loss,
-                                        chunk_size=self.cfg.loss_chunk_size, softcap=self.cfg.final_logit_softcap,
+                                        chunk_size=self.cfg.loss_chunk_size * traced_batch_shards(),
+                                        softcap=self.cfg.final_logit_softcap,
                                         vocab_in_use=self.cfg.vocab_in_use)
         return {"loss_sum": loss_sum, "tokens": stats["tokens"], "correct": stats["correct"]}
 
