@@ -335,6 +335,7 @@ def test_full_window_equals_no_mask():
     assert float(jnp.abs(o3[1] - o0[1]).max()) > 1e-4
 
 
+@pytest.mark.slow  # Pallas' interpreter inside the recursion
 def test_splash_form_of_the_windowed_trm_equals_xla():
     """models/attention.py's splash kernel (Pallas' interpreter on CPU) inside the recursion (the
     mask a constant of the scanned network), with a gradient through the cycle: equal to XLA's form."""

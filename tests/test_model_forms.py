@@ -43,6 +43,7 @@ def assert_same(got, want, rtol=2e-5):
         assert float(jnp.abs(a - b).max()) <= rtol * scale, (float(jnp.abs(a - b).max()), scale)
 
 
+@pytest.mark.slow  # Pallas' interpreter: seconds a call
 @pytest.mark.parametrize("window", [3, None], ids=["local-window", "full"])
 def test_splash_and_dot_product_equal_the_xla_form(window):
     params, x, cos_sin, mask = inputs(2, window)
@@ -55,6 +56,7 @@ def test_splash_and_dot_product_equal_the_xla_form(window):
                                                                                           None)[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.devices(4)
 def test_splash_on_a_mesh_runs_per_shard():
     """The batch split over data=4 (a Pallas call is not partitioned by XLA): shard_map gives each
