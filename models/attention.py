@@ -12,8 +12,8 @@ softmax(q k^T / sqrt(head_dim), masked) v, over [batch, length, heads, head_dim]
                axes). Where the step is lowered for CPU it runs in Pallas' interpret mode (tests).
   dot_product  jax.nn.dot_product_attention: on GPU, XLA's cuDNN fused attention where cuDNN
                takes the shapes; elsewhere its XLA form.
-  auto         chosen where the step is lowered (jax.lax.platform_dependent, so a compile for a TPU
-               topology on a CPU host gets the TPU choice): on TPU splash from SPLASH_MIN_LENGTH
+  auto         chosen for the platform the step is lowered for (models/layers.py `for_platform`, so a
+               compile for a TPU topology on a CPU host gets the TPU choice): on TPU splash from SPLASH_MIN_LENGTH
                tokens, xla below (the padding and the heads-major copies cost more than the scores
                save: Sudoku's 97 tokens, 16.4 ms xla vs 21.0 ms splash by the v4-64 estimate); on
                GPU dot_product; elsewhere xla.
@@ -33,6 +33,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models.layers import for_platform
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "dot_product")
 SPLASH_MIN_LENGTH = 512
@@ -56,8 +58,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.ndarray] 
     every row allows at least one key), a constant (numpy)."""
     if check(impl) == "auto":
         form = lambda name: lambda q, k, v: attend(q, k, v, mask, impl=name)  # noqa: E731
-        return jax.lax.platform_dependent(q, k, v, tpu=form(tpu_form(q.shape[1])), cuda=form("dot_product"),
-                                          rocm=form("dot_product"), default=form("xla"))
+        return for_platform(q, k, v, tpu=form(tpu_form(q.shape[1])), cuda=form("dot_product"),
+                            rocm=form("dot_product"), default=form("xla"))
     if impl == "splash":
         return splash_attention(q, k, v, mask, interpret=interpret)
     if impl == "dot_product":
@@ -206,7 +208,7 @@ def splash_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarra
 
     if interpret:
         return run(True)(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, tpu=run(False), default=run(True))
+    return for_platform(q, k, v, tpu=run(False), default=run(True))
 
 
 def _per_shard(fn, *args):

@@ -14,6 +14,24 @@ from runtime.task import AUTO_DTYPE, platform_compute_dtype
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def traced_platform() -> str:
+    """The platform a step is traced for: its mesh's (the train step sets it, runtime/sharding.py
+    `activation_rules`; a compile for a TPU topology on a CPU host is "tpu"), else the default
+    backend's (a model applied outside a train step is lowered there)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = None if mesh.empty else getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    return platform or jax.default_backend()
+
+
+def for_platform(*args, default, **forms):
+    """`forms[platform](*args)` (cpu=, tpu=, cuda=, rocm=) for the platform the step is traced
+    for (`traced_platform`), else `default(*args)`: only that form is traced and compiled."""
+    platform = traced_platform()
+    if platform == "gpu":
+        platform = next((p for p in ("cuda", "rocm") if p in forms), platform)
+    return forms.get(platform, default)(*args)
+
+
 def dtype_from_name(name: str):
     """A config's dtype name ("bfloat16") -> the jnp dtype; "auto" (a compute dtype the runtime
     did not resolve: a model built directly) -> the default backend's; ValueError naming the

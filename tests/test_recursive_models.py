@@ -468,19 +468,29 @@ def test_accelerator_and_cpu_forms_of_each_product_agree(form):
 
 
 def test_each_platform_lowers_its_own_form():
-    """A step lowered for a TPU topology on this CPU host takes the TPU form (one fused gate/up
-    product, no optimization barrier); lowered for the CPU, the CPU form."""
+    """A step traced on a TPU topology's mesh on this CPU host (as the train step is: its
+    activation rules set the mesh) takes the TPU form (one fused gate/up product, no optimization
+    barrier); on a CPU mesh, or outside a mesh here, the CPU form."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from runtime.compile_only import topology_devices
+    from runtime.sharding import activation_rules, make_mesh
 
     block = Block(hidden=32, heads=4, expansion=2.0, total_len=SEQ, mlp_t=True, dtype=jnp.float32)
     h = jnp.zeros((8, SEQ, 32), jnp.float32)
     params = jax.eval_shape(block.init, jax.random.key(0), h)
-    apply = lambda p, x: block.apply(p, x)  # noqa: E731
-    cpu_text = jax.jit(apply).lower(params, h).as_text()
+
+    def on(mesh):
+        def apply(p, x):
+            with activation_rules(mesh):
+                return block.apply(p, x)
+        return apply
+
     _, _, devices = topology_devices("v5e-8")
-    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-    tpu_text = jax.jit(apply, in_shardings=(NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))),
-                       ).lower(params, jax.ShapeDtypeStruct(h.shape, h.dtype)).as_text()
+    mesh = make_mesh({"data": 8, "fsdp": 1, "tensor": 1}, list(devices))
+    shardings = (NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data")))
+    tpu_text = jax.jit(on(mesh), in_shardings=shardings).lower(params, jax.ShapeDtypeStruct(h.shape, h.dtype)).as_text()
+    cpu_text = jax.jit(on(make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1]))).lower(params, h).as_text()
+    bare_text = jax.jit(lambda p, x: block.apply(p, x)).lower(params, h).as_text()
+    assert "optimization_barrier" in bare_text
     assert "optimization_barrier" in cpu_text and "optimization_barrier" not in tpu_text

@@ -30,6 +30,7 @@ import numpy as np
 from models.attention import attend, padded_length, padded_mask, splash_heads_major, tpu_form
 from models.attention import check as check_attention
 from models.flops import in_analysis
+from models.layers import for_platform
 
 RMS_EPS = 1e-5
 
@@ -115,8 +116,8 @@ def local_global_mask(prefix: int, height: int, width: int, window: int) -> np.n
 
 # ---------------------------------------------------------------- modules
 
-# Two forms of each product, chosen when the step is lowered for its devices
-# (jax.lax.platform_dependent: a compile for a TPU topology on a CPU host gets the TPU form).
+# Two forms of each product, chosen for the devices the step is lowered for (models/layers.py
+# `for_platform`: a compile for a TPU topology on a CPU host gets the TPU form).
 # TPU and GPU: einsums over the natural layouts, gate and up (q, k and v) fused in one product,
 # the reference's transposed [B, D, L] for the sequence mixer; XLA lays them out itself.
 # CPU: plain 2-D matrix products with no transposed or sliced activation, forward or backward,
@@ -226,8 +227,7 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.dim, self.expansion, "embed", self.dtype)
-        return jax.lax.platform_dependent(x, gate_up, down, cpu=_swiglu_rows,
-                                          default=recomputed(_swiglu_fused, self.recompute))
+        return for_platform(x, gate_up, down, cpu=_swiglu_rows, default=recomputed(_swiglu_fused, self.recompute))
 
 
 class SequenceMixer(nn.Module):
@@ -245,8 +245,7 @@ class SequenceMixer(nn.Module):
     def __call__(self, h: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.length, self.expansion, "length", self.dtype)
         tpu = recomputed(functools.partial(_mix_sequence_transposed, eps=self.eps), self.recompute)
-        return jax.lax.platform_dependent(h, gate_up, down, cpu=functools.partial(_mix_sequence_major, eps=self.eps),
-                                          default=tpu)
+        return for_platform(h, gate_up, down, cpu=functools.partial(_mix_sequence_major, eps=self.eps), default=tpu)
 
 
 class Attention(nn.Module):
@@ -275,6 +274,7 @@ class Attention(nn.Module):
         out_w = self.param("out", nn.with_logical_partitioning(lecun_init(self.heads * head_dim), ("heads", "head_dim", "embed")),
                            (self.heads, head_dim, self.hidden))
 
+        @functools.cache  # one function per form: jax.lax.platform_dependent traces a shared one once
         def form(name: str) -> Callable:
             if name == "splash":
                 return lambda x, qkv_w, out_w: _splash_attention(x, qkv_w, out_w, cos_sin, mask)
@@ -283,19 +283,19 @@ class Attention(nn.Module):
         impl = "xla" if self.is_initializing() else check_attention(self.impl)  # init: shapes only
         args = (x, qkv_w.astype(self.dtype), out_w.astype(self.dtype))
         if impl == "auto":  # chosen where the step is lowered (models/attention.py)
-            return jax.lax.platform_dependent(*args, tpu=form(tpu_form(x.shape[1])), cuda=form("dot_product"),
-                                              rocm=form("dot_product"), default=form("xla"))
+            return for_platform(*args, tpu=form(tpu_form(x.shape[1])), cuda=form("dot_product"),
+                                rocm=form("dot_product"), default=form("xla"))
         return form(impl)(*args)
 
 
 def _attention_rows_major(x, qkv_w, out_w, cos_sin: CosSin, mask: Mask, impl: str) -> jax.Array:
     """q, k, v as [B, T, H, Dh] (the xla and dot_product forms)."""
-    q, k, v = jax.lax.platform_dependent(x, qkv_w, cpu=_qkv_rows, default=_qkv_fused)
+    q, k, v = for_platform(x, qkv_w, cpu=_qkv_rows, default=_qkv_fused)
     if cos_sin is not None:
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     y = attend(q, k, v, mask, impl=impl)
-    return jax.lax.platform_dependent(y, out_w, cpu=_attn_out_rows, default=_attn_out_fused)
+    return for_platform(y, out_w, cpu=_attn_out_rows, default=_attn_out_fused)
 
 
 def _splash_attention(x, qkv_w, out_w, cos_sin: CosSin, mask: Mask) -> jax.Array:
