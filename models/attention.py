@@ -24,6 +24,7 @@ bytes of each (from the blocks of the mask it visits) for the compile-only estim
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -46,6 +47,11 @@ def tpu_form(length: int) -> str:
     return "splash" if length >= SPLASH_MIN_LENGTH else "xla"
 
 
+def auto_forms(length: int) -> dict[str, str]:
+    """What arch.attention=auto runs, by platform (`for_platform`'s keywords)."""
+    return {"tpu": tpu_form(length), "cuda": "dot_product", "rocm": "dot_product", "default": "xla"}
+
+
 def check(impl: str) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention {impl!r} is not one of {IMPLEMENTATIONS}")
@@ -57,9 +63,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.ndarray] 
     """q, k, v [B, T, H, Dh] -> [B, T, H, Dh] in v's dtype. `mask`: bool [T, T] (True = may attend;
     every row allows at least one key), a constant (numpy)."""
     if check(impl) == "auto":
-        form = lambda name: lambda q, k, v: attend(q, k, v, mask, impl=name)  # noqa: E731
-        return for_platform(q, k, v, tpu=form(tpu_form(q.shape[1])), cuda=form("dot_product"),
-                            rocm=form("dot_product"), default=form("xla"))
+        forms = {p: functools.partial(attend, mask=mask, impl=name) for p, name in auto_forms(q.shape[1]).items()}
+        return for_platform(q, k, v, **forms)
     if impl == "splash":
         return splash_attention(q, k, v, mask, interpret=interpret)
     if impl == "dot_product":
@@ -115,7 +120,7 @@ def block_stats(mask: np.ndarray) -> BlockStats:
 
 # Visited-block statistics of the splash kernels traced in this process, by (padded length,
 # head_dim): what `price_splash` needs to price a kernel it finds in a compiled step.
-KernelCosts: dict[tuple[int, int], BlockStats] = {}
+SPLASH_BLOCKS: dict[tuple[int, int], BlockStats] = {}
 
 # Per visited (q block, kv block) pair, 2 x the [block, Dh] x [Dh, block]-sized products each kernel
 # does: forward s = q k^T, o += p v; dq: s again, dp = do v^T, dq += ds k; dkv: s and dp again,
@@ -135,8 +140,8 @@ def price_splash(name: str, types: str) -> tuple[float, float] | None:
     found = []
     for dtype, dims in re.findall(r"\b(bf16|f16|f32)\[([\d,]+)\]", types):
         *lead, length, head_dim = (int(d) for d in dims.split(","))
-        if lead and (length, head_dim) in KernelCosts:  # [(batch,) heads, P, Dh]: the batch is gone when 1
-            found.append((dtype, math.prod(lead), KernelCosts[(length, head_dim)], head_dim))
+        if lead and (length, head_dim) in SPLASH_BLOCKS:  # [(batch,) heads, P, Dh]: the batch is gone when 1
+            found.append((dtype, math.prod(lead), SPLASH_BLOCKS[(length, head_dim)], head_dim))
     if kind is None or not found:
         return None
     dtype, rows, stats, head_dim = found[0]
@@ -199,7 +204,7 @@ def splash_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarra
     128, `mask` bool [P, P] from `padded_mask`). `interpret`: Pallas' interpreter wherever the step
     is lowered (tests); else the Mosaic kernel on TPU and the interpreter elsewhere."""
     stats = block_stats(mask)
-    KernelCosts[(stats.padded, q.shape[-1])] = stats
+    SPLASH_BLOCKS[(stats.padded, q.shape[-1])] = stats
 
     def run(interpreted: bool):
         def per_shard(q, k, v):  # [b, H_local, P, Dh]

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import attend, padded_length, padded_mask, splash_heads_major, tpu_form
+from models.attention import attend, auto_forms, padded_length, padded_mask, splash_heads_major
 from models.attention import check as check_attention
 from models.flops import in_analysis
 from models.layers import for_platform
@@ -282,9 +282,8 @@ class Attention(nn.Module):
 
         impl = "xla" if self.is_initializing() else check_attention(self.impl)  # init: shapes only
         args = (x, qkv_w.astype(self.dtype), out_w.astype(self.dtype))
-        if impl == "auto":  # chosen where the step is lowered (models/attention.py)
-            return for_platform(*args, tpu=form(tpu_form(x.shape[1])), cuda=form("dot_product"),
-                                rocm=form("dot_product"), default=form("xla"))
+        if impl == "auto":  # chosen for the step's platform (models/attention.py)
+            return for_platform(*args, **{p: form(name) for p, name in auto_forms(x.shape[1]).items()})
         return form(impl)(*args)
 
 
@@ -335,7 +334,8 @@ class Block(nn.Module):
         else:
             attn = Attention(self.hidden, self.heads, self.dtype, self.attention, name="attn")
             h = rms_norm(h + attn(h, cos_sin, mask), self.eps)
-        return rms_norm(h + SwiGLU(self.hidden, self.expansion, self.dtype, self.recompute_mlp, name="mlp")(h), self.eps)
+        mlp = SwiGLU(self.hidden, self.expansion, self.dtype, self.recompute_mlp, name="mlp")
+        return rms_norm(h + mlp(h), self.eps)
 
 
 class ReasoningNet(nn.Module):
