@@ -299,3 +299,43 @@ def test_auto_attention_compiled_for_tpu_is_splash_for_long_sequences_only(tpu):
                 return module.apply(p, x)
         kernels[length] = len(hlo_cost.kernels(compiled(jax, forward, params, x)[0]))
     assert kernels == {SPLASH_MIN_LENGTH - 1: 0, SPLASH_MIN_LENGTH: 1}
+
+
+@pytest.mark.slow
+def test_the_mlp_t_kernel_declares_its_products_and_auto_uses_it_on_tpu(tpu):
+    """arch.mixer=auto compiled for a TPU topology is the fused kernel (forward and backward, per
+    chip's batch shard), and each declares the FLOPs of its products with the sequence padded to
+    the MXU's 128: 3 products forward, 9 backward. The forward's against XLA's own count of its
+    einsum form: the same products, unpadded (the norm's few FLOPs per element aside)."""
+    jax, gen, mesh = tpu
+    jnp, P = jax.numpy, jax.P
+    from models.recursive_reasoning.layers import SequenceMixer
+    from runtime.sharding import activation_rules, make_mesh
+
+    chips, rows, length, features = 4, 2, 97, 256
+    mesh = make_mesh({"data": chips, "fsdp": 1, "tensor": 1}, list(mesh.devices.flat))
+    h = jax.ShapeDtypeStruct((chips * rows, length, features), jnp.bfloat16,
+                             sharding=jax.NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def grads(form):
+        module = SequenceMixer(length, 4.0, jnp.bfloat16, form=form)
+        params = jax.eval_shape(module.init, jax.random.key(0), h)
+
+        def loss(p, h):
+            with activation_rules(mesh):
+                return module.apply(p, h).astype(jnp.float32).sum()
+        return compiled(jax, jax.value_and_grad(loss, argnums=(0, 1)), params, h)[0], module, params
+
+    hlo, module, params = grads("auto")
+    inter = params["params"]["down"].value.shape[0]
+    calls = {k.flops for k in hlo_cost.kernels(hlo)}
+    per_product = 2 * rows * features * 128 * inter
+    assert calls == {3 * per_product, 9 * per_product}
+    assert "mlp_t_mixer_fwd" in hlo and "mlp_t_mixer_bwd" in hlo
+    assert not hlo_cost.kernels(grads("xla")[0])
+
+    def forward(p, h):
+        with activation_rules(mesh):
+            return module.clone(form="xla").apply(p, h)
+    xla_flops = compiled(jax, forward, params, h)[1]["flops"]
+    assert 3 * per_product * length / 128 == pytest.approx(xla_flops, rel=0.05)

@@ -1,9 +1,10 @@
 """Forms of the same computation in the recursive models, chosen for speed, equal to today's:
 the attention's splash (Pallas, in interpret mode on CPU) and dot_product forms against the XLA
 form in float32, values and gradients, with the sequence padded (97 -> 128), rope and a local
-window, and on a mesh (the kernel per shard); the SwiGLU and mlp_t mixer recomputed in the
-backward pass (arch.recompute_mlp) against their plain TPU forms in float64. The kernels' priced
-cost and auto's choice on a TPU topology: tests/test_hlo_cost.py."""
+window, and on a mesh (the kernel per shard); the mlp_t mixer's fused kernel (arch.mixer=pallas,
+interpret mode) against its XLA form in float32, on one device and per shard; the SwiGLU and
+mlp_t mixer recomputed in the backward pass (arch.recompute_mlp) against their plain TPU forms in
+float64. The kernels' priced cost and auto's choice on a TPU topology: tests/test_hlo_cost.py."""
 
 from __future__ import annotations
 
@@ -121,3 +122,71 @@ def test_recomputed_mlp_equals_the_plain_form_in_float64(form):
         tolerance = 1e-12 if form == "swiglu" else 1e-6
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tolerance, atol=tolerance)
+
+
+def mixer_and_grads(form: str, params, h):
+    from models.recursive_reasoning.layers import SequenceMixer
+
+    def loss(p, h):
+        z = SequenceMixer(h.shape[1], 4.0, jnp.float32, form=form).apply(p, h)
+        return (z * jnp.arange(1, h.shape[-1] + 1, dtype=jnp.float32)).sum() + (z ** 3).sum(), z
+
+    (_, z), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, h)
+    return z, grads
+
+
+def mixer_inputs(batch: int, features: int):
+    from models.recursive_reasoning.layers import SequenceMixer
+
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((batch, LENGTH, features)), jnp.float32)
+    return SequenceMixer(LENGTH, 4.0, jnp.float32, form="xla").init(jax.random.key(1), h), h
+
+
+@pytest.mark.slow  # Pallas' interpreter
+@pytest.mark.parametrize("batch", [3, 4], ids=["odd-batch", "two-halves"])
+def test_mixer_kernel_equals_the_xla_form(batch, monkeypatch):
+    """The fused mlp_t kernel (residual and norm inside) against XLA's products in float32, values
+    and the gradients of its weights and input: an odd batch (one grid half), an even one (two
+    halves, each with its own partial weight gradients, summed), and the feature columns in two
+    tiles (a smaller VMEM budget picks 128 of 256)."""
+    from models.recursive_reasoning import mixer_kernel
+
+    monkeypatch.setattr(mixer_kernel, "VMEM_BUDGET", 8 * 2 * 512 * 128 * 4)
+    params, h = mixer_inputs(batch, 256)
+    assert mixer_kernel._layout(h.shape, 512)[3:] == (128, 2)  # Sudoku's 97-token mixer is 512 wide
+    assert_same(mixer_and_grads("pallas", params, h), mixer_and_grads("xla", params, h))
+
+
+@pytest.mark.slow
+@pytest.mark.devices(4)
+def test_mixer_kernel_on_a_mesh_sums_its_weight_gradients_over_the_shards():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from runtime.sharding import activation_rules, make_mesh
+
+    params, h = mixer_inputs(8, 128)
+    want = mixer_and_grads("xla", params, h)
+    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 1})
+
+    def on_mesh(p, h):
+        with activation_rules(mesh):
+            return mixer_and_grads("pallas", p, h)
+
+    step = jax.jit(on_mesh)
+    sharded = jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp"))))
+    assert "sdy.manual_computation" in step.lower(params, sharded).as_text()
+    assert_same(step(params, sharded), want)
+
+
+def test_mixer_form_auto_is_xla_on_cpu_and_a_bad_name_is_refused():
+    from models.recursive_reasoning import mixer_kernel
+    from models.recursive_reasoning.layers import SequenceMixer
+
+    params, h = mixer_inputs(2, 32)
+    auto = SequenceMixer(LENGTH, 4.0, jnp.float32, form="auto").apply(params, h)
+    assert np.array_equal(np.asarray(auto), np.asarray(SequenceMixer(LENGTH, 4.0, jnp.float32).apply(params, h)))
+    # too wide for VMEM: auto keeps XLA's form (a 30x30 maze's 916-token mixer, 2560 wide)
+    assert mixer_kernel.column_tile(512, 256) == 256 and mixer_kernel.column_tile(512, 512) == 128
+    assert mixer_kernel.column_tile(512, 2560) is None
+    with pytest.raises(ValueError, match="not one of"):
+        SequenceMixer(LENGTH, 4.0, jnp.float32, form="fused").apply(params, h)

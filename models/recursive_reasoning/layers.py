@@ -31,6 +31,7 @@ from models.attention import attend, auto_forms, padded_length, padded_mask, spl
 from models.attention import check as check_attention
 from models.flops import in_analysis
 from models.layers import for_platform
+from models.recursive_reasoning import mixer_kernel
 
 RMS_EPS = 1e-5
 
@@ -233,19 +234,32 @@ class SwiGLU(nn.Module):
 class SequenceMixer(nn.Module):
     """The mlp_t token mixer with its residual norm: ``rms(h + SwiGLU over the sequence axis)``,
     normalised over the sequence axis; h is [B, L, D] (L = `length`, prefix included). Its
-    feature axis is the sequence ("length"), so its weights are a SwiGLU's on `length`."""
+    feature axis is the sequence ("length"), so its weights are a SwiGLU's on `length`. `form`:
+    xla (the products as einsums), pallas (one fused kernel, mixer_kernel.py) or auto (the kernel
+    on TPU where it fits, else xla); the same values up to rounding."""
 
     length: int
     expansion: float
     dtype: jnp.dtype = jnp.bfloat16
     eps: float = RMS_EPS
-    recompute: bool = False  # as SwiGLU.recompute (the transposes and the norm with it)
+    recompute: bool = False  # as SwiGLU.recompute (the transposes and the norm with it); the kernel always does
+    form: str = "xla"
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
         gate_up, down = _swiglu_weights(self, self.length, self.expansion, "length", self.dtype)
+        cpu = functools.partial(_mix_sequence_major, eps=self.eps)
         tpu = recomputed(functools.partial(_mix_sequence_transposed, eps=self.eps), self.recompute)
-        return for_platform(h, gate_up, down, cpu=functools.partial(_mix_sequence_major, eps=self.eps), default=tpu)
+        form = mixer_kernel.check(self.form)
+        if self.is_initializing() or in_analysis():  # shapes only; the analysis compile counts XLA's FLOPs
+            form = "xla"
+        if form == "pallas":  # the kernel; on any other platform Pallas' interpreter (tests)
+            kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
+            return for_platform(h, gate_up, down, tpu=kernel, default=functools.partial(kernel, interpret=True))
+        if form == "auto" and mixer_kernel.column_tile(h.shape[-1], down.shape[0]) is not None:
+            kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
+            return for_platform(h, gate_up, down, cpu=cpu, tpu=kernel, default=tpu)
+        return for_platform(h, gate_up, down, cpu=cpu, default=tpu)
 
 
 class Attention(nn.Module):
@@ -324,13 +338,15 @@ class Block(nn.Module):
     eps: float = RMS_EPS
     attention: str = "xla"
     recompute_mlp: bool = False
+    mixer: str = "xla"  # SequenceMixer.form
 
     @nn.compact
     def __call__(self, h: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         if self.mlp_t:
             if mask is not None:
                 raise ValueError("an attention mask needs the attention token mixer (mlp_t=False)")
-            h = SequenceMixer(self.total_len, self.expansion, self.dtype, self.eps, self.recompute_mlp, name="mlp_t")(h)
+            h = SequenceMixer(self.total_len, self.expansion, self.dtype, self.eps, self.recompute_mlp, self.mixer,
+                              name="mlp_t")(h)
         else:
             attn = Attention(self.hidden, self.heads, self.dtype, self.attention, name="attn")
             h = rms_norm(h + attn(h, cos_sin, mask), self.eps)
@@ -350,13 +366,15 @@ class ReasoningNet(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     attention: str = "xla"  # models/attention.py
     recompute_mlp: bool = False  # SwiGLU.recompute
+    mixer: str = "xla"  # SequenceMixer.form
 
     @nn.compact
     def __call__(self, h: jax.Array, inj: jax.Array, cos_sin: CosSin = None, mask: Mask = None) -> jax.Array:
         h = h + inj
         for i in range(self.layers):
             h = Block(self.hidden, self.heads, self.expansion, self.total_len, self.mlp_t, self.dtype,
-                      attention=self.attention, recompute_mlp=self.recompute_mlp, name=f"block_{i}")(h, cos_sin, mask)
+                      attention=self.attention, recompute_mlp=self.recompute_mlp, mixer=self.mixer,
+                      name=f"block_{i}")(h, cos_sin, mask)
         return h
 
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from models.attention import IMPLEMENTATIONS
+from models.recursive_reasoning.mixer_kernel import FORMS as MIXER_FORMS
 from models.flops import attention_core, matmul, swiglu, trained
 from models.layers import check_at_least, check_dtype_names, check_heads
 from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
@@ -163,6 +164,8 @@ def validate(arch: Any) -> None:
                         f"{arch.halt_exploration_prob} in [0, 1]")
     if arch.attention not in IMPLEMENTATIONS:
         raise UserError(f"arch.attention={arch.attention!r} is not one of {list(IMPLEMENTATIONS)}")
+    if getattr(arch, "mixer", "xla") not in MIXER_FORMS:
+        raise UserError(f"arch.mixer={arch.mixer!r} is not one of {list(MIXER_FORMS)}")
     window = getattr(arch, "attention_window", None)
     if window is not None and (window < 1 or window % 2 == 0 or arch.mlp_t):
         raise UserError(f"arch.attention_window={window} must be a positive odd side length, with arch.mlp_t=false "
@@ -170,6 +173,6 @@ def validate(arch: Any) -> None:
 
 
 register_model_family(ModelFamily("trm", TRMConfig, build_task, validate, compute_dtype="forward_dtype",
-                                  forms=("attention", "recompute_mlp")))
+                                  forms=("attention", "recompute_mlp", "mixer")))
 register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate, compute_dtype="forward_dtype",
                                   forms=("attention", "recompute_mlp")))

@@ -85,6 +85,9 @@ class TRMConfig(Freezable):
     # its transposes and norm) from its input rather than keeping its intermediates: the same
     # values, less HBM traffic (exp02a/L6 on v4-64: 138.8 -> 109.5 ms by the compile-only estimate).
     recompute_mlp: bool = True
+    # mlp_t variant only: the mixer's form (models/recursive_reasoning/mixer_kernel.py): auto (one
+    # fused Pallas kernel on TPU where it fits VMEM, else XLA's products) | xla | pallas. Same values.
+    mixer: str = "auto"
 
 
 @flax.struct.dataclass
@@ -235,7 +238,7 @@ class RecursiveIO(nn.Module):
         return ReasoningNet(layers=layers, hidden=cfg.hidden, heads=cfg.heads, expansion=cfg.expansion,
                             total_len=self.total_len, mlp_t=getattr(cfg, "mlp_t", False), dtype=self.dtype,
                             attention=getattr(cfg, "attention", "xla"), recompute_mlp=getattr(cfg, "recompute_mlp", False),
-                            parent=None)
+                            mixer=getattr(cfg, "mixer", "xla"), parent=None)
 
 
 class TRM(RecursiveIO):
