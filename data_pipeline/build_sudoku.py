@@ -148,6 +148,7 @@ def build_sudoku_dataset(
     num_aug: int = 0,
     min_givens: int = DEFAULT_MIN_GIVENS,
     seed: int = 0,
+    rebuild: bool = False,
 ) -> Path:
     """Write <output_dir>/{train,test} and identifiers.json; returns output_dir.
 
@@ -156,19 +157,22 @@ def build_sudoku_dataset(
     test_size: test puzzles to hold out or, for a folder, to keep from test.csv
     (default: 10% held out / the whole test.csv). subsample_size: train puzzles
     kept before augmentation. num_aug: augmented copies per train puzzle; the
-    test set is never augmented.
+    test set is never augmented. rebuild: replace an earlier build in output_dir
+    made with other parameters (else refused).
     """
     if (generate is None) == (source_csv is None):
         raise ValueError("pass exactly one of generate or source_csv")
     if num_aug < 0:
         raise ValueError(f"num_aug must be >= 0, got {num_aug}")
     output_dir = Path(output_dir)
-    build_target(str(output_dir), "build_sudoku")  # a folder that is not ours: refused before any work
+    wanted = {"generate": (generate, "--generate"), "source_csv": (source_csv, "--source-csv"),
+              "test_size": (test_size, "--test-size"), "subsample_size": (subsample_size, "--subsample-size"),
+              "num_aug": (num_aug, "--num-aug"), "min_givens": (min_givens, "--min-givens"), "seed": (seed, "--seed")}
+    # A folder that is not ours, or our set built with other options: refused before any work.
+    build_target(str(output_dir), "build_sudoku", wanted=wanted, rebuild=rebuild)
     rng = np.random.default_rng(seed)
     sources = _load_sources(rng, generate, None if source_csv is None else Path(source_csv), test_size, min_givens)
-    claim(str(output_dir), "build_sudoku", dict(generate=generate, source_csv=source_csv, test_size=test_size,
-                                                subsample_size=subsample_size, num_aug=num_aug, min_givens=min_givens,
-                                                seed=seed))
+    claim(str(output_dir), "build_sudoku", wanted, rebuild=rebuild)
 
     train_puzzles, train_solutions = sources["train"]
     keep = choose(rng, len(train_puzzles), subsample_size)
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-aug", type=int, default=0, help="augmented copies per train puzzle")
     parser.add_argument("--min-givens", type=int, default=DEFAULT_MIN_GIVENS, help="givens left in generated puzzles")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rebuild", action="store_true", help="replace a set built in --output-dir with other options")
     args = parser.parse_args(argv)
     check_args(args, _RULES, DatasetError)
     out = build_sudoku_dataset(
@@ -206,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         num_aug=args.num_aug,
         min_givens=args.min_givens,
         seed=args.seed,
+        rebuild=args.rebuild,
     )
     print(f"wrote {out}")
 

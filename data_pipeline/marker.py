@@ -4,7 +4,10 @@ Every builder (build_sudoku, build_maze, build_arc, build_sft) first `claim`s it
 it builds only into a folder that does not exist, is empty, or holds its own marker (an earlier
 build of the same builder, finished or interrupted). Any other folder is someone's data: the
 build is refused with one line and nothing in it is touched. The marker, `.podrunner-generated`
-(JSON: builder, parameters, started, finished), also says how the set was made.
+(JSON: builder, parameters, started, finished), also says how the set was made: an earlier build
+made with other parameters (finished, or its dataset.json gone) is rebuilt only when asked
+(`--rebuild`; a run's data.regenerate=true), else refused with one line naming the first that
+differs.
 """
 
 from __future__ import annotations
@@ -45,11 +48,14 @@ def read_marker(root: str) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def build_target(root: str, builder: str, missing: str | None = None, inputs: Sequence[str | None] = ()) -> str:
+def build_target(root: str, builder: str, missing: str | None = None, inputs: Sequence[str | None] = (),
+                 wanted: Mapping[str, tuple[Any, str]] | None = None, rebuild: bool = False) -> str:
     """Why `builder` may write into `root` ("does not exist", "is empty", "holds an earlier build
     of <builder>"), or a DatasetError naming the folder and the fix. `missing`: what a run found
     lacking there (e.g. "train/dataset.json"), for its message; `inputs`: the build's own source
-    files, which may sit in `root` (an SFT set's JSONL and tokenizer)."""
+    files, which may sit in `root` (an SFT set's JSONL and tokenizer). `wanted` (a builder's
+    parameters, each with its option, as `generated_difference` takes them): an earlier build of
+    `builder` made with other parameters is refused unless `rebuild`."""
     fs, base = _fs(root)
     if not fs.exists(base):
         if "://" not in str(root) and os.path.lexists(base):  # a link that leads nowhere: makedirs would fail late
@@ -58,12 +64,16 @@ def build_target(root: str, builder: str, missing: str | None = None, inputs: Se
         return ABSENT
     if not fs.isdir(base):
         raise DatasetError(f"{root} is a file, not a dataset folder; choose another path for the dataset")
-    own = {os.path.basename(str(p)) for p in inputs if p and os.path.dirname(os.path.abspath(str(p))) == os.path.abspath(base)}
-    entries = sorted(set(str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) - own)
+    entries = sorted(set(_names(fs, base)) - _own(base, inputs))
     if not entries:
         return "is empty"
     marker = read_marker(root)
     if marker is not None and marker.get("builder") == builder:
+        difference = None if wanted is None or rebuild else generated_difference(root, builder, wanted)
+        if difference:
+            raise DatasetError(f"--output-dir {root} holds a set {builder} built with other options: {difference}; "
+                               f"build with the options in its {MARKER}, choose a new --output-dir, or add --rebuild "
+                               "to replace that set")
         state = "a finished" if marker.get("finished") else "an unfinished"
         return f"holds {state} build of {builder} ({MARKER})"
     owner = f"a {marker.get('builder')} build, not {builder}" if marker else f"no {MARKER} marker"
@@ -74,6 +84,16 @@ def build_target(root: str, builder: str, missing: str | None = None, inputs: Se
                            "build a fresh set there")
     raise DatasetError(f"{root} already holds files ({shown}) and {owner}, so nothing is written there; choose a new "
                        "output folder, or empty this one first")
+
+
+def _names(fs, base: str) -> list[str]:
+    return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+
+
+def _own(base: str, inputs: Sequence[str | None]) -> set[str]:
+    """The names of the build's own source files that sit in `base`."""
+    return {os.path.basename(str(p)) for p in inputs
+            if p and os.path.dirname(os.path.abspath(str(p))) == os.path.abspath(base)}
 
 
 def run_build_target(root: str, builder: str, missing: str) -> str:
@@ -128,13 +148,19 @@ def remove_generated(root: str, builder: str) -> None:
     fs.rm(base, recursive=True)
 
 
-def claim(root: str, builder: str, parameters: Mapping[str, Any], inputs: Sequence[str | None] = ()) -> str:
-    """Check `root` may be built into (`build_target`), then write the marker (unfinished).
-    Returns the reason the folder could be used."""
-    reason = build_target(root, builder, inputs=inputs)
+def claim(root: str, builder: str, wanted: Mapping[str, tuple[Any, str]], inputs: Sequence[str | None] = (),
+          rebuild: bool = False) -> str:
+    """Check `root` may be built into (`build_target`), then write the marker (unfinished) with
+    the parameters of `wanted` (parameter -> (value, option)). With `rebuild`, an earlier build of
+    `builder` there is deleted first (but the build's `inputs`): nothing of it stays beside the
+    new one. Returns the reason the folder could be used."""
+    reason = build_target(root, builder, inputs=inputs, wanted=wanted, rebuild=rebuild)
     fs, base = _fs(root)
+    if rebuild and reason.startswith("holds"):
+        for name in set(_names(fs, base)) - _own(base, inputs):
+            fs.rm(f"{base}/{name}", recursive=True)
     fs.makedirs(base, exist_ok=True)
-    _write(fs, base, {"builder": builder, "parameters": {k: _plain(v) for k, v in parameters.items()},
+    _write(fs, base, {"builder": builder, "parameters": {k: _plain(v) for k, (v, _) in wanted.items()},
                       "started": _now(), "finished": None})
     return reason
 

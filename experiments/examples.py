@@ -28,6 +28,10 @@ if str(REPO_ROOT) not in sys.path:
 from experiments.compose import compose, local_overrides  # noqa: E402
 from experiments.programme import GROUPS  # noqa: E402
 from runtime.errors import UserError  # noqa: E402
+from runtime.ranges import Rule, at_least, check_args  # noqa: E402
+
+# Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
+_RULES: dict[str, Rule] = {"--steps": (at_least(1), "")}
 
 
 def tiny(steps: int) -> tuple[str, ...]:
@@ -91,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     SCALE = args.scale or ("smoke" if args.smoke else "local")
     steps = args.steps or (2 if args.smoke else 20)
     try:
+        check_args(args, _RULES, UserError)  # else every group fails on its own line
         known = list(GROUPS)
-    except UserError as e:  # a bad group.yaml
+    except UserError as e:  # a number out of range, a bad group.yaml
         print(f"error: {e}", file=sys.stderr)
         return 2
     unknown = [g for g in args.groups if g not in known]

@@ -4,8 +4,9 @@ A range rule is ((test, bound), meaning): `test(value)` says whether a value is 
 `bound` says the range in words (">= 1", "in [0, 1)"), `meaning` what the boundary value
 means ("0 = only at the end"). The Hydra schema's table is runtime/config.py `_RULES`; each
 command-line tool keeps its own table of its options (experiments/launch.py, the data
-builders, runtime/export.py) and checks it with `check_args` right after parsing, so a
-nonsense number is one line rather than a hang, a crash or a silently odd result.
+builders, runtime/export.py, experiments/examples.py) and checks it with `check_args` right after
+parsing, so a nonsense number (an infinite float included) is one line rather than a hang, a
+crash or a silently odd result.
 
 Names that become one component of a path (run.group, run.name, a split's folder) are checked
 by `check_name`: a bad one would write outside its root, beside another run, or break a gs://
@@ -15,6 +16,7 @@ URL or a shell command line.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -55,7 +57,9 @@ def check_args(args: argparse.Namespace, rules: Mapping[str, Rule], error: type[
         value = getattr(args, option.lstrip("-").replace("-", "_"), None)
         if value is None:
             continue
-        problem = range_problem(value, rule)
+        # nan fails every bound; inf passes an open one, and no tool can wait or count that long
+        infinite = isinstance(value, float) and math.isinf(value)
+        problem = "it must be a finite number" if infinite else range_problem(value, rule)
         if problem:
             raise error(f"{option} {value:g} is out of range: {problem}" if isinstance(value, float)
                         else f"{option} {value} is out of range: {problem}")

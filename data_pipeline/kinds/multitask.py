@@ -11,7 +11,9 @@ shared reasoning core (models/multitask.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -36,6 +38,23 @@ def task_data_configs(data: Any) -> dict[str, DataConfig]:
         out[key] = DataConfig(**fields, train_split=data.train_split, eval_split=data.eval_split,
                               eval_max_examples=eval_max)
     return out
+
+
+# A task's setting named in its kind's messages (data.generate_grid_size, data.regenerate=true,
+# data.generate_* values), not inside a path.
+_TASK_SETTING = re.compile(r"(?<![\w/.-])data\.(?=(?:%s)(?!\w))" % "|".join(
+    [f.name for f in dataclasses.fields(TaskDataConfig)] + [r"generate_\*"]))
+
+
+@contextmanager
+def as_task(task: str):
+    """A task's one-line errors name its own settings (data.tasks.<task>.regenerate=true), which
+    are what the user sets: the task's kind sees a plain DataConfig and says data.regenerate."""
+    try:
+        yield
+    except UserError as e:
+        e.args = (_TASK_SETTING.sub(f"data.tasks.{task}.", str(e)),)
+        raise
 
 
 def task_seed(seed: int, task: str) -> int:
@@ -160,12 +179,14 @@ class MultiTaskKind(DatasetKind):
         return _mixture(tasks, f"{len(tasks)} tasks: " + ", ".join(f"{t} seq_len {s.seq_len}" for t, s in tasks.items()))
 
     def ensure_built(self, data: Any) -> None:
-        for kind, d in self._each(data).values():
-            kind.ensure_built(d)
+        for t, (kind, d) in self._each(data).items():
+            with as_task(t):
+                kind.ensure_built(d)
 
     def preflight(self, data: Any, gcs: Any) -> None:
-        for kind, d in self._each(data).values():
-            kind.preflight(d, gcs)
+        for t, (kind, d) in self._each(data).items():
+            with as_task(t):
+                kind.preflight(d, gcs)
 
     def check_plan(self, data: Any, plan: Any, shape: DataShape) -> None:
         """Each task's rows per global batch add up, divide over the batch shards and fit its data."""

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from data_pipeline.build_sft import BUILDER
+from data_pipeline.build_sft import BUILDER, DEFAULT_VOCAB_SIZE
 from data_pipeline.marker import build_note, check_generated, remove_generated, run_build_target
 from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata, load_sft_split
@@ -69,7 +69,11 @@ class SFTKind(DatasetKind):
         wanted = {"generate_arithmetic": (data.generate_puzzles + data.generate_test_puzzles,
                                           "data.generate_puzzles + data.generate_test_puzzles"),
                   "num_eval": (data.generate_test_puzzles, "data.generate_test_puzzles"),
-                  "seq_len": (data.seq_len, "data.seq_len"), "seed": (data.generate_seed, "data.generate_seed")}
+                  "seq_len": (data.seq_len, "data.seq_len"), "seed": (data.generate_seed, "data.generate_seed"),
+                  # what the run builds with, so that it never rebuilds a set of other options
+                  "vocab_size": (DEFAULT_VOCAB_SIZE, "the builder's default"),
+                  "tokenizer": (None, "a run trains its own tokenizer"),
+                  "packing": (False, "a run builds unpacked rows")}
         return check_generated(data.path, BUILDER, wanted, data.regenerate)
 
     def build_target(self, data: Any) -> str:
