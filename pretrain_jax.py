@@ -94,8 +94,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         config = validate(cfg, hydra_cfg.runtime.choices.get("experiment"), sweep_job=_swept_values(hydra_cfg))
+        from runtime import libtpu_flags
         from runtime.trainer import run  # heavy imports (jax) only once the config is known to be good
 
+        libtpu_flags.apply()  # before JAX starts a TPU backend (runtime/libtpu_flags.py)
         if config.compile_only:  # compile for a TPU topology, print memory and FLOPs, exit without training
             from runtime.compile_only import plan_for_topology
 

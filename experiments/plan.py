@@ -220,14 +220,15 @@ def cache_dir(root: Path) -> Path:
     import jax
 
     from runtime import compile_only as c
-    from runtime import hlo_cost
+    from runtime import hlo_cost, libtpu_flags
 
     try:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         libtpu = "none"
     recorder = [c.CompiledStep, c.compile_train_step, c.cost_figures, c._xla_oom, hlo_cost]  # hlo_cost: the whole module
-    digest = hashlib.sha256("".join(inspect.getsource(f) for f in recorder).encode()).hexdigest()[:8]
+    flags = libtpu_flags.with_defaults(os.environ.get("LIBTPU_INIT_ARGS", ""))  # what the compiles start libtpu with
+    digest = hashlib.sha256(("".join(inspect.getsource(f) for f in recorder) + flags).encode()).hexdigest()[:8]
     return root / f"jax-{jax.__version__}_libtpu-{libtpu}_{digest}"
 
 

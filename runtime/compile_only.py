@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from runtime import events
+from runtime import events, libtpu_flags
 from runtime.hlo_cost import collective_bytes, kernels, loop_weight, optimal_seconds, wire_bytes
 from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
@@ -106,6 +106,7 @@ def topology_devices(name: str) -> tuple[TpuGeneration, list[int], list]:
     # Compile-only touches no TPU: skip libtpu's one-process lockfile, so planning works beside
     # a running job (or another plan) on the same machine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    libtpu_flags.apply()  # the options a run's libtpu starts with (runtime/libtpu_flags.py)
     from jax.experimental import topologies
 
     kwargs = {"chips_per_host_bounds": per_host} | ({"chip_config_name": gen.chip_config} if gen.chip_config else {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -339,3 +340,35 @@ def test_the_mlp_t_kernel_declares_its_products_and_auto_uses_it_on_tpu(tpu):
             return module.clone(form="xla").apply(p, h)
     xla_flops = compiled(jax, forward, params, h)[1]["flops"]
     assert 3 * per_product * length / 128 == pytest.approx(xla_flops, rel=0.05)
+
+
+def test_libtpu_defaults_keep_the_users_own_flags():
+    from runtime.libtpu_flags import DEFAULTS, apply, with_defaults
+
+    flag = DEFAULTS[0][0]
+    added = with_defaults("--xla_foo=1")
+    assert added.startswith("--xla_foo=1 ") and all(f"--{f}={v}" in added for f, v in DEFAULTS)
+    assert with_defaults(added) == added  # once only
+    assert f"--{flag}=true" in with_defaults(f"--{flag}=true") and f"--{flag}=false" not in with_defaults(f"--{flag}=true")
+    env = {}
+    apply(env)
+    assert env["LIBTPU_INIT_ARGS"] == with_defaults("")
+
+
+@pytest.mark.slow
+def test_an_fsdp_einsum_is_gathered_then_multiplied_not_split_into_a_collective_matmul():
+    """runtime/libtpu_flags.py: compiled for a TPU topology (libtpu started by topology_devices, with
+    the run's options), a product with an FSDP-sharded weight all-gathers the weight and multiplies
+    once; XLA's collective matmul would be a loop of collective-permutes and partial products."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from runtime.compile_only import topology_devices
+
+    _, _, devices = topology_devices("v5e-8")
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    x = jax.ShapeDtypeStruct((64, 2048, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    w = jax.ShapeDtypeStruct((2048, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    hlo = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("fsdp"))).lower(x, w).compile().as_text()
+    assert "all-gather" in hlo and "collective-permute" not in hlo and not re.search(r"\bwhile\(", hlo)
