@@ -161,12 +161,45 @@ class Checkpoints:
         """Start an async save of `step` once the previous one is committed (Orbax waits
         there anyway; waiting here tells which step a failure belongs to)."""
         self.wait()
+        if jax.process_index() == 0:  # where Orbax clears the step's place
+            self._check_place(step)
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                            meta=ocp.args.JsonSave(meta)))
         except Exception as e:
             raise self._failed(e) from e
+
+    def _check_place(self, step: int) -> None:
+        """Orbax deletes whatever stands at `<dir>/<step>` before it writes the step there: a
+        file or folder someone put there mid-run (the preflight refuses them before the run) stops
+        the run (exit 6) instead. A folder holding a step's items is this project's (on GCS, a
+        save an outage cut off), which Orbax replaces as it should. The directory is listed (one
+        request on GCS, none into the step's own place unless something stands there)."""
+        from runtime.preflight import STEP_ITEMS
+
+        fs, root = fsspec.core.url_to_fs(self.directory)
+
+        def names(path: str) -> dict[str, str]:  # name -> "file" or "directory"
+            try:
+                entries = fs.ls(path, detail=True, refresh=True)
+            except FileNotFoundError:  # on GCS, a prefix with no object under it yet
+                return {}
+            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["type"] for e in entries}
+
+        place = f"{self.directory}/{step}"
+        try:
+            kind = names(root).get(str(step))
+            if kind is None or (kind == "directory" and STEP_ITEMS & set(names(f"{root}/{step}"))):
+                return
+        except Exception as e:  # the storage does not answer (an outage): the save would fail the same way
+            self._pending = step
+            raise self._failed(e) from e
+        last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
+        what = "folder" if kind == "directory" else "file"
+        raise StorageError(f"checkpoint save of step {step} to {self.directory} failed: {place} is a {what} that is no "
+                           "checkpoint step of this project, and saving the step would delete it; the last complete "
+                           f"checkpoint: {last}. Move it out of {self.directory} and relaunch the same command to resume")
 
     @property
     def last_complete(self) -> int | None:

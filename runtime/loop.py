@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -48,6 +48,9 @@ class LoopContext:
     # Installed when the run starts (a SIGTERM during the first compile is a preemption too); None:
     # the loop installs its own.
     preemption: Optional[PreemptionWatcher] = None
+    # Called with "at step N" at every metrics row: raises OutputDirError when a file the run writes
+    # by path (its run.log) has something else standing in its place now (runtime/run_log.py).
+    check_outputs: Optional[Callable[[str], None]] = None
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -184,6 +187,8 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                     return EXIT_NONFINITE, "nonfinite", None
                 if done % plan.log_every == 0 or last:
                     ctx.sinks.log(done, run.train_metrics | run.timer.lap(done) | curriculum_metrics(ctx.config, step, total))
+                    if ctx.check_outputs is not None:
+                        ctx.check_outputs(f"at step {done}")
             if done % plan.eval_every == 0 or last:
                 run.evaluate(step, done, watchdog)
             if done % plan.checkpoint_every == 0 or last or preempted:

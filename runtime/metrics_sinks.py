@@ -200,6 +200,7 @@ class MetricsSinks:
         if self._run is not None:
             with self._wandb(f"at step {int(step)}"), _output_faults(f"W&B files under {self.output_dir / 'wandb'} "
                                                                      f"at step {int(step)}"):
+                self._check_wandb_dir(f"at step {int(step)}")
                 self._run.log(values, step=int(step))
         if self._bar is not None:
             self._update_bar(int(step), values)
@@ -217,13 +218,15 @@ class MetricsSinks:
             return
         import shutil
 
+        self._check_wandb_dir(f"saving {Path(path).name}")
         src = Path(path).resolve()
         files_dir = Path(self._run.dir).resolve()
         # Copy into the run's files/ dir ourselves and save it in place: a snapshot matches
         # policy "now", and W&B would otherwise symlink to the original (and warn about it).
         dst = files_dir / src.name
         if src != dst:
-            shutil.copyfile(src, dst)
+            with _output_faults(f"W&B files under {self.output_dir / 'wandb'}"):
+                shutil.copyfile(src, dst)
         with self._wandb(f"saving {src.name}"):
             self._run.save(str(dst), base_path=str(files_dir), policy="now", glob=False)
 
@@ -260,6 +263,22 @@ class MetricsSinks:
                         "(its offline files so far: %s)", when, type(e).__name__, one_line(e)[:200],
                         getattr(run, "dir", None) or self.output_dir / "wandb")
             _forget_wandb()
+
+    def _check_wandb_dir(self, when: str) -> None:
+        """W&B's service process writes the run's files and reports no failure to write them: a
+        file put where their folder was (or the folder deleted) is found here, at the next row,
+        rather than as a crash when the run ends (saving the manifest there)."""
+        run_dir = Path(self._run.dir)
+        if run_dir.is_dir():
+            return
+        top = self.output_dir / "wandb"
+        blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise OutputDirError(f"cannot write W&B files under {top} {when} (a file stands where a folder goes: "
+                                 f"{blocked}); move it out of the output directory and relaunch the same command to "
+                                 "resume")
+        raise OutputDirError(f"cannot write W&B files under {top} {when} (the folder {run_dir} is gone); put it back, "
+                             "or relaunch the same command to resume with a new W&B folder")
 
     def __enter__(self) -> MetricsSinks:
         return self
@@ -319,6 +338,10 @@ class LineFile:
     def append(self, line: str, when: str) -> None:
         """Write `line` (ending in a newline) whole, or not at all (OutputDirError)."""
         data = memoryview(line.encode("utf-8"))
+        try:
+            self._follow_path()
+        except OSError as e:
+            raise self._cannot_write(e, when) from e
         size = os.fstat(self._fd).st_size
         try:
             while data:
@@ -328,10 +351,26 @@ class LineFile:
                 os.ftruncate(self._fd, size)  # no torn line stays behind
             except OSError:
                 pass
-            fault = storage_fault(e)
-            raise OutputDirError(f"cannot write {self.path} {when} ({fault or one_line(e)[:200]}); "
-                                 f"{storage_fix(fault, 'the output directory ' + str(self.path.parent))} and relaunch "
-                                 "the same command to resume") from e
+            raise self._cannot_write(e, when) from e
+
+    def _follow_path(self) -> None:
+        """Write to what the path names now. The file moved, deleted or replaced since it was opened
+        (by hand, or a folder put in its place) would take every later row into a file nobody reads,
+        and the run would end "completed" without them; a folder there now fails the open (EISDIR)."""
+        try:
+            if os.path.samestat(os.stat(self.path), os.fstat(self._fd)):
+                return
+        except FileNotFoundError:
+            pass
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.close(self._fd)
+        self._fd = fd
+
+    def _cannot_write(self, e: OSError, when: str) -> OutputDirError:
+        fault = storage_fault(e)
+        return OutputDirError(f"cannot write {self.path} {when} ({fault or one_line(e)[:200]}); "
+                              f"{storage_fix(fault, 'the output directory ' + str(self.path.parent))} and relaunch "
+                              "the same command to resume")
 
     def close(self) -> None:
         if self._fd >= 0:

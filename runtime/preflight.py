@@ -137,7 +137,7 @@ def check_wandb_key_shape(key: str) -> None:
 RUN_MARKER = ".podrunner-run"
 _RUN_FILES = (RUN_MARKER, "run_manifest.json", ".lease.json", ".lease.json.lock", PROBE_DIR)
 # What an Orbax step folder holds (a damaged one at least one of them).
-_STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
+STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
 
 
 def _checkpoint_entry(name: str) -> bool:
@@ -171,7 +171,7 @@ def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bo
     names = {n: d for n, d in names.items() if not (d and not n.isdigit() and not listed(f"{directory.rstrip('/')}/{n}"))}
     if steps:
         for name, is_dir in sorted(names.items()):
-            if name.isdigit() and not (is_dir and _STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}"))):
+            if name.isdigit() and not (is_dir and STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}"))):
                 kind = "folder" if is_dir else "file"
                 raise UserError(f"{what} {directory} holds a {kind} {name} that is no checkpoint step of this project, "
                                 "and a run would replace or delete it; move it out of that directory, or choose "

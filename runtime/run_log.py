@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import logging.handlers
 import os
 import sys
 from typing import Callable, Iterator
@@ -33,9 +34,11 @@ def run_log_path(output_dir: str, process_index: int) -> str:
     return os.path.join(output_dir, name)
 
 
-class _QuietFileHandler(logging.FileHandler):
+class _QuietFileHandler(logging.handlers.WatchedFileHandler):
     """A file handler that never complains on the console: a log line that cannot be written
-    (the disk it is on is full) is dropped rather than printed as a 'Logging error' traceback."""
+    (the disk it is on is full) is dropped rather than printed as a 'Logging error' traceback.
+    Watched: a log file moved or deleted mid-run is opened again at its path (the lines would
+    otherwise go to a file nobody reads); a folder put there is the run's to report (`check`)."""
 
     def _open(self):
         os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)  # other workers of a pod: their own disk
@@ -44,22 +47,33 @@ class _QuietFileHandler(logging.FileHandler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             super().emit(record)
-        except OSError:  # opening the file failed (its disk is gone): dropped, like a failed write
+        except OSError:  # opening the file failed (its disk is gone, a folder in its place): dropped
             pass
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         pass
 
+    def check(self, when: str) -> None:
+        """OutputDirError when something other than a file stands at the log's path now (put there
+        mid-run: the log's lines are dropped, and the next launch would be refused for it)."""
+        _in_the_way(self.baseFilename, when)
 
-@contextlib.contextmanager
-def library_logs_to(path: str) -> Iterator[None]:
-    """Log to `path`; the storage libraries' loggers and unraisable exceptions only there.
-    Restored afterwards."""
+
+def _in_the_way(path: str, when: str = "") -> None:
     if os.path.lexists(path) and not os.path.isfile(path):  # a folder (or dangling link) of that name: not ours
         from runtime.errors import OutputDirError
 
-        raise OutputDirError(f"cannot write {path} (a folder stands where a file goes); move what is in the way out "
-                             "of the output directory and relaunch the same command to resume")
+        raise OutputDirError(f"cannot write {path}{' ' + when if when else ''} (a folder stands where a file goes); "
+                             "move what is in the way out of the output directory and relaunch the same command to "
+                             "resume")
+
+
+@contextlib.contextmanager
+def library_logs_to(path: str) -> Iterator[Callable[[str], None]]:
+    """Log to `path`; the storage libraries' loggers and unraisable exceptions only there.
+    Restored afterwards. Yields the check that the log's path still takes a file (see
+    _QuietFileHandler.check), for the run to call as it goes."""
+    _in_the_way(path)
     handler = _QuietFileHandler(path, delay=True, encoding="utf-8")  # no file until something is logged
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
@@ -72,7 +86,7 @@ def library_logs_to(path: str) -> Iterator[None]:
     unraisable_hook, sys.unraisablehook = sys.unraisablehook, _Filtered.of(_log_unraisable)
     sys.excepthook = _LateLoopCallbacks(sys.excepthook, log=True)
     try:
-        yield
+        yield handler.check
     finally:
         sys.unraisablehook = _Filtered.of(unraisable_hook) if _DROPPED else unraisable_hook
         sys.excepthook = _LateLoopCallbacks(sys.excepthook, log=False)  # after the run: dropped

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -308,8 +308,8 @@ def run(config: Config) -> int:
     preemption = PreemptionWatcher()  # from here on a SIGTERM (a preemption) ends the run cleanly, compiles included
     events.attach(output_dir, process=info.process_index)  # the run's directory is this run's now
     try:
-        with library_logs_to(run_log_path(output_dir, info.process_index)):
-            return run_leased(config, info, checkpoint_dir, lease, preemption)
+        with library_logs_to(run_log_path(output_dir, info.process_index)) as check_run_log:
+            return run_leased(config, info, checkpoint_dir, lease, preemption, check_run_log)
     finally:
         preemption.close()
         events.detach()
@@ -330,7 +330,7 @@ def preempted_early(preemption: PreemptionWatcher, step: int) -> bool:
 
 
 def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None,
-               preemption: PreemptionWatcher) -> int:
+               preemption: PreemptionWatcher, check_run_log: Callable[[str], None] | None = None) -> int:
     kind = dataset_kind(config.data.name)
     ensure_dataset(config, info)
     train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
@@ -389,7 +389,8 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
             return exit_code
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
-                          init_states=init_states, evaluators=evaluators, preemption=preemption)
+                          init_states=init_states, evaluators=evaluators, preemption=preemption,
+                          check_outputs=check_run_log)
         exit_code, status, final = train_loop(ctx, state, position)
         ckpt.wait()  # the run is done only when its last checkpoint is committed
         if status == "completed":
@@ -399,8 +400,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     except OutputDirError as e:  # add where a relaunch resumes from
         status, exit_code = "failed", e.exit_code
         _best_effort(ckpt.wait, "committing the checkpoint in flight")
-        last = ckpt.last_complete
-        error = OutputDirError(f"{e}; the last complete checkpoint: {'none yet' if last is None else f'step {last}'}")
+        error = with_last_checkpoint(e, ckpt)
         failure = (error.exit_code, str(error), None)
         raise error from e
     except UserError as e:
@@ -422,10 +422,18 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
             if info.is_primary:
                 record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final,
                            beside_checkpoints=not ckpt.save_failed)
+        except OutputDirError as e:  # a run that succeeded, but the manifest (or W&B's copy) could not be written
+            raise with_last_checkpoint(e, ckpt) from e
         finally:
             sinks.close(exit_code)
             if files:  # how it ended, beside the checkpoints too
                 files.flush()
+
+
+def with_last_checkpoint(e: OutputDirError, ckpt: Checkpoints) -> OutputDirError:
+    """`e`, saying where a relaunch resumes from."""
+    last = ckpt.last_complete
+    return OutputDirError(f"{e}; the last complete checkpoint: {'none yet' if last is None else f'step {last}'}")
 
 
 def output_dir_of(config: Config) -> str:
@@ -475,7 +483,12 @@ def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, sta
     if beside_checkpoints:
         _best_effort(lambda: manifest_lib.write(manifest, plan.checkpoint_dir), "writing the manifest beside the checkpoints")
     if paths:
-        sinks.save_file(paths[0])
+        try:
+            sinks.save_file(paths[0])
+        except OutputDirError as e:  # as for the manifest: a failed run's own error is the one to report
+            if exit_code == 0:
+                raise
+            log.warning("%s", e)
     if final:
         sinks.set_summary(final)
 
