@@ -406,6 +406,8 @@ def test_config_json_is_read_as_strictly_as_transformers(change, needle, transfo
     if transformers_refuses:
         with pytest.raises(Exception):
             transformers.AutoConfig.for_model(**config)
+    else:  # transformers takes it as it is: we are stricter, not wrong
+        transformers.AutoConfig.for_model(**config)
 
 
 def with_files(src: Path, dst: Path, config_changes: dict | None = None, tensors: dict | None = None) -> Path:
@@ -509,6 +511,8 @@ def test_a_shape_error_names_config_json_when_it_is_what_is_wrong(hf_models, tmp
                    "num_attention_heads=2, which its tensors contradict", "correct config.json")
     assert tree_hash(wrong) == before
     assert "set arch." not in msg
+    with pytest.raises(Exception, match="size mismatch|mismatched sizes|ignore_mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(wrong)  # transformers refuses the folder too
 
 
 def test_export_carries_positions_token_ids_and_generation_config(hf_models, tmp_path):

@@ -22,23 +22,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (PRETRAIN, REPO, assert_user_error, base_overrides, child_env, cli_refused, compose_config, kill,
-                     raises_one_line, saved_steps, train, tree_hash, wait_for)
+from helpers import (PRETRAIN, REPO, assert_user_error, base_overrides, child_env, cli_refused, compose_config,
+                     error_line, kill, raises_one_line, saved_steps, train, tree_hash, wait_for)
 from runtime.errors import EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USER_ERROR
 
 
 def refused(tmp_path: Path, overrides: list[str], *needles: str, code: int = EXIT_USER_ERROR) -> str:
     """The run of `overrides` (in this process) ends with `code` and one line holding `needles`
-    (pretrain_jax.py prints it as its one `error:` line), before any compile; every file that was
-    under `tmp_path` before is byte-identical afterwards, and no file was added to a folder that
-    was there before (only to folders the run created itself)."""
+    (pretrain_jax.py prints it as its one `error:` line), before any compile; what the script
+    would print (the run's log, then that line) holds exactly one line starting `error:`, last,
+    and no traceback; every file that was under `tmp_path` before is byte-identical afterwards,
+    and no file was added to a folder that was there before (only to folders the run created)."""
     before, folders = tree_hash(tmp_path), {p for p in tmp_path.rglob("*") if p.is_dir()} | {tmp_path}
     result = train(overrides, check=False)
     assert result.code == code and result.error, (result.code, result.error, result.log[-2000:])
-    assert "\n" not in result.error and "Traceback" not in result.error, result.error
+    assert len(result.error.splitlines()) == 1, result.error  # "\r" too: the line is one line on a console
     assert "compiled train step" not in result.log, result.log[-2000:]
-    for needle in needles:
-        assert needle in result.error, (needle, result.error)
+    error_line(f"{result.log}\nerror: {result.error}\n", *needles, last=True)
     after = tree_hash(tmp_path)
     assert {name: after.get(name) for name in before} == before
     added = [name for name in after if name not in before and (tmp_path / name).parent in folders]
@@ -173,7 +173,7 @@ def test_builder_numbers(capsys, tmp_path, builder, argv, needle):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_partial_distributed_environment_is_refused():
+def test_a_partial_distributed_environment_is_refused(data, tmp_path, monkeypatch):
     from runtime.config import DistributedConfig
     from runtime.distributed import explicit_values
     from runtime.errors import UserError
@@ -182,8 +182,14 @@ def test_a_partial_distributed_environment_is_refused():
     for env, missing in [(address, "JAX_NUM_PROCESSES, JAX_PROCESS_ID missing"),
                          ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_COORDINATOR_ADDRESS missing"),
                          (dict(address, JAX_PROCESS_ID="0"), "JAX_NUM_PROCESSES missing")]:
-        raises_one_line(UserError, lambda: explicit_values(DistributedConfig(), env), missing, "or none")
+        raises_one_line(UserError, lambda: explicit_values(DistributedConfig(), env), missing, "or none",
+                        code=EXIT_USER_ERROR)
     assert explicit_values(DistributedConfig(), {}) is None  # none of them: a single process
+    # The run itself, the variable set in its environment: refused before it joins, writes or compiles.
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    refused(tmp_path, base_overrides(data, tmp_path / "runs", steps=2),
+            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES missing: give all three of", "or none")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_run_numbers_and_nothing_to_evaluate(data, tmp_path):
@@ -241,9 +247,10 @@ def test_a_sudoku_csv_whose_answers_are_no_solutions_is_refused(capsys, tmp_path
                          ([("." * 81, swapped)], "line 2: its answer ('a') repeats a digit")]:
         source = tmp_path / "in.csv"
         source.write_text("source,q,a,rating\n" + "".join(f"x,{q},{a},0\n" for q, a in rows))
+        before = tree_hash(tmp_path)
         cli_refused(capsys, main, ["--output-dir", str(tmp_path / "out"), "--source-csv", str(source)],
                     EXIT_USER_ERROR, str(source), needle, "fix or remove")
-        assert not (tmp_path / "out").exists()
+        assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------- 4. a generated set only with its own parameters
@@ -253,6 +260,8 @@ def test_a_generated_set_is_reused_only_with_its_own_parameters(data, tmp_path):
     run.append("data.generate_if_missing=true")
     refused(tmp_path, run + ["data.generate_puzzles=2000", "data.generate_test_puzzles=40"],
             "generate=360 there, 2040 here", "data.generate_puzzles + data.generate_test_puzzles", "data.regenerate=true")
+    refused(tmp_path, run + ["data.generate_puzzles=100", "data.generate_test_puzzles=40"],  # fewer over more, too
+            "generate=360 there, 140 here", "data.regenerate=true")
     refused(tmp_path, run + ["data.generate_puzzles=320", "data.generate_test_puzzles=40", "data.generate_seed=3"],
             "seed=0 there, 3 here (data.generate_seed)")
     (data / "train" / "dataset.json").unlink()  # an incomplete generated set: never rebuilt with other sizes
@@ -387,14 +396,17 @@ def test_a_builder_error_starts_its_line_after_a_progress_bar(capsys, monkeypatc
     tasks["p2"]["train"][0]["output"] = [[12]]  # a colour ARC does not have, met while the bar is drawn
     (tmp_path / "arc").mkdir()
     (tmp_path / "arc" / "x_training_challenges.json").write_text(json.dumps(tasks))
+    before = tree_hash(tmp_path)
     cli_refused(capsys, build_arc.main, ["--output-dir", str(tmp_path / "a"), "--kaggle-dir", str(tmp_path / "arc"),
                                          "--num-aug", "0"], EXIT_USER_ERROR, "puzzle 'p2': ARC grid colours must be 0..9")
+    after = tree_hash(tmp_path)
+    assert {name: after.get(name) for name in before} == before  # its source, and the sets the others left
 
 
 def test_sigterm_before_the_first_step_ends_cleanly(data, tmp_path):
     """The signal during start-up (dataset, plan, the first compiles) is a preemption like any
     other: exit 8 (preempted), one warning, no traceback; nothing was trained, so no checkpoint."""
-    log = tmp_path / "out.txt"
+    log, before = tmp_path / "out.txt", tree_hash(data)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, str(PRETRAIN), *base_overrides(data, tmp_path / "runs", steps=1000)],
                                 cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
@@ -406,6 +418,9 @@ def test_sigterm_before_the_first_step_ends_cleanly(data, tmp_path):
         kill([proc])
     out = log.read_text()
     assert proc.returncode == EXIT_PREEMPTED and "Traceback" not in out, out[-3000:]
+    # A preemption is no error: its line is a warning (docs/OPERATIONS.md), no `error:` line at all.
+    assert not [line for line in out.replace("\r", "\n").splitlines() if line.startswith("error:")], out[-3000:]
+    assert tree_hash(data) == before  # the dataset it read, byte for byte
     saved = saved_steps(tmp_path / "runs" / "test" / "t" / "checkpoints")
     # The signal comes as soon as the run names itself, before its compiles; but a compile the
     # session's cache already holds is quick, so under load the first step may have begun by then.
