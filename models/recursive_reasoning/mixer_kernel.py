@@ -116,23 +116,24 @@ def _layout(shape, inter: int):
     return cores, per_core // rows, rows, tile, dim // tile
 
 
-def _call(kernel, x, weights, outputs, cost: pl.CostEstimate, inter: int, interpret: bool, name: str):
-    """The kernel over the grid (core, batch step, column tile): x-shaped inputs and outputs by
-    blocks of `rows` batch rows and a column tile, `weights` whole, and `outputs` beyond the
-    first the per-core partial weight gradients, [cores, ...] float32."""
+def _call(kernel, activations, weights, partials, cost: pl.CostEstimate, inter: int, interpret: bool, name: str):
+    """The kernel over the grid (core, batch step, column tile): the x-shaped `activations` (x,
+    and dz) and the x-shaped output by blocks of `rows` batch rows and a column tile, `weights`
+    whole, and one float32 output of each shape in `partials` per core (its partial weight
+    gradients)."""
+    x = activations[0]
     cores, steps, rows, tile, col_steps = _layout(x.shape, inter)
     block = pl.BlockSpec((rows, x.shape[1], tile), lambda c, i, j: (c * steps + i, 0, j))
     whole = [pl.BlockSpec(w.shape, lambda c, i, j: (0, 0)) for w in weights]
-    partial = [pl.BlockSpec((1,) + shape, lambda c, i, j: (c, 0, 0)) for shape in outputs[1:]]
+    per_core = [pl.BlockSpec((1,) + shape, lambda c, i, j: (c, 0, 0)) for shape in partials]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] + [jax.ShapeDtypeStruct((cores,) + s, jnp.float32)
-                                                            for s in outputs[1:]]
-    activations = len(outputs[0])  # x (and dz): x-shaped inputs before the weights
+                                                            for s in partials]
     return pl.pallas_call(
         functools.partial(kernel, rows=rows, inter=inter),
         out_shape=out_shape, grid=(cores, steps, col_steps),
-        in_specs=[block] * activations + whole, out_specs=[block] + partial,
+        in_specs=[block] * len(activations) + whole, out_specs=[block] + per_core,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        cost_estimate=cost, interpret=interpret, name=name)(*outputs[0], *weights)
+        cost_estimate=cost, interpret=interpret, name=name)(*activations, *weights)
 
 
 def _padded(length: int) -> int:
@@ -158,7 +159,7 @@ def _forward(x, gate_up, down, eps, interpret):
     inter = down.shape[0]
     wgu, _, wd, _ = _weights(gate_up, down)
     cost = _cost(x, inter, 3, 2, (wgu.size + wd.size) * wgu.dtype.itemsize)  # gate, up, down; x in, z out
-    (z,) = _call(functools.partial(_forward_kernel, eps=eps), x, (wgu, wd), [(x,)], cost, inter, interpret,
+    (z,) = _call(functools.partial(_forward_kernel, eps=eps), (x,), (wgu, wd), (), cost, inter, interpret,
                  "mlp_t_mixer_fwd")
     return z
 
@@ -170,9 +171,8 @@ def _backward(x, dz, gate_up, down, eps, interpret):
     weight_bytes = 2 * (wgu.size + wd.size) * wgu.dtype.itemsize + cores * (wgu.size + wd.size) * 4
     # gate, up and down again, then dh, dx (2), dWgu (2), dWd; x and dz in, dx out
     cost = _cost(x, inter, 9, 3, weight_bytes)
-    dx, dwgu, dwd = _call(functools.partial(_backward_kernel, eps=eps), x, (wgu, wgu_t, wd, wd_t),
-                          [(x, dz.astype(x.dtype)), (2 * inter, length), (length, inter)], cost, inter, interpret,
-                          "mlp_t_mixer_bwd")
+    dx, dwgu, dwd = _call(functools.partial(_backward_kernel, eps=eps), (x, dz.astype(x.dtype)), (wgu, wgu_t, wd, wd_t),
+                          ((2 * inter, length), (length, inter)), cost, inter, interpret, "mlp_t_mixer_bwd")
     return dx, dwgu.sum(0), dwd.sum(0)
 
 
