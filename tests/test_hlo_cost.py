@@ -334,6 +334,14 @@ def test_the_mlp_t_kernel_declares_its_products_and_auto_uses_it_on_tpu(tpu):
     assert calls == {3 * per_product, 9 * per_product}
     assert "mlp_t_mixer_fwd" in hlo and "mlp_t_mixer_bwd" in hlo
     assert not hlo_cost.kernels(grads("xla")[0])
+    half = jax.ShapeDtypeStruct(h.shape, jnp.float16, sharding=h.sharding)
+    module16 = SequenceMixer(length, 4.0, jnp.float16, form="auto")
+    params16 = jax.eval_shape(module16.init, jax.random.key(0), half)
+
+    def forward16(p, h):
+        with activation_rules(mesh):
+            return module16.apply(p, h)
+    assert not hlo_cost.kernels(compiled(jax, forward16, params16, half)[0])  # float16: XLA's form
 
     def forward(p, h):
         with activation_rules(mesh):

@@ -188,5 +188,6 @@ def test_mixer_form_auto_is_xla_on_cpu_and_a_bad_name_is_refused():
     # too wide for VMEM: auto keeps XLA's form (a 30x30 maze's 916-token mixer, 2560 wide)
     assert mixer_kernel.column_tile(512, 256) == 256 and mixer_kernel.column_tile(512, 512) == 128
     assert mixer_kernel.column_tile(512, 2560) is None
+    assert mixer_kernel.fits(512, 512, jnp.bfloat16) and not mixer_kernel.fits(512, 512, jnp.float16)
     with pytest.raises(ValueError, match="not one of"):
         SequenceMixer(LENGTH, 4.0, jnp.float32, form="fused").apply(params, h)

@@ -256,7 +256,7 @@ class SequenceMixer(nn.Module):
         if form == "pallas":  # the kernel; on any other platform Pallas' interpreter (tests)
             kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
             return for_platform(h, gate_up, down, tpu=kernel, default=functools.partial(kernel, interpret=True))
-        if form == "auto" and mixer_kernel.column_tile(h.shape[-1], down.shape[0]) is not None:
+        if form == "auto" and mixer_kernel.fits(h.shape[-1], down.shape[0], h.dtype):
             kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
             return for_platform(h, gate_up, down, cpu=cpu, tpu=kernel, default=tpu)
         return for_platform(h, gate_up, down, cpu=cpu, default=tpu)

@@ -13,9 +13,10 @@ weight gradients, summed outside (and over the batch shards under a mesh).
 
 Forms (`arch.mixer`): ``xla`` (the products as einsums, layers.py), ``pallas`` (this kernel; on a
 platform other than TPU Pallas' interpreter, for tests), ``auto`` (this kernel on TPU where its
-working set fits `VMEM_BUDGET`, else xla). The values are the same up to rounding: the kernel
-accumulates in float32 and keeps the gate/up products, the residual sum and the norm's input in
-float32 where the xla form rounds them to the compute dtype.
+working set fits `VMEM_BUDGET` and the compute dtype is bfloat16 or float32, else xla). The
+values are the same up to rounding: the kernel accumulates in float32 and keeps the gate/up
+products, the residual sum and the norm's input in float32 where the xla form rounds them to the
+compute dtype.
 
 The kernel declares its cost (FLOPs with the sequence padded to the MXU's 128-wide tiles, which
 is the work the hardware does; HBM bytes), which runtime/hlo_cost.py prices at the roofline.
@@ -42,6 +43,14 @@ def check(form: str) -> str:
     if form not in FORMS:
         raise ValueError(f"mixer form {form!r} is not one of {FORMS}")
     return form
+
+
+DTYPES = (jnp.bfloat16, jnp.float32)  # Mosaic on v4 cannot lay out float16's packed loads
+
+
+def fits(dim: int, inter: int, dtype) -> bool:
+    """Whether the kernel takes a mixer of width `inter` on `dim` features in `dtype` (auto's test)."""
+    return column_tile(dim, inter) is not None and jnp.dtype(dtype) in DTYPES
 
 
 def column_tile(dim: int, inter: int) -> int | None:
