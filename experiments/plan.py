@@ -388,12 +388,14 @@ class Planner:
             store(self.directory, key, result)
             gib = result.total_bytes / 2**30
             status = f"fits, {gib:.2f} GiB" if result.fits else f"does not fit, {gib:.2f} GiB"
-        except jax.errors.JaxRuntimeError as e:  # a compile that fails for another reason is this row's note
-            status = self.errors[key] = f"compile failed: {str(e).splitlines()[0][:200]}"
         except BrokenProcessPool:
             self._pool_broken = True
             status = self.errors[key] = ("compile failed: its process died (out of host memory?); "
                                          "plan this group alone, or with --jobs 1")
+        except Exception as e:  # XLA's or a kernel's (Mosaic's) compile error: this row's note, the plan goes on
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            name = "" if isinstance(e, jax.errors.JaxRuntimeError) else f"{type(e).__name__}: "
+            status = self.errors[key] = f"compile failed: {name}{first}"
         self.progress(f"  compiled [{self._compiled}] {job.experiment} {' '.join(job.overrides)}: {status} "
                       f"({time.perf_counter() - self._t0:.0f} s)")
         for waiter, origin in self._waiting.pop(key, []):

@@ -211,6 +211,29 @@ def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
     assert row.estimate.total_s == pytest.approx(0.5) and row.pod_hours == pytest.approx(100 * 0.5 / 3600)
 
 
+def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeypatch):
+    """A kernel that fails to compile (Mosaic raises its own exception type, not XLA's) ends that
+    variant's row with the error's first line; the other variants are planned."""
+    class MosaicError(Exception):
+        pass
+
+    def lower(job, topology):
+        return plan.Lowered(key=job.variant, steps=10, global_batch=8, per_device_batch=1, remat=False)
+
+    def compile_job(job, topology):
+        if job.variant == "bad":
+            raise MosaicError("INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector type for load\nmore")
+        return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=2**30, optimal_s=0.1)
+
+    monkeypatch.setattr(plan, "lower", lower)
+    monkeypatch.setattr(plan, "compile_job", compile_job)
+    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    bad, good = planner.plan([plan.Job("g", "bad"), plan.Job("g", "good")])
+    assert bad.note == ("compile failed: MosaicError: INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector "
+                        "type for load") and bad.pod_hours is None
+    assert good.fits and good.pod_hours == pytest.approx(10 * 0.1 / 3600)
+
+
 def test_fix_candidates_in_order(monkeypatch):
     """remat, then the batch per chip divided by the power of two that covers the overshoot (and
     twice that), as gradient accumulation where the schema has it, else a smaller global batch;
