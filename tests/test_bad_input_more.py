@@ -108,6 +108,7 @@ CONFIG_CASES = {
     "trm dtype": (["arch=trm_mlp", "arch.forward_dtype=fp8"], ["arch.forward_dtype='fp8'", "float16"]),
     "hrm heads": (["arch=hrm", "arch.heads=3"], ["arch.heads=3 does not divide arch.hidden=32"]),
     "trm window": (["arch=trm_att", "arch.attention_window=4"], ["arch.attention_window=4", "odd"]),
+    "trm mixer form": (["arch=trm_mlp", "arch.mixer=fused"], ["arch.mixer='fused'", "'auto', 'xla', 'pallas'"]),
     # wrong types, unknown keys
     "int as text": (["train.steps=abc"], ["train.steps", "abc"]),
     "keep as text": (["run.checkpoint.keep=two"], ["run.checkpoint.keep", "two"]),

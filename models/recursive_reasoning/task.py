@@ -13,13 +13,13 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from models.attention import IMPLEMENTATIONS
-from models.recursive_reasoning.mixer_kernel import FORMS as MIXER_FORMS
 from models.flops import attention_core, matmul, swiglu, trained
 from models.layers import check_at_least, check_dtype_names, check_heads
 from models.recursive_reasoning.act import act_evaluate, act_step, init_params, initial_carry
 from models.recursive_reasoning.hrm import HRM, HRMConfig
 from models.recursive_reasoning.layers import ReasoningNet, swiglu_width
 from models.recursive_reasoning.losses import LOSS_FNS, act_loss
+from models.recursive_reasoning.mixer_kernel import FORMS as MIXER_FORMS
 from models.recursive_reasoning.trm import POS_ENCODINGS, TRM, TRMConfig
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
