@@ -176,27 +176,27 @@ class Checkpoints:
         the run (exit 6) instead. A folder holding a step's items is this project's (on GCS, a
         save an outage cut off), which Orbax replaces as it should. The directory is listed (one
         request on GCS, none into the step's own place unless something stands there)."""
-        from runtime.preflight import STEP_ITEMS
+        from runtime.preflight import is_project_step
 
         fs, root = fsspec.core.url_to_fs(self.directory)
 
-        def names(path: str) -> dict[str, str]:  # name -> "file" or "directory"
+        def entries(path: str) -> dict[str, bool]:  # name -> is a folder
             try:
-                entries = fs.ls(path, detail=True, refresh=True)
+                listed = fs.ls(path, detail=True, refresh=True)
             except FileNotFoundError:  # on GCS, a prefix with no object under it yet
                 return {}
-            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["type"] for e in entries}
+            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["type"] == "directory" for e in listed}
 
         place = f"{self.directory}/{step}"
         try:
-            kind = names(root).get(str(step))
-            if kind is None or (kind == "directory" and STEP_ITEMS & set(names(f"{root}/{step}"))):
+            is_dir = entries(root).get(str(step))
+            if is_dir is None or is_project_step(root, str(step), is_dir, entries):
                 return
         except Exception as e:  # the storage does not answer (an outage): the save would fail the same way
             self._pending = step
             raise self._failed(e) from e
         last = f"step {self._confirmed}" if self._confirmed is not None else "none yet"
-        what = "folder" if kind == "directory" else "file"
+        what = "folder" if is_dir else "file"
         raise StorageError(f"checkpoint save of step {step} to {self.directory} failed: {place} is a {what} that is no "
                            "checkpoint step of this project, and saving the step would delete it; the last complete "
                            f"checkpoint: {last}. Move it out of {self.directory} and relaunch the same command to resume")

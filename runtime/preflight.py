@@ -137,7 +137,7 @@ def check_wandb_key_shape(key: str) -> None:
 RUN_MARKER = ".podrunner-run"
 _RUN_FILES = (RUN_MARKER, "run_manifest.json", ".lease.json", ".lease.json.lock", PROBE_DIR)
 # What an Orbax step folder holds (a damaged one at least one of them).
-STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
+_STEP_ITEMS = {"_CHECKPOINT_METADATA", "commit_success.txt", "state", "meta"}
 
 
 def _checkpoint_entry(name: str) -> bool:
@@ -156,6 +156,12 @@ def local_entries(directory: str) -> dict[str, bool]:
         raise UserError(f"cannot list {directory} ({os_reason(e)}); fix the path or its permissions") from e
 
 
+def is_project_step(directory: str, name: str, is_dir: bool, entries) -> bool:
+    """Whether the entry `name` of a checkpoint directory is a step folder this project wrote (it
+    holds an Orbax step's items); `entries` lists a folder as name -> is a folder."""
+    return is_dir and bool(_STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}")))
+
+
 def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bool = False) -> None:
     """A run directory is written only when it is new, empty or an earlier run's (RUN_MARKER or
     the files earlier runs left); any other folder is someone's and is refused before anything is
@@ -171,7 +177,7 @@ def check_run_dir(directory: str, what: str, setting: str, entries, *, steps: bo
     names = {n: d for n, d in names.items() if not (d and not n.isdigit() and not listed(f"{directory.rstrip('/')}/{n}"))}
     if steps:
         for name, is_dir in sorted(names.items()):
-            if name.isdigit() and not (is_dir and STEP_ITEMS & set(entries(f"{directory.rstrip('/')}/{name}"))):
+            if name.isdigit() and not is_project_step(directory, name, is_dir, entries):
                 kind = "folder" if is_dir else "file"
                 raise UserError(f"{what} {directory} holds a {kind} {name} that is no checkpoint step of this project, "
                                 "and a run would replace or delete it; move it out of that directory, or choose "

@@ -253,13 +253,11 @@ class SequenceMixer(nn.Module):
         form = mixer_kernel.check(self.form)
         if self.is_initializing() or in_analysis():  # shapes only; the analysis compile counts XLA's FLOPs
             form = "xla"
+        kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
         if form == "pallas":  # the kernel; on any other platform Pallas' interpreter (tests)
-            kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
             return for_platform(h, gate_up, down, tpu=kernel, default=functools.partial(kernel, interpret=True))
-        if form == "auto" and mixer_kernel.fits(h.shape[-1], down.shape[0], h.dtype):
-            kernel = functools.partial(mixer_kernel.mixer_block, eps=self.eps)
-            return for_platform(h, gate_up, down, cpu=cpu, tpu=kernel, default=tpu)
-        return for_platform(h, gate_up, down, cpu=cpu, default=tpu)
+        on_tpu = {"tpu": kernel} if form == "auto" and mixer_kernel.fits(h.shape[-1], down.shape[0], h.dtype) else {}
+        return for_platform(h, gate_up, down, cpu=cpu, default=tpu, **on_tpu)
 
 
 class Attention(nn.Module):
