@@ -59,5 +59,5 @@ if kind:
                  "stop stale processes (`launch.py stop`) and check the TPU VM's health")
 PY
 # Every pinned package at its pin and importable (a pip that failed half-way leaves a .venv that is not).
-"$VENV/bin/python" -m experiments.worker.versions "$(hostname)" --imports
+"$VENV/bin/python" -m experiments.launcher.worker.versions "$(hostname)" --imports
 echo "setup_tpu.sh: ok"

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra import compose as hydra_compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.programme import GROUPS, Group, variant_files
-from runtime.config import register_schemas
+from runtime import hydra_compose
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -44,14 +43,8 @@ GROUP_CHOICES = ("arch", "data", "optim", "mesh")  # config groups an experiment
 
 @lru_cache(maxsize=None)
 def _composed(experiment: str, overrides: tuple[str, ...] = ()) -> tuple[DictConfig, dict[str, str]]:
-    register_schemas()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=[f"+experiment={experiment}", *overrides],
-                            return_hydra_config=True)
-    choices = {k: cfg.hydra.runtime.choices[k] for k in GROUP_CHOICES}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, choices
+    cfg, choices = hydra_compose.compose([f"+experiment={experiment}", *overrides])
+    return cfg, {k: choices[k] for k in GROUP_CHOICES}
 
 
 def compose(experiment: str, overrides: tuple[str, ...] = ()) -> DictConfig:

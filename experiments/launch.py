@@ -36,8 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from experiments import pod  # noqa: E402
-from experiments.local_pod import run_local_pod  # noqa: E402
+from experiments.launcher import pod  # noqa: E402
+from experiments.launcher.local_pod import run_local_pod  # noqa: E402
 from runtime.errors import EXIT_FAILURE, EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
 from runtime.ranges import Rule, above, at_least, check_args, within  # noqa: E402
 
@@ -248,7 +248,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     history (restarts and causes, step progress, pod time) first, from <log-dir>/<run-id>."""
     _no_overrides(args)
     if args.run_id and not args.dry_run:
-        from experiments import supervise
+        from experiments.launcher import supervise
 
         history = supervise.status_text(args.log_dir, args.run_id)
         if history is not None:
@@ -282,7 +282,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     (run it again to carry on), events: <log-dir>/<run-id>/supervise.log. Ctrl-C or SIGTERM stops
     the supervisor AND the run (the workers checkpoint first). Exit code: 0 when the run completed,
     the run's code when it failed for good, 1 when the supervisor gave up, 130 when stopped."""
-    from experiments import supervise
+    from experiments.launcher import supervise
 
     if args.status:
         text = supervise.status_text(args.log_dir, args.run_id)
@@ -422,7 +422,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     --local: scaled down for this machine (experiments/local_scale.yaml; runs under outputs/local)
     as one Hydra multirun, `pretrain_jax.py -m +experiment=local/<group>/<v1>,...`
     (experiments/sweep.py). --tpu/--zone: the variants as a programme on that one slice
-    (experiments/programme_run.py, named sweep-<group>-<tpu>): each supervised, resumed after a
+    (experiments/launcher/run_queue.py, named sweep-<group>-<tpu>): each supervised, resumed after a
     preemption on the slice re-created (--accelerator-type, --runtime-version), one after another;
     the same command again carries a stopped sweep on. A failed variant does not stop the sweep;
     every job's result is printed, and the exit code is 0 only when all completed (local: the first
@@ -452,31 +452,31 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
     """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
-    from experiments import programme_run
+    from experiments.launcher import run_queue
 
     if not (args.zone and args.accelerator_type and args.runtime_version):
         raise pod.PodError("sweep --tpu needs --zone, and --accelerator-type and --runtime-version to re-create the "
                            "slice after a preemption")
     directory = Path(args.state_dir) / f"sweep-{args.group}-{args.tpu}"
     if not (directory / "programme.json").exists():
-        sub = programme_run.Submission(
+        sub = run_queue.Submission(
             name=directory.name, variants=[f"{args.group}/{v}" for v in chosen], slices=[args.tpu], zone=args.zone,
             project=args.project, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
             tier=args.tier, overrides=args.overrides, env=dict(args.env), forward_env=args.forward_env,
             repo_dir=args.repo_dir, poll_s=args.poll_seconds)
-        problems = programme_run.preflight(sub)
+        problems = run_queue.preflight(sub)
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         if problems:
             return EXIT_USER_ERROR
-        programme_run.State(directory).create(sub)
-    code = programme_run.run(directory)
-    state = programme_run.State(directory)
+        run_queue.State(directory).create(sub)
+    code = run_queue.run(directory)
+    state = run_queue.State(directory)
     state.load()
     records = state.ledger["variants"]
     print("\n".join(f"  {name:<28} {r['state']}" + (f": {r['line']}" if r.get("line") else "")
                     for name, r in records.items()))
-    return code or (0 if all(r["state"] == programme_run.COMPLETED for r in records.values()) else EXIT_FAILURE)
+    return code or (0 if all(r["state"] == run_queue.COMPLETED for r in records.values()) else EXIT_FAILURE)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -573,7 +573,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-# --- the whole programme, unattended (experiments/programme_run.py) -----------------------------------
+# --- the whole programme, unattended (experiments/launcher/run_queue.py) -----------------------------------
 
 def _programme_dir(args: argparse.Namespace) -> Path:
     return Path(args.state_dir) / args.name
@@ -581,13 +581,13 @@ def _programme_dir(args: argparse.Namespace) -> Path:
 
 def cmd_programme(args: argparse.Namespace) -> int:
     """A durable queue of the programme's variants on one or more preemptible TPU slices, each run
-    supervised, with a ledger of pod-hours, results and status (experiments/programme_run.py).
+    supervised, with a ledger of pod-hours, results and status (experiments/launcher/run_queue.py).
     submit: the groups (or all), a subset of --variants, the slices, a --budget in pod-hours (with
     the plan's --plan CSV) and the --order; a preflight composes every variant first. run: the
     controller (one at a time; run it again after any stop to carry on, here or on another
     machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
     running variants checkpoint and the controller ends. retry / skip a variant."""
-    from experiments import programme_run, programme_status
+    from experiments.launcher import queue_status, run_queue
     from runtime.errors import UserError
     from runtime.lease import LeaseHeld
 
@@ -596,13 +596,13 @@ def cmd_programme(args: argparse.Namespace) -> int:
         if args.verb == "submit":
             return _programme_submit(args, directory)
         if args.verb == "run":
-            return programme_run.run(directory, args.mirror)
-        state = programme_run.State(directory)
+            return run_queue.run(directory, args.mirror)
+        state = run_queue.State(directory)
         state.load(args.mirror)
         if args.verb == "status":
-            sys.stdout.write(programme_status.text(state.sub, state.ledger))
+            sys.stdout.write(queue_status.text(state.sub, state.ledger))
             page = Path(args.html) if args.html else directory / "status.html"
-            page.write_text(programme_status.page(state.sub, state.ledger))
+            page.write_text(queue_status.page(state.sub, state.ledger))
             print(f"(the picture: {page})")
             return 0
         if args.verb in ("retry", "skip") and args.variant not in state.ledger["variants"]:
@@ -621,33 +621,33 @@ def cmd_programme(args: argparse.Namespace) -> int:
 
 
 def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
-    from experiments import programme_run
+    from experiments.launcher import run_queue
 
     if (directory / "programme.json").exists():
         raise pod.PodError(f"programme {args.name} exists at {directory}; `programme run {args.name}` carries it on "
                            "(or submit under another name)")
     if not args.slice:
         raise pod.PodError("give the slices to run on: --slice NAME (one or more)")
-    variants = programme_run.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
-    planned = programme_run.read_plan(Path(args.plan)) if args.plan else {}
+    variants = run_queue.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
+    planned = run_queue.read_plan(Path(args.plan)) if args.plan else {}
     if args.order == "cheapest":
         variants.sort(key=lambda v: (planned.get(v) or {}).get("pod_hours") or float("inf"))
-    sub = programme_run.Submission(
+    sub = run_queue.Submission(
         name=args.name, variants=variants, slices=args.slice, zone=args.zone, project=args.project,
         accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
         queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
         forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
         max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
         stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
-    problems = programme_run.preflight(sub)
+    problems = run_queue.preflight(sub)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return EXIT_USER_ERROR
-    state = programme_run.State(directory)
+    state = run_queue.State(directory)
     state.create(sub)
     state.event("submitted", variants=len(variants), slices=",".join(sub.slices), state=directory)
-    return programme_run.run(directory, args.mirror) if args.run else 0
+    return run_queue.run(directory, args.mirror) if args.run else 0
 
 
 def _add_programme(sub: argparse._SubParsersAction) -> None:

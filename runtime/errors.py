@@ -17,7 +17,7 @@ EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in
 EXIT_STORAGE = 6  # a checkpoint, metrics or manifest write failed (outage, full disk, permissions), or the run lost its lease
 EXIT_PEER_LOST = 7  # another process of the pod died, went silent or failed; this one stopped too (runtime/liveness.py)
 EXIT_PREEMPTED = 8  # stopped on SIGTERM (preemption, maintenance, launch.py stop) with its checkpoint saved: relaunch
-# Shell conventions, used by the launchers (experiments/local_pod.py, experiments/pod.py):
+# Shell conventions, used by the launchers (experiments/launcher/local_pod.py, experiments/launcher/pod.py):
 EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
 EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s
 EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + 2  # SIGINT (Ctrl-C): 130

@@ -33,7 +33,7 @@ def _git(*args: str) -> str | None:
 
 
 def shipped_tree() -> dict[str, Any] | None:
-    """What `launch.py pod --ship` sent (tree_hash, base_commit, diff_summary; experiments/ship.py),
+    """What `launch.py pod --ship` sent (tree_hash, base_commit, diff_summary; experiments/launcher/ship.py),
     None for a run of the checkout itself. A shipped tree has no .git: git_commit is None then."""
     text = os.environ.get("PODRUNNER_SHIPPED_TREE")
     if not text:

@@ -1,4 +1,4 @@
-"""Run ids, shared by the trainer (runtime/trainer.py) and the pod launcher (experiments/pod.py),
+"""Run ids, shared by the trainer (runtime/trainer.py) and the pod launcher (experiments/launcher/pod.py),
 which imports this without pulling in JAX."""
 
 import re

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from experiments.local_pod import find_free_port
+from experiments.launcher.local_pod import find_free_port
 from runtime.cpu_backend import YNN_DOTS_ONLY  # standard library only
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,15 +162,9 @@ class Trained:
 
 def compose_config(overrides: Sequence[str]):
     """The validated Config that `pretrain_jax.py <overrides>` would run."""
-    from hydra import compose, initialize_config_dir
+    from runtime.hydra_compose import composed
 
-    from runtime.config import register_schemas, validate
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
-    return validate(cfg, experiment)
+    return composed(overrides)
 
 
 class _Lines(logging.Handler):

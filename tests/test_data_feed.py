@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO
 from data_pipeline.batching import eval_batch_indices, global_batch_indices
-from experiments.local_pod import run_local_pod
+from experiments.launcher.local_pod import run_local_pod
 
 
 def test_global_order_is_a_pure_function_of_seed_and_step():

@@ -50,7 +50,7 @@ def overrides(data: Path, root: Path, name: str, steps: int) -> list[str]:
 def test_pod_matches_single_process(sft_dir, tmp_path):
     """A 2 x 4 pod, accumulating gradients over 2 micro-batches (each spread over both processes),
     gives the losses of one process taking the whole batch at once."""
-    from experiments.local_pod import run_local_pod
+    from experiments.launcher.local_pod import run_local_pod
 
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "arch.remat=full"]
     train(overrides(sft_dir, tmp_path / "one", "t", 4) + mesh)

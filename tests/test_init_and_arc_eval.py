@@ -116,7 +116,7 @@ def arc_dir(tmp_path_factory):
 
 @pytest.mark.devices(4)  # 1 process x 4 devices against 2 x 2
 def test_arc_eval_in_trainer_and_on_a_pod(arc_dir, tmp_path):
-    from experiments.local_pod import run_local_pod
+    from experiments.launcher.local_pod import run_local_pod
 
     common = [f"data.path={arc_dir}", "data.name=arc", "data.generate_if_missing=false", "run.progress_bar=false",
               "run.group=arc", "run.wandb.mode=disabled", "train.log_every=1", "train.global_batch_size=8", "arch=trm_mlp",

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
+from experiments.launcher.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
 from runtime import events
-from experiments.worker import VERSIONS_TAG
+from experiments.launcher.worker import VERSIONS_TAG
 from helpers import LAUNCH, POD_SECRET as SECRET, REPO, POD_WORKERS as WORKERS, pid_alive, target, wait_for
 
 HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
@@ -69,7 +69,7 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
     assert "cd \"$HOME\"/podrunner || " in command  # the default repo dir, ~ still expanding remotely
     assert "export PYTHONUNBUFFERED=1 PODRUNNER_RUN_ID=r1;" in command
     guard = shlex.split(command.rsplit("; ", 1)[1])  # the launch guard reads the secrets, starts the trainer once
-    assert guard[:4] == ["exec", "python", "-m", "experiments.worker.once"] and "--secrets" in guard
+    assert guard[:4] == ["exec", "python", "-m", "experiments.launcher.worker.once"] and "--secrets" in guard
     assert guard[guard.index("--") + 1:] == ["python", "pretrain_jax.py", 'run.name="a b \'c\'"',
                                              "data.path=/x y/$HOME/`id`", "train.steps=5", "run.id=r1"]
     assert 'LOG="$HOME"/podrunner-logs/r1/worker-"$(hostname)".log' in command
@@ -404,7 +404,7 @@ def test_setup_verifies_imports_against_the_pins(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nrequires-python = ">=3.11"\ndependencies = ["tqdm==%s", "numpy==0.0.1", "no-such-dist==1.0"]\n'
         % metadata.version("tqdm"))
-    r = subprocess.run([sys.executable, "-m", "experiments.worker.versions", "h1", "--imports"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "experiments.launcher.worker.versions", "h1", "--imports"], cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
     assert r.returncode == 1, r.stdout + r.stderr
     row = json.loads(r.stdout.split(VERSIONS_TAG, 1)[1])

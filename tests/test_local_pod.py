@@ -1,4 +1,4 @@
-"""Tests for experiments/local_pod.py and `launch.py local`, with throwaway worker scripts."""
+"""Tests for experiments/launcher/local_pod.py and `launch.py local`, with throwaway worker scripts."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import pytest
 
-from experiments.local_pod import process_env, run_local_pod, with_device_count
+from experiments.launcher.local_pod import process_env, run_local_pod, with_device_count
 from helpers import LAUNCH, pid_alive, wait_for
 
 

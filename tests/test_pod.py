@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, child_env, read_jsonl, saved_steps, train, train_losses, trm_overrides, use_cpu_devices
-from experiments.local_pod import run_local_pod
+from experiments.launcher.local_pod import run_local_pod
 from wandb_offline import read_offline_runs
 
 # 4 devices in all: several a process and more than one process, as a pod has. (2 x 4 costs the pod's

@@ -309,20 +309,20 @@ def test_gs_dataset_not_readable_fails(tmp_path, fake_gcs):
 
 
 def test_programme_preflight_names_each_variants_missing_gs_dataset_and_the_budget(emulator):
-    """`programme submit`'s preflight (experiments/programme_run.py), against the emulator: one line
+    """`programme submit`'s preflight (experiments/launcher/run_queue.py), against the emulator: one line
     per variant whose dataset is not on gs://, per variant without planned pod-hours under a
     budget, and one when the first variant alone exceeds the budget."""
     from google.cloud import storage
 
-    from experiments import programme_run
+    from experiments.launcher import run_queue
 
     storage.Client().bucket("data").blob("sudoku-extreme-1000-aug-1000/train/dataset.json").upload_from_string("{}")
     present, absent = "exp08/ema0.99", "exp04a/puzzles100"  # exp04a's 100-puzzle set was never copied
-    sub = programme_run.Submission(name="p", variants=[present, absent], slices=["s1"], zone="z",
+    sub = run_queue.Submission(name="p", variants=[present, absent], slices=["s1"], zone="z",
                                    accelerator_type="v4-8", runtime_version="v", env={"PODRUNNER_DATA": "gs://data"},
                                    budget=1.0,
                                    planned={present: {"pod_hours": 1.5, "steps": 10}})
-    problems = programme_run.preflight(sub)
+    problems = run_queue.preflight(sub)
     assert problems == [
         f"{absent}: dataset gs://data/sudoku-extreme-100-aug-1000 does not exist",
         f"{absent}: no planned pod-hours for the budget: give --plan with the CSV of `launch.py plan` for these groups",
@@ -330,4 +330,4 @@ def test_programme_preflight_names_each_variants_missing_gs_dataset_and_the_budg
     assert sub.checkpoint_dirs.keys() == {present, absent} and sub.total_steps == {present: 10}
     sub.planned[absent], sub.budget = {"pod_hours": 0.5, "steps": 10}, 2.0
     storage.Client().bucket("data").blob("sudoku-extreme-100-aug-1000/train/dataset.json").upload_from_string("{}")
-    assert programme_run.preflight(sub) == []
+    assert run_queue.preflight(sub) == []

@@ -1,4 +1,4 @@
-"""`launch.py pod --ship`: the working tree is packed (experiments/ship.py), copied to every worker
+"""`launch.py pod --ship`: the working tree is packed (experiments/launcher/ship.py), copied to every worker
 and run there. Packing is tested on temporary git repos; the launch on the fake gcloud with the
 stub workers of conftest's `pod` fixture (their ~/repo holds the committed stub and the .venv)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.ship import Pack, ShipError, pack_tree, tree_files
+from experiments.launcher.ship import Pack, ShipError, pack_tree, tree_files
 from helpers import target
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
@@ -206,7 +206,7 @@ def test_ship_refuses_a_huge_tree_before_any_gcloud(pod, project):
 def test_launch_pod_accepts_a_prebuilt_pack(pod, project, tmp_path):
     """The supervisor packs once and hands the same Pack to every launch."""
     import io
-    from experiments.pod import Target, launch_pod
+    from experiments.launcher.pod import Target, launch_pod
     pack = pack_tree(project, tmp_path)
     assert isinstance(pack, Pack)
     out = io.StringIO()

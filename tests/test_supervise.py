@@ -182,7 +182,7 @@ def test_restarts_without_progress_stop_it(stub_plane):
     record = stub_plane.record()
     assert [launch["cause"] for launch in record["launches"]] == ["worker lost"] * 3
     assert record["status"] == "gave-up" and "reason=no-progress" in result.stdout
-    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "experiments.worker.stop" in c[-1]]
+    stops = [c for c in stub_plane.gcloud_calls() if c[4] == "ssh" and "experiments.launcher.worker.stop" in c[-1]]
     assert len(stops) == 2  # stale processes stopped before each relaunch
 
 
@@ -310,8 +310,8 @@ def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
     """A supervisor on another machine (no local record) carries on from the copy on gs://."""
     import io
 
-    from experiments import supervise
-    from experiments.pod import Target
+    from experiments.launcher import supervise
+    from experiments.launcher.pod import Target
     from gcs_emulator import start_gcs_emulator
 
     assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path))[0] is None  # local checkpoints
@@ -335,8 +335,8 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     `storage_backoff_s` before the next try instead of spinning."""
     import io
 
-    from experiments import pod, supervise
-    from experiments.pod import Target
+    from experiments.launcher import pod, supervise
+    from experiments.launcher.pod import Target
 
     row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2", "ok": True}
     answers = iter([[dict(row, host="w0"), dict(row, host="w1")],  # launch 1: versions agree

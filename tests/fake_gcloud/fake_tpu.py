@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 TRAINER = "pretrain_jax"  # a trainer's cmdline holds this ...
-GUARD = "experiments.worker.once"  # ... and so does its launch guard's, which is not a trainer
+GUARD = "experiments.launcher.worker.once"  # ... and so does its launch guard's, which is not a trainer
 SHUTDOWN_WINDOW_S = 30.0  # GCE: a preempted VM is stopped 30 s after its processes get SIGTERM
 
 

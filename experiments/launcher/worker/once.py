@@ -1,4 +1,4 @@
-"""`python -m experiments.worker.once --key KEY --log LOG --start TEXT [--secrets FILE] [--cwd DIR]
+"""`python -m experiments.launcher.worker.once --key KEY --log LOG --start TEXT [--secrets FILE] [--cwd DIR]
 -- python pretrain_jax.py ...`: start the trainer once per launch, however often its command runs.
 
 gcloud re-runs an ssh `--command` that ended with 255 (a dropped connection), up to 10 times, on
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from experiments.worker import START_TAG
+from experiments.launcher.worker import START_TAG
 from runtime.events import TAG as EVENT_TAG  # standard library only, like this
 
 POLL_S = 0.1
@@ -55,7 +55,7 @@ def say(text):
 
 
 def read_secrets(path):
-    """{NAME: value} of a secrets file (experiments/pod.py secrets_file_text), which is then removed."""
+    """{NAME: value} of a secrets file (experiments/launcher/pod.py secrets_file_text), which is then removed."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     os.remove(path)
@@ -181,7 +181,7 @@ def _alive(pid):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(prog="python -m experiments.worker.once")
+    parser = argparse.ArgumentParser(prog="python -m experiments.launcher.worker.once")
     parser.add_argument("--key", required=True, help="this launch's token (the same in every re-run)")
     parser.add_argument("--log", required=True, help="the worker's log of this launch")
     parser.add_argument("--host", required=True)

@@ -1,4 +1,4 @@
-"""`launch.py programme status`: the programme at a glance, from its ledger (experiments/programme_run.py).
+"""`launch.py programme status`: the programme at a glance, from its ledger (experiments/launcher/run_queue.py).
 
 A table, one row per variant: state, attempts, preemptions, restarts, pod-hours spent against the
 plan's estimate, last step of the total, the group's primary metric (its group.yaml), the W&B run
@@ -19,7 +19,7 @@ import io
 import time
 from dataclasses import dataclass
 
-from experiments.programme_run import COMPLETED, FAILED, QUEUED, RUNNING, SKIPPED, Submission, live_ready_seconds
+from experiments.launcher.run_queue import COMPLETED, FAILED, QUEUED, RUNNING, SKIPPED, Submission, live_ready_seconds
 
 UNFINISHED = (QUEUED, RUNNING)
 

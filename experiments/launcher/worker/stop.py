@@ -1,4 +1,4 @@
-"""`python3 -m experiments.worker.stop HOST GRACE`: end this login's training processes (and the
+"""`python3 -m experiments.launcher.worker.stop HOST GRACE`: end this login's training processes (and the
 launch guards that started them) and any of its processes holding the TPU: SIGTERM first when
 GRACE > 0 (the trainer checkpoints), SIGKILL after it. Then remove the libtpu lockfile unless a
 live process still has it open, and the secrets files of launches that never started. One line
@@ -13,9 +13,9 @@ import os
 import signal
 import sys
 
-from experiments.worker import procs
+from experiments.launcher.worker import procs
 
-SECRETS_GLOB = ".podrunner-secrets-*"  # experiments/pod.py SECRETS_PREFIX
+SECRETS_GLOB = ".podrunner-secrets-*"  # experiments/launcher/pod.py SECRETS_PREFIX
 
 
 def _signal(pids, sig):

@@ -3,7 +3,7 @@
 Why one ssh: a per-worker loop can leave some workers unstarted (one ssh fails, the loop is
 interrupted), and a JAX job with a missing process hangs at the coordinator. gcloud starts the
 command on all workers at once and fails if any of them fails; the launcher exits with its code.
-Every gcloud command line is built in experiments/gcloud.py.
+Every gcloud command line is built in experiments/launcher/gcloud.py.
 
 Operations (CLI in experiments/launch.py):
   pod     run pretrain_jax.py on all workers with one shared run id; log per worker and locally
@@ -11,8 +11,8 @@ Operations (CLI in experiments/launch.py):
           commit and package versions across workers: a mismatch is an error
   stop    kill this login's stale training processes and TPU holders, remove the libtpu lockfile
   status  per worker: training process alive, pid, elapsed, last step, newest log file
-The programs that run on the workers are modules, `python -m experiments.worker.<tool>`, run from
-the repo on the worker (experiments/worker/).
+The programs that run on the workers are modules, `python -m experiments.launcher.worker.<tool>`, run from
+the repo on the worker (experiments/launcher/worker/).
 
 Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
 value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
@@ -24,13 +24,13 @@ whole argv to its own log file, and a remote `bash -c` command line is world-rea
 per worker, all reading gcloud's one stdin, so only one worker would get the bytes. Instead
 `gcloud ... scp --worker=all` copies a 0600 file (written in a private temporary directory here,
 deleted right after) to ~/.podrunner-secrets-<random> on every worker; the launch guard there
-(experiments/worker/once.py) reads and removes it and puts the values into the trainer's
+(experiments/launcher/worker/once.py) reads and removes it and puts the values into the trainer's
 environment alone (/proc/<pid>/environ: the user's own). Every print, the dry run and the local
 logs name the secrets, never their values. `stop` removes the file a failed launch left behind.
 
 A launch runs once per worker whatever gcloud does: it re-runs an ssh command that ended with 255
 (a dropped connection), and the guard makes that re-run follow the launch already running (or
-finished) there instead of starting a second trainer (experiments/worker/once.py).
+finished) there instead of starting a second trainer (experiments/launcher/worker/once.py).
 
 Run ids: `--run-id ID` (or a run.id= override) is fixed: passed as run.id=ID, so the trainer
 refuses to resume a checkpoint written under another id (exit 2). Without one, a new id is only
@@ -39,7 +39,7 @@ trainer's `started` event names the id it uses (runtime/events.py); when that is
 launch's id the launcher says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and
 on the workers) are filed under the launch's id.
 
-Shipping (`pod --ship`, experiments/ship.py): the local working tree is packed, copied with one
+Shipping (`pod --ship`, experiments/launcher/ship.py): the local working tree is packed, copied with one
 `scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker and
 run there with the repo's .venv (`shipped_steps`); PODRUNNER_SHIPPED_TREE carries the tree hash
 and its diff from HEAD to the run's manifest. Without it the workers run their checkout and the
@@ -68,10 +68,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
-from experiments import gcloud
-from experiments.gcloud import PodError, Target
-from experiments.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
-from experiments.worker import START_TAG, STATUS_TAG, VERSIONS_TAG
+from experiments.launcher import gcloud
+from experiments.launcher.gcloud import PodError, Target
+from experiments.launcher.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
+from experiments.launcher.worker import START_TAG, STATUS_TAG, VERSIONS_TAG
 from runtime import events
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
@@ -84,7 +84,7 @@ SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set
 SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home
 SHIPPED_TREE_ENV = "PODRUNNER_SHIPPED_TREE"  # read by runtime/manifest.py: JSON of what --ship sent
 SHIP_DIR = "~/podrunner-shipped"  # + /<tree hash>: a shipped tree, unpacked once per worker
-REPO_ROOT = Path(__file__).resolve().parent.parent  # what --ship packs by default
+REPO_ROOT = Path(__file__).resolve().parents[2]  # what --ship packs by default
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
@@ -167,7 +167,7 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
                 secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None) -> str:
-    """Worker command: cd, activate, export, then the launch guard (experiments/worker/once.py)
+    """Worker command: cd, activate, export, then the launch guard (experiments/launcher/worker/once.py)
     that starts `python pretrain_jax.py ...` once per launch `key`, its output in
     ~/podrunner-logs/<run_id>/worker-<hostname>.log, and follows that log. `secrets_file` (in the
     home directory, copied there by `send_secrets`): read and removed by the guard, its values
@@ -190,8 +190,8 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
     steps += [f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),  # the guard runs from the repo
               ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)")]
     if ship:
-        steps.append('python -m experiments.worker.pins "$SHIP"/pyproject.toml pyproject.toml "$(hostname)"')
-    guard = ["exec python -m experiments.worker.once", f"--key {shlex.quote(key or new_launch_key())}",
+        steps.append('python -m experiments.launcher.worker.pins "$SHIP"/pyproject.toml pyproject.toml "$(hostname)"')
+    guard = ["exec python -m experiments.launcher.worker.once", f"--key {shlex.quote(key or new_launch_key())}",
              '--log "$LOG"', '--host "$(hostname)"', f'--start "host=$(hostname) {version} launch_id={run_id}"',
              *(['--secrets "$SECRETS"'] if secrets_file else []), *(['--cwd "$SHIP"'] if ship else []),
              "--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
@@ -236,15 +236,15 @@ def remove_secrets_command(secrets_file: str) -> str:
 
 
 def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/python", missing: str | None = None) -> str:
-    """Worker command: run `python -m experiments.worker.<module> ARGS` from the repo. `missing`: what
+    """Worker command: run `python -m experiments.launcher.worker.<module> ARGS` from the repo. `missing`: what
     to say (and exit 0) when there is no repo there; else that is an error."""
     no_repo = (f'{{ echo "podrunner: $(hostname): {missing}"; exit 0; }}' if missing
                else _fail("no repo at --repo-dir"))
-    return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {python} -m experiments.worker.{module} {' '.join(args)}"
+    return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {python} -m experiments.launcher.worker.{module} {' '.join(args)}"
 
 
 def versions_command(repo_dir: str) -> str:
-    """Each worker's versions line (experiments/worker/versions.py)."""
+    """Each worker's versions line (experiments/launcher/worker/versions.py)."""
     return in_repo(repo_dir, "versions", '"$(hostname)"')
 
 
@@ -263,7 +263,7 @@ def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | No
                   f"git checkout --quiet --detach {shlex.quote(git_ref)}; }} || "
                   + _fail("cannot check out --git-ref")]
     steps += ["bash setup_tpu.sh || exit $?",
-              '.venv/bin/python -m experiments.worker.versions "$(hostname)"']
+              '.venv/bin/python -m experiments.launcher.worker.versions "$(hostname)"']
     return "; ".join(steps)
 
 

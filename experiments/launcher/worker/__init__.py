@@ -1,5 +1,5 @@
 """Programs that run on each TPU VM worker, started by the launchers' one `gcloud ... ssh --worker=all`
-(experiments/pod.py) from the repository on the worker, `python -m experiments.worker.<tool>`:
+(experiments/launcher/pod.py) from the repository on the worker, `python -m experiments.launcher.worker.<tool>`:
 
   stop      end this login's training processes and TPU holders, free the libtpu lockfile
   status    this worker's training processes, last step and newest log, as one tagged line

@@ -2,8 +2,8 @@
 
 Commands (Cloud TPU VMs, `gcloud compute tpus ...`): `tpu-vm ssh --worker=all --command` (one ssh
 that runs a command on every worker of a slice), `tpu-vm scp --worker=all`, `tpu-vm create /
-describe / delete`, `queued-resources create / describe / delete`. experiments/pod.py,
-experiments/supervise.py and experiments/programme_run.py call these builders.
+describe / delete`, `queued-resources create / describe / delete`. experiments/launcher/pod.py,
+experiments/launcher/supervise.py and experiments/launcher/run_queue.py call these builders.
 
 Running them: `run_quiet` for a short call whose output is read (describe, create, delete),
 `run_streaming` for an ssh whose merged output passes through to the console as it comes.

@@ -169,7 +169,7 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
              "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
              timeout=60, what="the first controller's launch", procs=[first])
     # While the launch runs, status shows it: the step of its last checkpoint, its run id, READY time so far.
-    from experiments.programme_run import live_ready_seconds
+    from experiments.launcher.run_queue import live_ready_seconds
 
     progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("progress") or {}  # noqa: E731
     wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
@@ -362,22 +362,23 @@ def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
 def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, monkeypatch):
     """wandb.alert (W&B online only): on a variant failed for good, and on a controller that stops
     on a failure. In process, the supervision replaced by its outcome."""
-    from experiments import programme_run, supervise
+    from experiments.launcher import run_queue, supervise
+    from runtime import hydra_compose
 
-    sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
+    sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
                                    runtime_version="v", overrides=["++run.wandb.mode=online", "run.wandb.project=p1",
                                                                    "run.wandb.tags=[mine]"])
     # Each run is tagged with the programme's name, beside the user's tags.
-    assert list(supervise.composed(sub.overrides_of(EMA[1])).run.wandb.tags) == ["mine", NAME]
-    assert not programme_run.Alerts(sub).online  # no API key here
+    assert list(hydra_compose.composed(sub.overrides_of(EMA[1])).run.wandb.tags) == ["mine", NAME]
+    assert not run_queue.Alerts(sub).online  # no API key here
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    online = programme_run.Alerts(sub)
+    online = run_queue.Alerts(sub)
     assert online.online and online.wandb.project == "p1"  # as the runs' composed config says, whatever the form
-    assert not programme_run.Alerts(programme_run.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
-    state = programme_run.State(tmp_path / NAME)
+    assert not run_queue.Alerts(run_queue.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
+    state = run_queue.State(tmp_path / NAME)
     state.create(sub)
     alerts: list[tuple[str, str]] = []
-    controller = programme_run.Controller(state, alert=lambda title, text: alerts.append((title, text)))
+    controller = run_queue.Controller(state, alert=lambda title, text: alerts.append((title, text)))
 
     def fails_for_good(self) -> int:
         self.sup.data["launches"].append({"outcome": "fatal", "cause": "bad input", "line": "error: bad data"})
@@ -387,7 +388,7 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     controller.run_variant(EMA[0], "s1")
     assert alerts == [(f"{NAME}: {EMA[0]} failed", "error: bad data")]
     assert state.ledger["variants"][EMA[0]]["state"] == "failed"
-    controller.halt(programme_run.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
+    controller.halt(run_queue.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
     assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
 
 
@@ -425,17 +426,17 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
     launch would fail the test."""
     import jax.numpy as jnp
 
-    from experiments import programme_run, supervise
+    from experiments.launcher import run_queue, supervise
     from runtime import events
     from runtime.checkpointing import Checkpoints
 
     ckpt = tmp_path / "ckpt"
-    sub = programme_run.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
+    sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
                                    runtime_version="v", checkpoint_dirs={v: str(ckpt / v) for v in EMA},
                                    total_steps={EMA[1]: 10})
-    state = programme_run.State(tmp_path / NAME)
+    state = run_queue.State(tmp_path / NAME)
     state.create(sub)
-    controller = programme_run.Controller(state, alert=lambda title, text: None)
+    controller = run_queue.Controller(state, alert=lambda title, text: None)
     assert controller.already_complete(EMA[0]) is None  # nothing there yet
 
     def save(variant: str, step: int) -> None:
@@ -474,18 +475,18 @@ def test_status_table_totals_eta_and_page(tmp_path):
     """`programme status` from a ledger: a row per variant, totals per group and for the programme,
     the ETA (a running variant at its own measured pace; a queued one at its plan, scaled by how
     the measured variants compare with theirs; shared over the slices), failures' lines, the page."""
-    from experiments import programme_run, programme_status
+    from experiments.launcher import queue_status, run_queue
 
     done, running, queued, bad = "exp08/ema0.99", "exp08/off", "exp08/ema0.995", "exp04a/puzzles100"
-    sub = programme_run.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
+    sub = run_queue.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
                                    accelerator_type="v4-8", runtime_version="v",
                                    planned={v: {"pod_hours": h, "steps": 100}
                                             for v, h in ((done, 0.5), (running, 1.0), (queued, 2.0), (bad, 0.25))})
-    state = programme_run.State(tmp_path / NAME)
+    state = run_queue.State(tmp_path / NAME)
     state.create(sub)
     now = 1_000_000.0
     v = state.ledger["variants"]
-    primary = programme_status.primary_of("exp08")
+    primary = queue_status.primary_of("exp08")
     v[done].update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
                    metrics={primary: 0.75}, wandb_run_id="w1")
     v[running].update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark={"ready": 0.0, "host": 0.0},
@@ -494,7 +495,7 @@ def test_status_table_totals_eta_and_page(tmp_path):
                                                                 "ready_seconds": 0.0, "host_seconds": 0.0})
     v[bad].update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
 
-    out = programme_status.text(sub, state.ledger, now=now)
+    out = queue_status.text(sub, state.ledger, now=now)
     cells = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()) if len(c) > 2}
     assert cells[done] == ["completed", "1", "0", "0", "1.000/0.500", "100/100", f"{primary}=0.75", "w1"]
     assert cells[running] == ["running", "2", "1", "0", "0.500/1.000", "50/100", f"{primary}=-", "-"]
@@ -506,6 +507,6 @@ def test_status_table_totals_eta_and_page(tmp_path):
     assert "ETA 1.75 h" in out, out
     assert out.rstrip().endswith("exp04a/puzzles100: exp04a/puzzles100: dataset not found")
     del sub.planned[queued]
-    assert "ETA unknown" in programme_status.text(sub, state.ledger, now=now)
-    page = programme_status.page(sub, state.ledger)
+    assert "ETA unknown" in queue_status.text(sub, state.ledger, now=now)
+    page = queue_status.page(sub, state.ledger)
     assert page.count("<tr class='completed'>") == 1 and "<img alt=" in page and "dataset not found" not in page

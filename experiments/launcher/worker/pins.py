@@ -1,4 +1,4 @@
-"""`python -m experiments.worker.pins SHIPPED REPO HOST`: warn (one line) when the shipped tree's
+"""`python -m experiments.launcher.worker.pins SHIPPED REPO HOST`: warn (one line) when the shipped tree's
 pyproject.toml pins other packages than the repo's, whose .venv the shipped tree runs with
 (shipping installs nothing)."""
 

@@ -81,7 +81,7 @@ def is_training(argv):
 def is_trainer(argv):
     """The trainer itself: a python whose script is pretrain_jax.py (not the launch guard)."""
     return (is_training(argv) and os.path.basename(argv[0]).startswith("python")
-            and "experiments.worker.once" not in argv)
+            and "experiments.launcher.worker.once" not in argv)
 
 
 def owner(pid):

@@ -1,4 +1,4 @@
-"""`python -m experiments.worker.versions HOST [--imports]`: one line `podrunner-versions {json}`
+"""`python -m experiments.launcher.worker.versions HOST [--imports]`: one line `podrunner-versions {json}`
 with this worker's commit, Python, the versions of the packages the workers must agree on, and
 whether the .venv fits the project: Python >= the project's requires-python, every pinned
 distribution installed at its pin (pyproject.toml) and importable (`ok`, else `problem`).
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from experiments.worker import VERSIONS_TAG
+from experiments.launcher.worker import VERSIONS_TAG
 
 COMPARED = ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")  # what the workers must agree on
 

@@ -4,7 +4,7 @@ slices, each variant supervised, with a ledger of pod-hours, results and status
 
 State: one directory per programme (default outputs/programmes/<name>/):
   programme.json  what was submitted (variants in order, slices, budget, overrides); only the budget changes
-  ledger.json     every variant's state, attempts, supervision record (experiments/supervise.py),
+  ledger.json     every variant's state, attempts, supervision record (experiments/launcher/supervise.py),
                   pod time, last step, result; every slice's READY clock; pod-hours over time
   controller.log  one `[programme] <UTC time> <event> key=value ...` line per event
   commands/       stop / retry / skip requests, applied by the running controller
@@ -58,9 +58,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from experiments import pod, supervise
-from experiments.gcloud import Target
-from runtime import events
+from experiments.launcher import pod, supervise
+from experiments.launcher.gcloud import Target
+from runtime import events, hydra_compose
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError
 
 QUEUED, RUNNING, COMPLETED, FAILED, SKIPPED = "queued", "running", "completed", "failed", "skipped"
@@ -169,27 +169,21 @@ def preflight(sub: Submission) -> list[str]:
     from runtime.config import run_dirs
 
     problems = []
-    saved = {k: os.environ.get(k) for k in sub.env}
-    os.environ.update(sub.env)  # the workers' environment (PODRUNNER_DATA) names the data
-    try:
-        for variant in sub.variants:
-            try:
-                config = supervise.composed(sub.overrides_of(variant))
-            except Exception as e:  # noqa: BLE001 - what the trainer would say, in one line
-                problems.append(f"{variant}: {' '.join(str(e).split())[:300]}")
-                continue
-            sub.checkpoint_dirs[variant] = run_dirs(config)[1]
-            total = config.train.steps or (sub.planned.get(variant) or {}).get("steps")  # epochs: the plan's count
-            if total:
-                sub.total_steps[variant] = int(total)
-            if str(config.data.path).startswith("gs://") and not _exists(str(config.data.path)):
-                problems.append(f"{variant}: dataset {config.data.path} does not exist")
-            if sub.budget is not None and sub.planned_hours(variant) is None:
-                problems.append(f"{variant}: no planned pod-hours for the budget: give --plan with the CSV of "
-                                "`launch.py plan` for these groups")
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    for variant in sub.variants:
+        try:  # under the workers' environment (PODRUNNER_DATA names the data), os.environ untouched
+            config = hydra_compose.composed(sub.overrides_of(variant), env=sub.env)
+        except Exception as e:  # noqa: BLE001 - what the trainer would say, in one line
+            problems.append(f"{variant}: {' '.join(str(e).split())[:300]}")
+            continue
+        sub.checkpoint_dirs[variant] = run_dirs(config)[1]
+        total = config.train.steps or (sub.planned.get(variant) or {}).get("steps")  # epochs: the plan's count
+        if total:
+            sub.total_steps[variant] = int(total)
+        if str(config.data.path).startswith("gs://") and not _exists(str(config.data.path)):
+            problems.append(f"{variant}: dataset {config.data.path} does not exist")
+        if sub.budget is not None and sub.planned_hours(variant) is None:
+            problems.append(f"{variant}: no planned pod-hours for the budget: give --plan with the CSV of "
+                            "`launch.py plan` for these groups")
     first = sub.variants[0] if sub.variants else None
     if first and sub.budget is not None and (sub.planned_hours(first) or 0.0) > sub.budget:
         problems.append(f"{first}: its planned {sub.planned_hours(first):.3f} pod-hours exceed the budget "
@@ -727,7 +721,7 @@ class Alerts:
     def runs_wandb(sub: Submission):
         """The W&B settings of the programme's runs (its first variant's composed config), or None."""
         try:
-            return supervise.composed(sub.overrides_of(sub.variants[0])).run.wandb if sub.variants else None
+            return hydra_compose.composed(sub.overrides_of(sub.variants[0])).run.wandb if sub.variants else None
         except Exception:  # noqa: BLE001 - the preflight said why; no alerts then
             return None
 

@@ -34,7 +34,7 @@ first showed it READY to the delete we issue, the preemption the trainer acted o
 `preempted` event) or the first describe that no longer shows it READY; host-hours are that
 times its number of workers (hosts; chips = hosts x chips per host).
 
-The programme runner (experiments/programme_run.py) runs each variant through a Supervisor of
+The programme runner (experiments/launcher/run_queue.py) runs each variant through a Supervisor of
 its own, with a record, a clock per slice and a stop signal of its own.
 """
 
@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from experiments import gcloud, pod
-from experiments.gcloud import Runner, Shape, run_quiet
-from runtime import events
+from experiments.launcher import gcloud, pod
+from experiments.launcher.gcloud import Runner, Shape, run_quiet
+from runtime import events, hydra_compose
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 
 READY = "READY"
@@ -567,7 +567,7 @@ class LaunchEvents:
         self.completed: dict | None = None
         self.preempted: dict | None = None
         self.failures: list[dict] = []
-        self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/worker/once.py)
+        self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/launcher/worker/once.py)
 
     def line(self, line: str) -> None:
         event = events.parse(line)
@@ -661,29 +661,10 @@ def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
     from runtime.config import run_dirs
 
     try:
-        config = composed(overrides)
+        config = hydra_compose.composed(overrides)
     except Exception as e:  # the trainer reports a bad override itself, in one line
         return None, f"the overrides do not compose here ({' '.join(str(e).split())[:200]})"
     return run_dirs(config)[1], "composed"
-
-
-def composed(overrides: Sequence[str]):
-    """The validated Config that `pretrain_jax.py <overrides>` runs (UserError or Hydra's error if not).
-    `${hydra:...}` interpolations resolve as in the run (e.g. a checkpoint directory per experiment)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from runtime.config import register_schemas, validate
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
-    return validate(cfg, experiment)
 
 
 def run_until_done(spec: Spec) -> int:

@@ -1,4 +1,4 @@
-"""`python3 -m experiments.worker.status HOST REPO OUTPUTS RUN_ID`: this worker's training
+"""`python3 -m experiments.launcher.worker.status HOST REPO OUTPUTS RUN_ID`: this worker's training
 processes (pid, seconds running), its last step and its newest worker log, as one line
 `podrunner-status {json}`. The last step: the newest metrics.jsonl under REPO/OUTPUTS (process
 0's), else the newest event with a step in the newest worker log (of RUN_ID when given).
@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from experiments.worker import STATUS_TAG, procs
+from experiments.launcher.worker import STATUS_TAG, procs
 from runtime.events import TAG as EVENT_TAG  # standard library only, like this
 
 
