@@ -21,15 +21,25 @@ os.environ["HYDRA_FULL_ERROR"] = "1"
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from data_pipeline.puzzle_format import end_progress_bars  # noqa: E402
 from runtime.config import register_schemas, validate  # noqa: E402
-from runtime import events  # noqa: E402
-from runtime.errors import EXIT_FAILURE, EXIT_PREEMPTED, UserError, config_error, one_line  # noqa: E402
+from runtime import events, libtpu_flags, liveness  # noqa: E402
+from runtime.compile_only import plan_for_topology  # noqa: E402
+from runtime.cpu_backend import tune_cpu_backend  # noqa: E402
+from runtime.goodput import process_start  # noqa: E402
+from runtime.trainer import run  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_PREEMPTED, UserError, one_line  # noqa: E402
+from runtime.hydra_compose import config_error  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 register_schemas()
+# The first run's time account starts when this process did (its imports count); the later jobs
+# of a sweep (-m), run one after the other in this process, start their own.
+_PROCESS_START = [process_start()]
 
 
 def _exit(code: int) -> None:
@@ -38,8 +48,6 @@ def _exit(code: int) -> None:
     storage endpoint, W&B's exit hook on a service a VM shutdown killed) and, in a multi-process
     job, in JAX's shutdown barrier for peers that may never arrive. The other processes of a pod
     hear of it first (runtime/liveness.py); a preempted one leaves like a finished one."""
-    from runtime import liveness
-
     if code not in (0, EXIT_PREEMPTED):  # said already where it failed; else its code at least
         events.failed(code, f"exited with code {code}; the log above says why")
     liveness.leave(0 if code == EXIT_PREEMPTED else code)
@@ -58,9 +66,6 @@ def _swept_values(hydra_cfg) -> str | None:
     job in <hydra.sweep.dir>/multirun.yaml (the experiment choice names the run already)."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
     try:
         sweep = OmegaConf.load(Path(hydra_cfg.runtime.cwd) / hydra_cfg.sweep.dir / "multirun.yaml").hydra
         given = [f"{k}={v}" for k, v in (sweep.sweeper.get("params") or {}).items()] + list(sweep.overrides.task)
@@ -74,15 +79,11 @@ def _swept_values(hydra_cfg) -> str | None:
 def _failing() -> None:
     """In a pod, a failure can be the echo of a peer that died (a collective, a checkpoint barrier):
     the liveness channel names that peer instead, and exits, if it finds one (runtime/liveness.py)."""
-    from runtime import liveness
-
     liveness.failing()
 
 
 def _user_error(e: UserError) -> None:
     _failing()
-    from data_pipeline.puzzle_format import end_progress_bars
-
     end_progress_bars()  # a dataset build's bar cut short: the line starts a line of its own
     print(f"error: {e}", file=sys.stderr, flush=True)
     events.failed(e.exit_code, str(e), events.failure_of(e))
@@ -94,19 +95,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_cfg = HydraConfig.get()
         config = validate(cfg, hydra_cfg.runtime.choices.get("experiment"), sweep_job=_swept_values(hydra_cfg))
-        from runtime import libtpu_flags
-        from runtime.trainer import run  # heavy imports (jax) only once the config is known to be good
-
         libtpu_flags.apply()  # before JAX starts a TPU backend (runtime/libtpu_flags.py)
         if config.compile_only:  # compile for a TPU topology, print memory and FLOPs, exit without training
-            from runtime.compile_only import plan_for_topology
-
             code = plan_for_topology(config)
         else:
-            from runtime.cpu_backend import tune_cpu_backend
-
             tune_cpu_backend()  # CPU runs: before JAX starts its backend (runtime/cpu_backend.py)
-            code = run(config)
+            code = run(config, started=_PROCESS_START.pop() if _PROCESS_START else None)
     except UserError as e:  # exit here: Hydra would add its own line to a raised exception
         _user_error(e)
     except Exception as e:

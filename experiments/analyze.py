@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,7 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot  # noqa: E402
+from experiments import compose  # noqa: E402
+from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot, natural_key  # noqa: E402
+from runtime.errors import EXIT_USER_ERROR  # noqa: E402
 
 PARAMS = "model/params"
 METRICS_FILE = "metrics.jsonl"
@@ -39,7 +40,7 @@ MAX_CHANGES = 80  # characters of the "changes" column before it is cut
 
 
 class UserError(Exception):
-    """A problem the user fixes (no runs, unknown group): one line, exit 2."""
+    """A problem the user fixes (no runs, unknown group): one line, exit EXIT_USER_ERROR."""
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -139,20 +140,13 @@ def match_variant(name: str, known: Iterable[str]) -> str | None:
 
 
 def _variants(group: str) -> list[str]:
-    from experiments.compose import variants
-
-    return variants(group)
-
-
-def _natural(name: str) -> list:
-    return [(0, float(t), "") if re.fullmatch(r"\d+(?:\.\d+)?", t) else (1, 0.0, t)
-            for t in re.split(r"(\d+(?:\.\d+)?)", name) if t]
+    return compose.variants(group)
 
 
 def ordered(group: str, runs: Iterable[Run]) -> list[Run]:
     """Runs in the group's variant order (sweep jobs of a variant by name); other names last."""
     order = {v: i for i, v in enumerate(_variants(group))}
-    return sorted(runs, key=lambda r: (order.get(r.variant, len(order)) if r.variant else len(order), _natural(r.name)))
+    return sorted(runs, key=lambda r: (order.get(r.variant, len(order)) if r.variant else len(order), natural_key(r.name)))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -282,11 +276,7 @@ def _short_value(value: Any) -> Any:
 
 
 def _variant_changes(group: str, variant: str) -> dict[str, Any]:
-    import experiments.compose as compose
-
-    if hasattr(compose, "changes"):  # swapped presets as "arch=trm_att", then the keys that differ
-        return compose.changes(group, variant)
-    return {k: new for k, (_, new) in compose.differences(group, variant).items()}
+    return compose.changes(group, variant)  # swapped presets as "arch=trm_att", then the keys that differ
 
 
 def what_changes(group: str, run: Run) -> str:
@@ -294,8 +284,6 @@ def what_changes(group: str, run: Run) -> str:
     "arch."/"optim."/"train."/"data." dropped from keys (where the rest stays unambiguous),
     curriculum ramps as start->end, paths as their last part, cut near MAX_CHANGES characters.
     A sweep job's swept values follow in brackets."""
-    from experiments.compose import describe
-
     if run.variant is None:
         return f"(not a variant of {group})"
     try:
@@ -310,7 +298,7 @@ def what_changes(group: str, run: Run) -> str:
             if section in SHORT_SECTIONS and rest and "." not in rest and tails.count(rest) == 1 and rest not in change:
                 key = rest
             short[key] = _short_value(value)
-        text = describe(short)  # "the baseline" when nothing changes
+        text = compose.describe(short)  # "the baseline" when nothing changes
         if len(text) > MAX_CHANGES:
             words, kept = text.split(" "), []
             for w in words:
@@ -391,11 +379,14 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
     spec = GROUPS[group]
     is_base = {r.name: spec.baseline_variant is not None and r.variant == spec.baseline_variant for r in runs}
     notes: list[str] = []
-    no_y = [r.name for r in runs if r.last(plot.y) is None]
+    # A curve of an eval/ metric (the whole eval set) also draws the run's intermediate evaluations
+    # on a subset (eval_subset/, train.eval_subset) as a dashed line of their own: never one line.
+    subset_y = f"eval_subset/{plot.y[len('eval/'):]}" if plot.x == "step" and plot.y.startswith("eval/") else None
+    no_y = [r.name for r in runs if r.last(plot.y) is None and (subset_y is None or r.last(subset_y) is None)]
     if no_y:
         notes.append(f"no {plot.y}: {', '.join(no_y)}")
     if plot.x == "step":
-        have = [r for r in runs if r.last(plot.y) is not None]
+        have = [r for r in runs if r.name not in no_y]
     else:  # one value per run: the last; a diverged run (nan) is named, not drawn
         have = [r for r in runs if _is_number(r.last(plot.y))]
         bad = [r.name for r in runs if r.last(plot.y) is not None and not _is_number(r.last(plot.y))]
@@ -404,15 +395,19 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
 
     if plot.x == "step":
         for i, r in enumerate(have):
-            pts = [(s, v) for s, v in r.curve(plot.y) if not plot.log_x or s > 0]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
             label = r.name + (" (baseline)" if is_base[r.name] else "")
-            if is_base[r.name]:
-                ax.plot(xs, ys, color="black", linewidth=2.5, label=label, zorder=3)
-            else:
-                ax.plot(xs, ys, color=f"C{i % 10}", linewidth=1.3, marker="." if len(xs) < 30 else None, label=label)
+            for key, style in ((plot.y, "-"), (subset_y, "--")):
+                pts = [(s, v) for s, v in r.curve(key) if not plot.log_x or s > 0] if key else []
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                shown = label + (" (subset)" if style == "--" else "")
+                if is_base[r.name]:
+                    ax.plot(xs, ys, color="black", linewidth=2.5, linestyle=style, marker="o" if len(xs) == 1 else None,
+                            label=shown, zorder=3)
+                else:
+                    ax.plot(xs, ys, color=f"C{i % 10}", linewidth=1.3, linestyle=style,
+                            marker="." if len(xs) < 30 else None, label=shown)
         if have:
             ax.legend(fontsize=8, loc="best")
         return notes
@@ -560,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
     except GroupFileError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.group not in GROUPS:
@@ -584,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(_no_runs_message(args.group, args.root))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     md, pngs = analyze(args.group, runs, args.out, root=args.root)
     print(table(args.group, runs))
     print(f"wrote {md}")

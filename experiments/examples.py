@@ -25,10 +25,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from experiments.analyze import analyze, collect_local  # noqa: E402
 from experiments.compose import compose, local_overrides  # noqa: E402
 from experiments.programme import GROUPS  # noqa: E402
-from runtime.errors import UserError  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR, UserError  # noqa: E402
+from runtime.config import validate  # noqa: E402
 from runtime.ranges import Rule, at_least, check_args  # noqa: E402
+from runtime.trainer import run  # noqa: E402
 
 # Ranges of the command line's numbers (as runtime/config.py's _RULES for a run's settings).
 _RULES: dict[str, Rule] = {"--steps": (at_least(1), "")}
@@ -46,9 +49,6 @@ SCALE = "local"  # or "smoke" (--scale): local_scale.yaml's smaller sizes, for t
 
 def run_variant(group: str, variant: str, root: Path, steps: int) -> Path:
     """One scaled-down run, in this process; returns its output directory."""
-    from runtime.config import validate
-    from runtime.trainer import run
-
     overrides = tuple(local_overrides(group, variant, tiny(steps) + (f"run.root={root}",), scale_name=SCALE))
     config = validate(compose(f"{group}/{variant}", overrides), f"{group}/{variant}")
     code = run(config)
@@ -99,15 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         known = list(GROUPS)
     except UserError as e:  # a number out of range, a bad group.yaml
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     unknown = [g for g in args.groups if g not in known]
     if unknown:
         print(f"error: unknown group(s) {unknown}; the groups are {known}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     groups = args.groups or known
     os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
-    from experiments.analyze import analyze, collect_local
-
     baselines: dict[str, Path] = {}
     failed = []
     if args.smoke:
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(plots[0], REPO_ROOT / "experiments" / group / "example.png")
     if failed:
         print(f"error: failed groups: {failed}", file=sys.stderr)
-    return 1 if failed else 0
+    return EXIT_FAILURE if failed else 0
 
 
 if __name__ == "__main__":

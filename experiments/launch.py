@@ -12,7 +12,7 @@
     python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, one Hydra -m
     python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
     python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
-    python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--csv PATH] [-- overrides]
+    python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--mtbf 8h] [--slices N] [--csv PATH] [-- overrides]
     python experiments/launch.py programme submit NAME GROUP|all ... --slice S [--slice S2] --zone Z \
         --accelerator-type v4-64 --runtime-version V [--spot] [--budget H --plan CSV] [--run] -- overrides
     python experiments/launch.py programme run|status|stop NAME;  programme retry|skip NAME GROUP/VARIANT
@@ -38,7 +38,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments.launcher import pod  # noqa: E402
 from experiments.launcher.local_pod import run_local_pod  # noqa: E402
-from runtime.errors import EXIT_FAILURE, EXIT_TIMEOUT, EXIT_USER_ERROR  # noqa: E402
+from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR, UserError  # noqa: E402
+from runtime.lease import LeaseHeld  # noqa: E402
 from runtime.ranges import Rule, above, at_least, check_args, within  # noqa: E402
 
 # Ranges of every subcommand's numeric options (as runtime/config.py's _RULES for the Hydra
@@ -53,7 +54,7 @@ _RULES: dict[str, dict[str, Rule]] = {
     "supervise": {"--max-restarts": (at_least(0), "0 = stop at the first failure"),
                   "--poll-seconds": (above(0), ""), "--storage-backoff-seconds": (at_least(0), ""),
                   "--stop-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
-    "plan": {"--jobs": (at_least(1), "compile processes")},
+    "plan": {"--jobs": (at_least(1), "compile processes"), "--slices": (at_least(1), "slices running the queue")},
     "sweep": {"--poll-seconds": (above(0), "")},
     "programme": {"--budget": (at_least(0), "pod-hours"), "hours": (at_least(0), "pod-hours"),
                   "--max-restarts": (at_least(0), "0 = stop at the first failure"), "--poll-seconds": (above(0), ""),
@@ -136,12 +137,12 @@ def _no_overrides(args: argparse.Namespace) -> None:
 
 
 def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """PodError -> one `error:` line on stderr, exit 2."""
+    """PodError or UserError (e.g. a state file that cannot be read) -> one `error:` line on stderr, exit 2."""
     @functools.wraps(func)
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except pod.PodError as e:
+        except (pod.PodError, UserError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
     return wrapped
@@ -248,7 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     history (restarts and causes, step progress, pod time) first, from <log-dir>/<run-id>."""
     _no_overrides(args)
     if args.run_id and not args.dry_run:
-        from experiments.launcher import supervise
+        from experiments.launcher import supervise  # here: JAX, Hydra take seconds to import
 
         history = supervise.status_text(args.log_dir, args.run_id)
         if history is not None:
@@ -282,7 +283,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     (run it again to carry on), events: <log-dir>/<run-id>/supervise.log. Ctrl-C or SIGTERM stops
     the supervisor AND the run (the workers checkpoint first). Exit code: 0 when the run completed,
     the run's code when it failed for good, 1 when the supervisor gave up, 130 when stopped."""
-    from experiments.launcher import supervise
+    from experiments.launcher import supervise  # here: JAX, Hydra take seconds to import
 
     if args.status:
         text = supervise.status_text(args.log_dir, args.run_id)
@@ -349,7 +350,7 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-seconds", type=float, default=30.0,
                    help="first wait while the TPU is CREATING or queued; grows x1.5 to 300 s (default: %(default)s)")
     p.add_argument("--storage-backoff-seconds", type=float, default=120.0,
-                   help="wait after a storage failure (exit 6) before relaunching (default: %(default)s)")
+                   help=f"wait after a storage failure (exit {EXIT_STORAGE}) before relaunching (default: %(default)s)")
     p.add_argument("--stop-grace", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL when stopping workers (default: %(default)s)")
     p.add_argument("--clone-url", default=None, metavar="URL",
@@ -377,7 +378,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         names = args.groups or list(GROUPS)
     except GroupFileError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     unknown = [g for g in names if g not in GROUPS]
     if unknown:
         print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
@@ -452,7 +453,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
     """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
-    from experiments.launcher import run_queue
+    from experiments.launcher import run_queue  # here: JAX, Hydra take seconds to import
+    from experiments.launcher.ledger import VariantState
 
     if not (args.zone and args.accelerator_type and args.runtime_version):
         raise pod.PodError("sweep --tpu needs --zone, and --accelerator-type and --runtime-version to re-create the "
@@ -473,10 +475,9 @@ def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
     code = run_queue.run(directory)
     state = run_queue.State(directory)
     state.load()
-    records = state.ledger["variants"]
-    print("\n".join(f"  {name:<28} {r['state']}" + (f": {r['line']}" if r.get("line") else "")
-                    for name, r in records.items()))
-    return code or (0 if all(r["state"] == run_queue.COMPLETED for r in records.values()) else EXIT_FAILURE)
+    records = state.ledger.variants
+    print("\n".join(f"  {name:<28} {r.state}" + (f": {r.line}" if r.line else "") for name, r in records.items()))
+    return code or (0 if all(r.state == VariantState.COMPLETED for r in records.values()) else EXIT_FAILURE)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -521,13 +522,20 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Before spending pod time: for each variant of the groups (all: the whole programme), at
     full scale on --topology, whether its train step fits the chips' HBM, its estimated step time
-    and MFU, its steps and its estimated pod-hours (steps x step time; training only), with group
-    and programme totals: a markdown table on stdout and a CSV file. A variant that does not fit
-    names the first change a compile shows to fit (remat, a smaller batch per chip, FSDP).
-    Compiles are cached on disk by the step's HLO, so variants that differ only in values (lr,
-    betas, EMA rate, seeds, steps...) share one, and a second run compiles nothing.
-    Overrides after `--` apply to every variant. Exit 0 (a variant that does not fit is a row)."""
-    from experiments import plan
+    and MFU, its steps, and its whole bill in pod-hours: the train steps, the evaluations its
+    protocol asks for (the eval step compiled and estimated the same way), each start's fixed
+    costs (this plan's compiles and the figures of experiments/bill.py, each with its source),
+    the checkpoints' blocking part and, with --mtbf, the preemptions' replayed steps and
+    restarts; total_h, goodput, group and programme totals and the wall-clock days on --slices:
+    a markdown table on stdout and a CSV file (its pod_hours = total_h, what `programme
+    --budget` reads). A variant that does not fit names the first change a compile shows to fit
+    (remat, a smaller batch per chip, FSDP). Compiles are cached on disk by the step's HLO, so
+    variants that differ only in values (lr, betas, EMA rate, seeds, steps...) share one, and a
+    second run compiles nothing. --calibrate-from a programme's state directory replaces the
+    start-up figures by the medians its ledger measured. Overrides after `--` apply to every
+    variant. Exit 0 (a variant that does not fit is a row)."""
+    from experiments import bill, plan
+    from experiments.compose import variants
     from experiments.programme import GROUPS
     from runtime.compile_only import parse_topology
     from runtime.errors import UserError
@@ -535,21 +543,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning compiles for the topology, never on a local device
     try:
         parse_topology(args.topology, "--topology ")
+        mtbf_s = bill.parse_hours(args.mtbf) if args.mtbf else None
+        calibration = bill.calibrate(Path(args.calibrate_from)) if args.calibrate_from else None
         known = list(GROUPS)
         names = known if args.groups == ["all"] else args.groups
         unknown = [g for g in names if g not in known]
         if unknown:
             raise UserError(f"unknown group(s) {unknown}; the groups are {known} (or all)")
-        from experiments.compose import variants
-
         jobs = [plan.Job(g, v, tuple(args.overrides)) for g in names for v in variants(g)]
         rows = plan.Planner(args.topology, Path(args.cache_dir or plan.CACHE_DIR), workers=args.jobs).plan(jobs)
+        programme = plan.price_programme(rows, mtbf_s=mtbf_s, slices=args.slices, calibration=calibration,
+                                         calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     command = "python experiments/launch.py plan " + " ".join(
-        args.groups + ["--topology", args.topology] + (["--", *args.overrides] if args.overrides else []))
-    sys.stdout.write(plan.markdown(rows, args.topology, command))
+        args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
+        + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
+        + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
+        + [f"--what-if {w}" for w in args.what_if] + (["--", *args.overrides] if args.overrides else []))
+    sys.stdout.write(plan.markdown(programme, args.topology, command))
     csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
     try:
         plan.write_csv(rows, csv_path)
@@ -562,10 +575,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="fits, estimated step time and pod-hours of groups at full scale on a topology",
+    p = sub.add_parser("plan", help="fits, step time and the whole bill (pod-hours, goodput) of groups on a topology",
                        description=cmd_plan.__doc__, epilog="Overrides for every variant go after `--`.")
     p.add_argument("groups", nargs="+", metavar="GROUP", help="group names, or all")
     p.add_argument("--topology", required=True, help="TPU slice to plan for, e.g. v4-64, v5e-8")
+    p.add_argument("--mtbf", default=None, metavar="DURATION",
+                   help="price preemptions at one per this much paid time, e.g. 8h (default: none)")
+    p.add_argument("--slices", type=int, default=1, help="slices running the queue: the wall-clock days (default 1)")
+    p.add_argument("--calibrate-from", default=None, metavar="STATE_DIR",
+                   help="a programme's state directory: the start-up figures from its ledger's medians")
+    p.add_argument("--what-if", action="append", default=[], metavar="LEVER",
+                   help="also price a lever the code does not have: long-lived-trainer, compile-ahead, "
+                        "shared-programs, dedupe (experiments/plan.py WHAT_IF; repeatable)")
     p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")
@@ -586,10 +607,11 @@ def cmd_programme(args: argparse.Namespace) -> int:
     the plan's --plan CSV) and the --order; a preflight composes every variant first. run: the
     controller (one at a time; run it again after any stop to carry on, here or on another
     machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
-    running variants checkpoint and the controller ends. retry / skip a variant."""
-    from experiments.launcher import queue_status, run_queue
-    from runtime.errors import UserError
-    from runtime.lease import LeaseHeld
+    running variants checkpoint and the controller ends. retry / skip a variant. stop, retry, skip
+    and budget are requests left for the controller, here and on the mirror: a controller on
+    another machine sees them there."""
+    from experiments.launcher import queue_status, run_queue  # here: JAX, Hydra take seconds to import
+    from experiments.launcher.ledger import Verb
 
     directory = _programme_dir(args)
     try:
@@ -605,10 +627,11 @@ def cmd_programme(args: argparse.Namespace) -> int:
             page.write_text(queue_status.page(state.sub, state.ledger))
             print(f"(the picture: {page})")
             return 0
-        if args.verb in ("retry", "skip") and args.variant not in state.ledger["variants"]:
+        if args.verb in (Verb.RETRY, Verb.SKIP) and args.variant not in state.ledger.variants:
             raise UserError(f"programme {args.name} has no variant {args.variant!r}; `programme status {args.name}` "
                             "lists them")
-        state.command(args.verb, getattr(args, "variant", None), getattr(args, "hours", None))
+        state.command(Verb(args.verb), getattr(args, "variant", None), getattr(args, "hours", None),
+                      mirror=args.mirror)
         what = " ".join(str(x) for x in (args.verb, getattr(args, "variant", None), getattr(args, "hours", None)) if x)
         print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs")
         return 0
@@ -621,7 +644,7 @@ def cmd_programme(args: argparse.Namespace) -> int:
 
 
 def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
-    from experiments.launcher import run_queue
+    from experiments.launcher import run_queue  # here: JAX, Hydra take seconds to import
 
     if (directory / "programme.json").exists():
         raise pod.PodError(f"programme {args.name} exists at {directory}; `programme run {args.name}` carries it on "

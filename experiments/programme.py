@@ -72,13 +72,19 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Group) if f.name != "name"}
 _PLOT_FIELDS = {f.name for f in dataclasses.fields(Plot)}
 
 
-def _natural(name: str) -> list:
-    return [float(t) if re.fullmatch(r"\d+(\.\d+)?", t) else t for t in re.split(r"(\d+(?:\.\d+)?)", name)]
+_NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
+
+
+def natural_key(name: str) -> tuple:
+    """The sort key of a name with numbers in it, the numbers by value (hidden256 < hidden1024,
+    lr0.5 < lr2; a number before text). Names whose numbers are equal in value (x01, x1) go by
+    their text, so that the order never depends on the order they were found in."""
+    return tuple((0, float(t), "") if _NUMBER.fullmatch(t) else (1, 0.0, t) for t in _NUMBER.split(name) if t), name
 
 
 def variant_files(group: str) -> list[str]:
     """The variants of `group`: conf/experiment/<group>/*.yaml, in natural order (hidden256 < hidden1024)."""
-    files = sorted((VARIANTS_DIR / group).glob("*.yaml"), key=lambda p: _natural(p.stem))
+    files = sorted((VARIANTS_DIR / group).glob("*.yaml"), key=lambda p: natural_key(p.stem))
     return [p.stem for p in files]
 
 
@@ -151,7 +157,7 @@ def load_group(folder: Path) -> Group:
 def load_groups(root: Path | None = None) -> dict[str, Group]:
     """Every `<root>/<group>/group.yaml` (root: experiments/), in natural order of the folder names."""
     root = EXPERIMENTS_DIR if root is None else root
-    folders = sorted((p.parent for p in root.glob(f"*/{GROUP_FILE}")), key=lambda p: _natural(p.name))
+    folders = sorted((p.parent for p in root.glob(f"*/{GROUP_FILE}")), key=lambda p: natural_key(p.name))
     return {folder.name: load_group(folder) for folder in folders}
 
 

@@ -35,11 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+from models.kernels import TILE, activation_spec, per_shard, round_up
 from models.layers import for_platform
+from runtime.hlo_cost import PRICED_KERNELS, _bytes
 
 IMPLEMENTATIONS = ("auto", "xla", "splash", "dot_product")
 SPLASH_MIN_LENGTH = 512
-PAD_MULTIPLE = 128  # splash's smallest block
+PAD_MULTIPLE = TILE  # splash's smallest block
 
 
 def tpu_form(length: int) -> str:
@@ -83,7 +88,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[np.nd
 # ---------------------------------------------------------------- splash (Pallas, TPU)
 
 def padded_length(length: int) -> int:
-    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+    return round_up(length, PAD_MULTIPLE)
 
 
 def block_size(padded: int) -> int:
@@ -126,7 +131,7 @@ SPLASH_BLOCKS: dict[tuple[int, int], BlockStats] = {}
 # does: forward s = q k^T, o += p v; dq: s again, dp = do v^T, dq += ds k; dkv: s and dp again,
 # dv += p^T do, dk += ds^T q.
 SPLASH_PRODUCTS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
-_LANES = 128  # splash keeps each query row's softmax statistics lane-broadcast: float32 [.., P, 128]
+_LANES = TILE  # splash keeps each query row's softmax statistics lane-broadcast: float32 [.., P, 128]
 _ITEM = {"bf16": 2, "f16": 2, "f32": 4}
 
 
@@ -134,8 +139,6 @@ def price_splash(name: str, types: str) -> tuple[float, float] | None:
     """(FLOPs, HBM bytes) of one run of a splash kernel (instruction `name`, output `types` of a
     compiled TPU step): its products over the visited blocks; q, k, v and do read once per visited
     block where a kernel streams them (the rest once), the softmax statistics, and its outputs."""
-    from runtime.hlo_cost import _bytes
-
     kind = next((k for k in SPLASH_PRODUCTS if name.startswith(k)), None)
     found = []
     for dtype, dims in re.findall(r"\b(bf16|f16|f32)\[([\d,]+)\]", types):
@@ -156,8 +159,6 @@ def price_splash(name: str, types: str) -> tuple[float, float] | None:
 
 
 def _register_pricing() -> None:
-    from runtime.hlo_cost import PRICED_KERNELS
-
     PRICED_KERNELS["splash_mha_"] = price_splash
 
 
@@ -168,9 +169,6 @@ _kernels: dict[tuple, object] = {}  # one splash kernel per mask, length, heads 
 
 
 def _splash_kernel(mask: np.ndarray, heads: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
     key = (hashlib.sha1(mask.tobytes()).hexdigest(), mask.shape[0], heads, interpret)
     if key not in _kernels:
         b = block_size(mask.shape[0])
@@ -207,22 +205,13 @@ def splash_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarra
     SPLASH_BLOCKS[(stats.padded, q.shape[-1])] = stats
 
     def run(interpreted: bool):
-        def per_shard(q, k, v):  # [b, H_local, P, Dh]
+        def local(q, k, v):  # [b, H_local, P, Dh]: one shard's batch rows and heads
             return jax.vmap(_splash_kernel(mask, q.shape[1], interpreted))(q, k, v)
-        return lambda q, k, v: _per_shard(per_shard, q, k, v)
+
+        def sharded(q, k, v):  # a Pallas call is not partitioned by XLA: per shard (models/kernels.py)
+            return per_shard(local, activation_spec(("batch", "heads", None, None), q.shape), (True,) * 3, True)(q, k, v)
+        return sharded
 
     if interpret:
         return run(True)(q, k, v)
     return for_platform(q, k, v, tpu=run(False), default=run(True))
-
-
-def _per_shard(fn, *args):
-    """`fn` on each shard of [B, H, P, Dh] arrays, batch and heads split as the logical-axis table
-    says (a Pallas call is not partitioned by XLA); directly when no mesh is set."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return fn(*args)
-    from runtime.sharding import logical_spec
-
-    spec = logical_spec(("batch", "heads", None, None), mesh, args[0].shape)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)(*args)

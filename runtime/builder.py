@@ -4,23 +4,31 @@ mesh, the task of the config's model family, and the jitted steps (one per curri
 
 Nothing here reads a dataset's arrays: the dataset is described by a `DataShape`, from the
 loaded split (`DatasetKind.shape`) or from its metadata / the config (`planned_shape`).
+
+The eval step a run compiles is `steps.eval` at `plan.eval_batch_size` rows (train.eval_batch_size):
+`eval_step_args` gives it with its abstract arguments, to compile for a topology the way
+runtime/compile_only.py compiles the train step (`compile_step(*eval_step_args(...), gen)`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from omegaconf import OmegaConf
 
-from runtime.config import Config, Plan, cycles_at, derive, ramp_value, resolve_compute_dtype
-from runtime.registry import dataset_kind, family_of
+from runtime.checkpointing import Checkpoints
+from runtime.config import Config, Plan, cycles_at, derive, ramp_value, resolve_compute_dtype, validate
+from runtime.errors import UserError
+from runtime.registry import dataset_kind, family_of, family_of_saved
 from runtime.sharding import make_mesh
 from runtime.task import DataShape, Task
-from runtime.train_step import (Steps, build_steps, has_puzzle_table, lr_schedule, make_optimizer, puzzle_lr_schedule,
-                                task_batch_shapes)
+from runtime.train_step import (Steps, abstract_batch, build_steps, has_puzzle_table, lr_schedule, make_optimizer,
+                                puzzle_lr_schedule, task_batch_shapes)
 
 log = logging.getLogger("runtime")
 
@@ -64,6 +72,16 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
     return plan, mesh, steps
 
 
+def eval_step_args(plan: Plan, mesh, steps: Steps, seq_len: int) -> tuple[Callable, tuple]:
+    """(the jitted eval step, its abstract arguments): the parameters, the EMA parameters and one
+    eval batch of `plan.eval_batch_size` rows, sharded like the run's. A mixture's sub-batches are
+    its global batch's (it evaluates at that size, data_pipeline/kinds/multitask.py)."""
+    shapes = steps.batch_shapes if plan.eval_batch_size == plan.global_batch_size else None
+    batch = abstract_batch(mesh, plan.eval_batch_size, seq_len, steps.batch_fields, shapes)
+    state = steps.abstract_state
+    return steps.eval, (state.params, state.ema_params, batch)
+
+
 def curriculum_stages(config: Config, total_steps: int, steps: Steps, build: Callable[[Any], Steps]):
     """`step -> Steps` under config.curriculum's H_cycles/L_cycles: one Steps per distinct
     (H_cycles, L_cycles), built when first reached (same parameters and state shardings, so the
@@ -97,15 +115,6 @@ def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str,
 def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Config, int, Any]:
     """(config, step, params) of a run's checkpoint (default: its latest step), restored on
     this machine's devices with the run's own config (its model family from the registry)."""
-    import os
-
-    from omegaconf import OmegaConf
-
-    from runtime.checkpointing import Checkpoints
-    from runtime.config import validate
-    from runtime.errors import UserError
-    from runtime.registry import family_of_saved
-
     if "://" not in checkpoint_dir and not os.path.isdir(checkpoint_dir):  # Orbax would create it
         raise UserError(f"checkpoint directory {checkpoint_dir} does not exist; point it at a run's checkpoints "
                         "(<run.root>/<group>/<name>/checkpoints, or its run.checkpoint.dir)")

@@ -13,6 +13,10 @@ moving anything; once one reads, the newer ones whose files showed damage are mo
 `<dir>/quarantined-<step>-<UTC time>` (never deleted; a name Orbax does not list). A failure with
 no sign of damage (a code bug, a library that cannot read the format), no readable step at all, or
 two steps in a row failing the same way, moves nothing and stops with one error.
+
+`SaveClock` is the time-based cadence (train.checkpoint_every_minutes): the processes' clocks
+differ, so process 0's decides and the others take its answer, asked at the same steps (the log
+rows) by every process.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import re
 import time
 import zlib
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import fsspec
 import jax
@@ -33,6 +37,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
+from runtime.preflight import is_project_step
 from runtime.run_log import drop_unraisable
 
 log = logging.getLogger(__name__)
@@ -176,8 +181,6 @@ class Checkpoints:
         the run (exit 6) instead. A folder holding a step's items is this project's (on GCS, a
         save an outage cut off), which Orbax replaces as it should. The directory is listed (one
         request on GCS, none into the step's own place unless something stands there)."""
-        from runtime.preflight import is_project_step
-
         fs, root = fsspec.core.url_to_fs(self.directory)
 
         def entries(path: str) -> dict[str, bool]:  # name -> is a folder
@@ -387,6 +390,34 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def process_0_decides(mine: bool) -> bool:
+    """Process 0's `mine`, on every process (a collective: every process calls it at the same point)."""
+    if jax.process_count() == 1:
+        return mine
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(mine)))
+
+
+class SaveClock:
+    """Whether `minutes` have passed since the last save (train.checkpoint_every_minutes; None:
+    never). `due` is a collective when `agree` is: every process asks at the same steps and gets
+    process 0's answer, so all save at the same step whatever their own clocks say."""
+
+    def __init__(self, minutes: Optional[float], clock: Callable[[], float] = time.monotonic,
+                 agree: Callable[[bool], bool] = process_0_decides):
+        self.interval = None if minutes is None else 60.0 * minutes
+        self.clock, self.agree = clock, agree
+        self.last = clock()
+
+    def due(self) -> bool:
+        if self.interval is None:
+            return False
+        return self.agree(self.clock() - self.last >= self.interval)
+
+    def saved(self) -> None:
+        """A save was started now (by any cadence): the interval starts again."""
+        self.last = self.clock()
 
 
 def newest_committed(directory: str) -> tuple[int, dict[str, Any]] | None:

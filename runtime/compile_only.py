@@ -174,7 +174,8 @@ class CompiledStep:
     kernel_once_s: float = 0.0
     kernel_s: float = 0.0
     undeclared_kernels: int = 0
-    compile_s: float = 0.0
+    compile_s: float = 0.0  # wall seconds
+    compile_cpu_s: float = 0.0  # CPU seconds of this process (every thread): what other work on the machine does not stretch
 
     @property
     def fits(self) -> bool:
@@ -183,28 +184,40 @@ class CompiledStep:
 
 def compile_train_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
     """Compile `steps.train` for the topology its mesh is on; out of HBM is a result, not an error."""
-    t0 = time.perf_counter()
+    return compile_step(steps.train, (steps.abstract_state, batch), gen)
+
+
+def compile_eval_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
+    """Compile `steps.eval` (one eval batch: the task's forward with the EMA weights where EMA is
+    on, e.g. TRM's halt_max_steps ACT steps) for the topology its mesh is on, like the train step."""
+    state = steps.abstract_state
+    return compile_step(steps.eval, (state.params, state.ema_params, batch), gen)
+
+
+def compile_step(step, args: tuple, gen: TpuGeneration) -> CompiledStep:
+    """Compile the jitted `step` for abstract `args` (sharded on the topology's devices); out of
+    HBM is a result (`CompiledStep.stopped`), not an error."""
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
-        compiled = steps.train.lower(steps.abstract_state, batch).compile()
+        compiled = step.lower(*args).compile()
     except jax.errors.JaxRuntimeError as e:
         oom = _xla_oom(str(e))
         if oom is None:
             raise
-        args = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves((steps.abstract_state, batch)))
-        return CompiledStep(oom[1] * GiB, oom[0] * GiB, {"arguments": float(args)}, stopped=True,
-                            compile_s=time.perf_counter() - t0)
-    compile_s = time.perf_counter() - t0
+        size = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(args))
+        return CompiledStep(oom[1] * GiB, oom[0] * GiB, {"arguments": float(size)}, stopped=True,
+                            compile_s=time.perf_counter() - t0, compile_cpu_s=time.process_time() - c0)
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     mem = compiled.memory_analysis()
     memory = {key: float(getattr(mem, f"{name}_size_in_bytes")) for key, name in MEMORY_FIELDS}
     # The donated state aliases the new state, so buffers = arguments + outputs - aliased + temporaries.
     # That sum is an upper bound: XLA's peak (its simulation of live ranges) can be lower, and it is
     # what XLA checks against HBM (e.g. 14.67 GiB peak for a 16.37 GiB sum that compiled on v5e).
     memory["upper"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-    devices = len(steps.abstract_state.step.sharding.mesh.devices.flat)
+    devices = len(next(x for x in jax.tree.leaves(args) if hasattr(x, "sharding")).sharding.mesh.devices.flat)
     return CompiledStep(
         hbm_bytes=gen.hbm_gib * GiB, total_bytes=float(getattr(mem, "peak_memory_in_bytes", 0) or memory["upper"]),
-        memory=memory, compile_s=compile_s, **cost_figures(compiled.as_text(), compiled.cost_analysis() or {}, gen, devices))
+        memory=memory, compile_s=compile_s, compile_cpu_s=compile_cpu_s, **cost_figures(compiled.as_text(), compiled.cost_analysis() or {}, gen, devices))
 
 
 def cost_figures(hlo: str, cost: dict, gen: TpuGeneration, devices: int) -> dict:

@@ -14,14 +14,19 @@ each option changes.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 import logging
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
+import jax.numpy as jnp
+import numpy as np
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -173,6 +178,10 @@ class RunConfig(Freezable):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     progress_bar: bool = True
+    # JAX's persistent compilation cache (runtime/compile_cache.py): "auto" = the process's own
+    # (JAX_COMPILATION_CACHE_DIR) if it has one, else gs://<bucket>/compile_cache when the checkpoints
+    # are on gs://, else <run.root>/compile_cache; a folder (local or gs://bucket/prefix); null = off.
+    compile_cache: Optional[str] = "auto"
 
 
 @dataclass
@@ -190,10 +199,22 @@ class TrainConfig(Freezable):
     log_every: int = 20  # >= 1 (the last step is always logged)
     eval_every: int = 100  # >= 0; 0 = only at the end
     checkpoint_every: int = 100  # >= 0; 0 = only at the end
+    # Also save when this many minutes have passed since the last save (> 0; null = off), decided
+    # by process 0's clock at log rows and agreed by all processes (Young's rule: docs/OPERATIONS.md).
+    checkpoint_every_minutes: Optional[float] = None
     # The same cadences in epochs (the reference's eval_interval); when set they replace the
     # above (>= 0; 0 = only at the end, as for the step forms).
     eval_every_epochs: Optional[float] = None
     checkpoint_every_epochs: Optional[float] = None
+    # Intermediate evaluations run on this many units of the eval set (puzzles: a puzzle's augmented
+    # copies stay together), the same seeded subset every time and on every resume, and log under
+    # eval_subset/ with the subset's size and exact_accuracy's standard error; the last evaluation
+    # (and eval_only) is always the whole set, under eval/. >= 1; null = the whole set every time
+    # (the reference's protocol).
+    eval_subset: Optional[int] = 8192
+    # Rows per eval batch (a multiple of data x fsdp and of the processes); null = the global batch.
+    # Evaluation is forward only, so it usually fits a larger batch than training.
+    eval_batch_size: Optional[int] = None
     profile_start_step: Optional[int] = None  # jax.profiler trace window (>= 0; None = no trace)
     profile_steps: int = 5  # >= 1
     # No step for this long (compile excluded) = a dead or hung worker: dump stacks, exit 4.
@@ -268,9 +289,6 @@ _CALC_NAMES = {"sqrt": math.sqrt, "log2": math.log2, "min": min, "max": max, "ro
 def _calc(expression: str) -> float | int:
     """`${calc:'1e-4 * sqrt(${train.global_batch_size} / 6144)'}`: arithmetic on numbers (after
     interpolation), + - * / // ** and the functions in _CALC_NAMES; nothing else evaluates."""
-    import ast
-    import operator
-
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.USub: operator.neg}
 
@@ -327,6 +345,9 @@ _RULES: dict[str, Rule] = {
     "train.checkpoint_every": (_at_least(0, at_most=INT32_MAX), "0 = only at the end"),
     "train.eval_every_epochs": (_at_least(0), "0 = only at the end; null = use train.eval_every"),
     "train.checkpoint_every_epochs": (_at_least(0), "0 = only at the end; null = use train.checkpoint_every"),
+    "train.checkpoint_every_minutes": (_above(0), "null = no time-based saves"),
+    "train.eval_subset": (_at_least(1, at_most=INT32_MAX), "null = the whole eval set at every evaluation"),
+    "train.eval_batch_size": (_at_least(1, at_most=INT32_MAX), "null = train.global_batch_size"),
     "train.profile_start_step": (_at_least(0), "null = no trace"),
     "train.profile_steps": (_at_least(1), ""),
     "train.watchdog_timeout_s": (_at_least(0), "0 = no watchdog"),
@@ -380,8 +401,6 @@ def check_ranges(config: Config) -> None:
 def _check_no_added_keys(node: DictConfig, where: str) -> None:
     """Hydra's `+section.key=value` adds a key its schema lacks, and OmegaConf keeps it (an
     attribute nothing reads): a misspelt setting would be silently ignored. Refuse it."""
-    import difflib
-
     schema = OmegaConf.get_type(node)
     known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     for key in node.keys():
@@ -454,6 +473,7 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     dataset_kind(config.data.name).validate(config.data)
 
     check_path_names(config)
+    _check_compile_cache(config.run.compile_cache)
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
         config.run.group = group or (experiment or "default")
@@ -481,6 +501,24 @@ def check_path_names(config: Config) -> None:
     if run_id is not None and not RUN_ID.fullmatch(str(run_id)):
         raise UserError(f"run.id={run_id!r} is not a run id: use 1-64 letters, digits, '.', '_' or '-', starting with "
                         "a letter or digit (it names the W&B run and its folders)")
+
+
+def _check_compile_cache(value: Optional[str]) -> None:
+    """run.compile_cache is auto, null, a local folder or gs://bucket[/prefix] (runtime/compile_cache.py)."""
+    if value is None or value == "auto":
+        return
+    problem = None
+    if not value.strip():
+        problem = "it is empty (null turns the cache off)"
+    elif value.startswith("~"):
+        problem = "'~' is not expanded; give an absolute folder or one relative to the working directory"
+    elif "://" in value and not value.startswith("gs://"):
+        problem = "the cache can be a local folder or on gs:// only"
+    elif value.startswith("gs://") and not value[len("gs://"):].split("/", 1)[0]:
+        problem = "it names no bucket"
+    if problem:
+        raise UserError(f"run.compile_cache={value!r}: {problem}; use a folder, gs://bucket/prefix, auto (the default) "
+                        "or null (no cache)")
 
 
 def _check_curriculum(config: Config) -> None:
@@ -537,6 +575,7 @@ class Plan:
     num_devices: int
     mesh_shape: dict[str, int]
     global_batch_size: int
+    eval_batch_size: int  # rows per eval batch (train.eval_batch_size, else the global batch)
     per_process_batch_size: int
     per_device_batch_size: float  # a batch shard spans data x fsdp devices; tensor replicas share it
     train_examples: int
@@ -598,11 +637,7 @@ def _every(steps: int, epochs: Optional[float], steps_per_epoch: int, total_step
 def ramp_value(ramp: RampConfig, step, total_steps: int):
     """`ramp` at optimizer step `step` of a `total_steps` run: a traced array inside the train
     step, a Python number on the host (the train loop asks every step: no device dispatch)."""
-    if isinstance(step, (int, float)):
-        import numpy as xp
-    else:
-        import jax.numpy as xp
-
+    xp = np if isinstance(step, (int, float)) else jnp
     span = max(1.0, ramp.fraction * total_steps)
     progress = xp.clip(xp.asarray(step, xp.float32) / span, 0.0, 1.0)
     if ramp.shape == "cosine":
@@ -647,6 +682,10 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} does not divide over {num_processes} processes"
         )
+    eval_batch = t.eval_batch_size or t.global_batch_size
+    if eval_batch % batch_shards or eval_batch % num_processes:
+        raise UserError(f"train.eval_batch_size={eval_batch} does not divide over data x fsdp = {batch_shards} devices "
+                        f"and {num_processes} processes; use a multiple of {math.lcm(batch_shards, num_processes)}")
     if train_examples < t.global_batch_size:
         raise UserError(
             f"the training set has {train_examples} examples, fewer than one global batch "
@@ -660,6 +699,7 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
         num_devices=num_devices,
         mesh_shape=mesh_shape,
         global_batch_size=t.global_batch_size,
+        eval_batch_size=eval_batch,
         per_process_batch_size=t.global_batch_size // num_processes,
         per_device_batch_size=t.global_batch_size / batch_shards,
         train_examples=train_examples,

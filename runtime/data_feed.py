@@ -4,11 +4,17 @@ The order comes from `data_pipeline.batching` (same on every process); this modu
 out which rows of the global batch live on this process's devices under the batch sharding,
 reads just those rows, and assembles the global array with
 `jax.make_array_from_process_local_data`.
+
+Evaluation reads the eval set in order, or for an intermediate evaluation a seeded subset of its
+units (`train.eval_subset`): the rows of a unit stay together (a puzzle's augmented copies, which
+ARC's voting aggregates). Which rows form a unit the dataset kind says (`units`); by default every
+row is one.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -16,8 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from data_pipeline.batching import epoch_permutation, eval_batch_indices
+from data_pipeline.batching import capped_units, epoch_permutation, eval_batch_rows, eval_subset_rows
 from runtime.task import IGNORE_LABEL
+
 
 def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     """The global-batch rows held by this process's devices, in increasing order.
@@ -31,11 +38,26 @@ def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
-class BatchFeeder:
-    """Global batches for training (shuffled by (seed, step)) and eval (in order, padded)."""
+@dataclass(frozen=True)
+class EvalSelection:
+    """What one evaluation of one eval set reads."""
 
-    def __init__(self, split: Any, sharding: NamedSharding, global_batch: int, seed: int, prefetch: bool = True):
+    rows: np.ndarray  # the rows, in dataset order
+    units: int  # the units (puzzles) they make up
+    whole: bool  # every unit of the (capped) eval set
+
+
+class BatchFeeder:
+    """Global batches for training (shuffled by (seed, step)) and eval (in order, padded).
+
+    units: row offsets [U + 1] of the eval set's units (rows of a unit are contiguous); None: each
+    row is a unit."""
+
+    def __init__(self, split: Any, sharding: NamedSharding, global_batch: int, seed: int, prefetch: bool = True,
+                 units: np.ndarray | None = None):
         self.split = split
+        self.unit_offsets = units
+        self._selections: dict[tuple[int | None, int | None], EvalSelection] = {}
         self.sharding = sharding
         self.global_batch = global_batch
         self.seed = seed
@@ -76,25 +98,40 @@ class BatchFeeder:
             self._pending = (step + 1, self._pool.submit(self._local_train_rows, step + 1))
         return self._assemble(local)
 
-    def eval_count(self, max_examples: int | None = None) -> tuple[int, int]:
+    def eval_selection(self, max_examples: int | None = None, subset: int | None = None) -> EvalSelection:
+        """The rows an evaluation reads: the first `max_examples` rows (None: all), or of their units
+        a seeded `subset` (None: all), kept whole. The same on every call and every resume."""
+        key = (max_examples, subset)
+        if key not in self._selections:
+            n = self.num_examples if max_examples is None else min(max_examples, self.num_examples)
+            offsets = capped_units(self.unit_offsets, n)
+            rows, units = eval_subset_rows(offsets, subset)
+            self._selections[key] = EvalSelection(rows, units, units == len(offsets) - 1)
+        return self._selections[key]
+
+    def eval_selections(self, max_examples: int | None = None, subset: int | None = None) -> dict[str, EvalSelection]:
+        """The selection of each eval set by its metrics' prefix ("" here: one set)."""
+        return {"": self.eval_selection(max_examples, subset)}
+
+    def eval_count(self, max_examples: int | None = None, subset: int | None = None) -> tuple[int, int]:
         """(examples evaluated, eval batches)."""
-        n = self.num_examples if max_examples is None else min(max_examples, self.num_examples)
+        n = self.eval_selection(max_examples, subset).rows.size
         return n, -(-n // self.global_batch)
 
-    def eval_batch(self, n: int, b: int) -> dict[str, jax.Array]:
-        """Eval batch `b` of the first `n` examples; past the end, a batch of padding only."""
-        idx, valid = eval_batch_indices(n, self.global_batch, b)
+    def eval_batch(self, rows: np.ndarray, b: int) -> dict[str, jax.Array]:
+        """Eval batch `b` of the eval rows `rows`; past their end, a batch of padding only."""
+        idx, valid = eval_batch_rows(rows, self.global_batch, b)
         idx, valid = idx[self.rows], valid[self.rows]
         local = self.split.rows(idx)
         local["labels"] = np.where(valid[:, None], local["labels"], IGNORE_LABEL).astype(np.int32)
         return self._assemble(local)
 
-    def eval_batches(self, max_examples: int | None = None):
-        """The eval set in order, as padded global batches with a `valid` mask; rows of padding
-        get IGNORE_LABEL so they count nowhere."""
-        n, batches = self.eval_count(max_examples)
-        for b in range(batches):
-            yield self.eval_batch(n, b)
+    def eval_batches(self, max_examples: int | None = None, subset: int | None = None):
+        """The eval set (`eval_selection`) in order, as padded global batches; rows of padding get
+        IGNORE_LABEL so they count nowhere."""
+        rows = self.eval_selection(max_examples, subset).rows
+        for b in range(-(-rows.size // self.global_batch)):
+            yield self.eval_batch(rows, b)
 
     def close(self) -> None:
         if self._pool is not None:

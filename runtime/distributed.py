@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import urllib.request
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import jax
+from jax._src import cloud_tpu_init, clusters  # clusters: the detectors jax.distributed.initialize() runs
 
-from runtime import liveness
+from runtime import events, liveness
 from runtime.config import DistributedConfig
 from runtime.errors import EXIT_USER_ERROR, UserError, one_line
 from runtime.watchdog import progress_phrase
@@ -121,44 +123,41 @@ def worker_metadata(env: Mapping[str, str]) -> Optional[tuple[int, list[str]]]:
     Asked only on a TPU VM or when GCE_METADATA_IP points at a metadata server (as JAX honours
     it), so machines without one never wait on it.
     """
-    endpoint = env.get("GCE_METADATA_IP")
-    if endpoint is None and not _on_tpu_vm():
+    if env.get("GCE_METADATA_IP") is None and not _on_tpu_vm():
         return None
-    base = f"http://{endpoint or 'metadata.google.internal'}/computeMetadata/v1/instance/attributes"
-
-    def get(key: str) -> str:
-        request = urllib.request.Request(f"{base}/{key}", headers={"Metadata-Flavor": "Google"})
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.read().decode().strip()
-
     try:
-        worker = int(get("agent-worker-number"))
+        worker = int(metadata_attribute("agent-worker-number", env))
         # Either plain hostnames or name:id:ip triples.
-        hosts = [e.split(":")[-1] for e in get("worker-network-endpoints").split(",") if e.strip()]
+        hosts = [e.split(":")[-1] for e in metadata_attribute("worker-network-endpoints", env).split(",") if e.strip()]
     except (OSError, ValueError) as e:
         log.warning("TPU VM metadata server gave no worker endpoints (%s)", e)
         return None
     return (worker, hosts) if hosts else None
 
 
-def _on_tpu_vm() -> bool:
-    from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
+def metadata_attribute(key: str, env: Mapping[str, str]) -> str:
+    """One attribute of this VM (e.g. accelerator-type) from the GCE metadata server: the one at
+    GCE_METADATA_IP when set (as JAX honours it), else metadata.google.internal. OSError when it
+    does not answer (no metadata server here), within 5 s."""
+    host = env.get("GCE_METADATA_IP") or "metadata.google.internal"
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+                                     headers={"Metadata-Flavor": "Google"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read().decode().strip()
 
-    return bool(running_in_cloud_tpu_vm)
+
+def _on_tpu_vm() -> bool:
+    return bool(cloud_tpu_init.running_in_cloud_tpu_vm)  # read now: set when JAX initialises libtpu
 
 
 def cluster_detected() -> bool:
     """Whether JAX's auto-detection recognises this environment (TPU VM pod, SLURM, ...)."""
-    from jax._src import clusters  # the detectors jax.distributed.initialize() itself runs
-
     return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
 
 
 def detected_values(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[Optional[Explicit], str]:
     """The values JAX's cluster auto-detection would join with (its own detectors, run before joining
     so that the start-up barrier can use them), or None and why not."""
-    from jax._src import clusters
-
     try:
         address, count, pid, local_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
             env.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, cfg.initialization_timeout_s)
@@ -270,14 +269,33 @@ def _short(e: BaseException) -> str:
     return one_line(e)[:300]
 
 
+# libtpu refusing to start because another process holds this worker's TPU ("The TPU is already in
+# use by process with pid N", or its lockfile /tmp/libtpu_lockfile).
+_TPU_BUSY = re.compile(r"TPU is already in use|libtpu_lockfile", re.IGNORECASE)
+
+
+class TpuBusy(UserError):
+    """Another process holds this worker's TPU: exit 2, class tpu-busy (a supervisor stops the stale
+    processes and relaunches)."""
+
+    failure = events.Failure.TPU_BUSY
+
+
 def _process_info(mode: str) -> ProcessInfo:
+    try:
+        devices = jax.devices()  # the first touch of the backend: libtpu starts here
+    except RuntimeError as e:
+        if _TPU_BUSY.search(str(e)):
+            raise TpuBusy(f"{_short(e)}; free the TPU: `python experiments/launch.py stop --tpu NAME --zone ZONE` "
+                          "stops stale processes on every worker") from None
+        raise
     info = ProcessInfo(
         mode=mode,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         local_devices=jax.local_device_count(),
         global_devices=jax.device_count(),
-        platform=jax.devices()[0].platform,
+        platform=devices[0].platform,
     )
     print(info.line(), flush=True)  # every process says who it is, once
     return info

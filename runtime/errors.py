@@ -93,22 +93,3 @@ def one_line(exc: BaseException) -> str:
             parts.append(text)
         exc = exc.__cause__ or exc.__context__
     return ": ".join(parts) if parts else "unknown error"
-
-
-def config_error(exc: BaseException) -> UserError | None:
-    """A failure to compose the config (Hydra, OmegaConf, a YAML file that does not parse) as a
-    one-line UserError naming the file and the place; None for any other exception."""
-    import yaml
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{mark.name} line {mark.line + 1} column {mark.column + 1}" if mark else "a config file"
-        what = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
-        return UserError(f"invalid YAML in {where}: {what}; fix the file's syntax")
-    if isinstance(exc, yaml.YAMLError):
-        return UserError(f"invalid YAML in a config file: {one_line(exc)}; fix the file's syntax")
-    if isinstance(exc, (HydraException, OmegaConfBaseException)):
-        return UserError(f"invalid config: {one_line(exc)}")
-    return None

@@ -6,7 +6,9 @@ One JSON object per event, with `event`, `time` (Unix seconds) and `process`:
   checkpoint  step: a checkpoint committed (a relaunch can resume from it)
   preempted   step (its checkpoint committed), noticed (when the stop signal was acted on)
   completed   step, metrics (the final train and eval metrics), evaluated (an eval_only run)
-  failed      exit_code, failure (its class, FAILURES), line (the one line the process printed)
+  failed      exit_code, failure (its class: a `Failure` label), line (the one line the process printed)
+  timing      step, steps_run, saves, seconds (per category since the process started), wall, hits, misses:
+              at every log row, every commit and just before the end's event; cumulative (runtime/goodput.py)
 
 Process 0 appends them to `<output dir>/events.jsonl` (copied beside the checkpoints at every
 checkpoint, runtime/run_files.py) and prints each on stdout as `podrunner-event {json}`, the live
@@ -14,12 +16,21 @@ stream a launcher reads; every other process prints its own `failed` only. A lau
 tag anywhere in a line (gcloud prefixes each worker's output), with `parse`.
 
 Exit codes say the same for a shell: 0 completed, EXIT_PREEMPTED (8) preempted with its
-checkpoint saved, the others in runtime/errors.py. Standard library only: runtime/liveness.py
-and runtime/watchdog.py report through `failed` from their threads, as the process ends.
+checkpoint saved, the others in runtime/errors.py.
+
+`Failure` is the one list of failure classes: each has its label (the wire value in `failed`),
+the exit code it stands for (none for a finer class an exception names, e.g. LeaseHeld's
+`lease-held`), what a supervisor does about it (`Policy`) and the cause it records
+(experiments/launcher/supervise.py, docs/OPERATIONS.md's failure table).
+
+Standard library only, and Python 3.10 syntax: runtime/liveness.py and runtime/watchdog.py report
+through `failed` from their threads as the process ends, and the worker tools
+(experiments/launcher/worker/) import this module under a TPU VM's system python3.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -31,12 +42,68 @@ from typing import Any, Mapping
 from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_STORAGE,
                             EXIT_USER_ERROR)
 
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10 (a TPU VM's system python3): the same, by hand
+    class StrEnum(str, enum.Enum):
+        __str__ = str.__str__
+        __format__ = str.__format__
+
 TAG = "podrunner-event "
 FILE = "events.jsonl"
 
-# Failure classes by exit code; an exception may name a finer one (`failure` attribute: "lease-held").
-FAILURES = {EXIT_FAILURE: "crash", EXIT_USER_ERROR: "bad-input", EXIT_NONFINITE: "non-finite", EXIT_HANG: "hang",
-            EXIT_DOES_NOT_FIT: "does-not-fit", EXIT_STORAGE: "storage", EXIT_PEER_LOST: "peer-lost"}
+
+class Kind(StrEnum):
+    """The events (the module docstring), and the launch guard's own `sigterm`
+    (experiments/launcher/worker/once.py)."""
+    STARTED = "started"
+    CHECKPOINT = "checkpoint"
+    PREEMPTED = "preempted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    TIMING = "timing"
+    SIGTERM = "sigterm"
+
+
+class Policy(StrEnum):
+    """What a supervisor does after a launch failed this way (experiments/launcher/supervise.py)."""
+    PERMANENT = "permanent"  # no relaunch fixes it: stop, with its code and line
+    BACK_OFF = "back off"  # wait (storage to come back, a dead run's lease to go stale), then relaunch
+    RESTART = "restart"  # stop stale processes on the workers, relaunch at once
+
+
+class Failure(StrEnum):
+    """A failure class: its label (the value), exit code, policy and the cause a supervisor records."""
+
+    CRASH = ("crash", EXIT_FAILURE, Policy.RESTART, "crash")
+    BAD_INPUT = ("bad-input", EXIT_USER_ERROR, Policy.PERMANENT, "bad input")
+    NON_FINITE = ("non-finite", EXIT_NONFINITE, Policy.PERMANENT, "non-finite loss")
+    HANG = ("hang", EXIT_HANG, Policy.RESTART, "hang watchdog")
+    DOES_NOT_FIT = ("does-not-fit", EXIT_DOES_NOT_FIT, Policy.PERMANENT, "does not fit")
+    STORAGE = ("storage", EXIT_STORAGE, Policy.BACK_OFF, "storage failure")
+    PEER_LOST = ("peer-lost", EXIT_PEER_LOST, Policy.RESTART, "worker lost")
+    # Finer classes of bad input an exception names for itself (its `failure` attribute):
+    LEASE_HELD = ("lease-held", None, Policy.BACK_OFF, "lease held")  # runtime/lease.py: the run before still holds it
+    TPU_BUSY = ("tpu-busy", None, Policy.RESTART, "TPU busy")  # runtime/distributed.py: another process holds the TPU
+
+    def __new__(cls, label: str, exit_code: int | None, policy: Policy, cause: str) -> "Failure":
+        member = str.__new__(cls, label)
+        member._value_ = label
+        member.exit_code, member.policy, member.cause = exit_code, policy, cause
+        return member
+
+    @classmethod
+    def of_exit(cls, exit_code: int) -> "Failure | None":
+        """The class an exit code stands for, else None."""
+        return next((f for f in cls if f.exit_code == exit_code), None)
+
+    @classmethod
+    def of_label(cls, label: object) -> "Failure | None":
+        """The class a `failed` event names, else None (an unknown label, e.g. "exit 9")."""
+        try:
+            return cls(label)
+        except ValueError:
+            return None
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"path": None, "primary": True, "process": 0, "failed": False}
@@ -60,27 +127,29 @@ def emit(event: str, **fields: Any) -> dict[str, Any]:
     record = {"event": event, "time": round(time.time(), 3), "process": _state["process"], **_plain(fields)}
     text = json.dumps(record, allow_nan=False)
     with _lock:
-        if _state["primary"] or event == "failed":
+        if _state["primary"] or event == Kind.FAILED:
             _say(TAG + text)
         if _state["path"]:
             _append(_state["path"], text + "\n")
     return record
 
 
-def failed(exit_code: int, line: str, failure: str | None = None) -> None:
+def failed(exit_code: int, line: str, failure: Failure | str | None = None) -> None:
     """This process fails with `exit_code`, said in `line`: one `failed` event per process (the
-    first cause; what follows from it is not reported again)."""
+    first cause; what follows from it is not reported again). Its class: `failure` (a Failure or
+    its label), else the exit code's (an exit code of no class: "exit N")."""
     with _lock:
         if _state["failed"]:
             return
         _state["failed"] = True
-    emit("failed", exit_code=exit_code, failure=failure or FAILURES.get(exit_code, f"exit {exit_code}"),
-         line=" ".join(str(line).split())[:1000])
+    kind = Failure.of_exit(exit_code)
+    label = str(failure) if failure else kind.value if kind else f"exit {exit_code}"
+    emit(Kind.FAILED, exit_code=exit_code, failure=label, line=" ".join(str(line).split())[:1000])
 
 
-def failure_of(exc: BaseException) -> str | None:
-    """The finer class an exception names for itself (e.g. LeaseHeld: "lease-held"), else None."""
-    return getattr(exc, "failure", None)
+def failure_of(exc: BaseException) -> Failure | None:
+    """The finer class an exception names for itself (e.g. LeaseHeld: Failure.LEASE_HELD), else None."""
+    return Failure.of_label(getattr(exc, "failure", None))
 
 
 def parse(line: str) -> dict[str, Any] | None:
@@ -97,7 +166,7 @@ def parse(line: str) -> dict[str, Any] | None:
 
 def read(path: str) -> list[dict[str, Any]]:
     """The events of a run's events.jsonl (local or gs://), [] when there is none."""
-    import fsspec
+    import fsspec  # not at the top: this module is standard library only (see the module docstring)
 
     try:
         with fsspec.open(path, "r") as f:

@@ -5,6 +5,9 @@ variant changes) and the tests.
 `env` is an overlay of environment variables for `${oc.env:...}` (a programme's `--env
 PODRUNNER_DATA=...` names the data on the workers): it is read through a context variable, so a
 compose never changes `os.environ` and threads composing at once do not see each other's.
+
+`config_error` turns a failure to compose (Hydra, OmegaConf, a YAML file's syntax) into the one
+`error:` line a command prints.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ import contextvars
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf._utils import _DEFAULT_MARKER_
+from omegaconf.errors import OmegaConfBaseException
 from omegaconf.resolvers import oc
 
 from runtime.config import Config, register_schemas, validate
+from runtime.errors import UserError, one_line
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUP_CHOICES = ("arch", "data", "optim", "mesh", "run")  # the config groups a run chooses
@@ -74,3 +81,18 @@ def composed(overrides: Sequence[str], *, env: Mapping[str, str] | None = None) 
     cfg, _ = compose(overrides, env=env)
     with env_overlay(env):
         return validate(cfg, experiment_of(overrides))
+
+
+def config_error(exc: BaseException) -> UserError | None:
+    """A failure to compose the config (Hydra, OmegaConf, a YAML file that does not parse) as a
+    one-line UserError naming the file and the place; None for any other exception."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{mark.name} line {mark.line + 1} column {mark.column + 1}" if mark else "a config file"
+        what = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
+        return UserError(f"invalid YAML in {where}: {what}; fix the file's syntax")
+    if isinstance(exc, yaml.YAMLError):
+        return UserError(f"invalid YAML in a config file: {one_line(exc)}; fix the file's syntax")
+    if isinstance(exc, (HydraException, OmegaConfBaseException)):
+        return UserError(f"invalid config: {one_line(exc)}")
+    return None

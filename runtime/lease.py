@@ -45,8 +45,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from runtime import liveness
+from runtime.atomic import write_atomic
 from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
-from runtime.preflight import RUN_MARKER
+from runtime.preflight import RUN_MARKER, split_gs
 
 log = logging.getLogger(__name__)
 
@@ -154,19 +155,14 @@ class LocalStore:
     def _renew(self, raw: bytes, version: Any) -> Any:
         if self.read()[1] != version:
             return None
-        tmp = f"{self.path}.{secrets.token_hex(6)}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(raw)
-            os.replace(tmp, self.path)  # readers see the old record or the new one, never a torn one
+            write_atomic(self.path, raw)  # readers see the old record or the new one, never a torn one
         except OSError as e:
             if storage_fault(e) not in ("no space left on device", "disk quota exceeded"):
                 raise
             with open(self.path, "r+b") as f:  # a full disk: rewrite the record's own block in place (a
                 f.write(raw)  # reader that catches it half-written judges it by its fresh mtime: held)
                 f.truncate(len(raw))
-        finally:
-            _remove(tmp)
         return raw
 
     def take_over(self, raw: bytes, version: Any) -> Any:
@@ -226,8 +222,6 @@ class GcsStore:
     """The record as a GCS object; `version` is its generation (a precondition of every write)."""
 
     def __init__(self, url: str, timeout_s: float = GCS_TIMEOUT_S):
-        from runtime.preflight import split_gs
-
         self.where = url
         self.bucket_name, prefix = split_gs(url)
         self.name = "/".join(p for p in (prefix, LEASE_FILE) if p)
@@ -533,7 +527,7 @@ def hold_run_lease(config: Any, is_primary: bool, process_count: int, output_dir
 
 
 def _leave_job() -> None:
-    import jax
+    import jax  # here, not at the top: the launchers import this module, and jax costs them 1.5 s a command
 
     try:
         jax.distributed.shutdown()  # a barrier of all processes, then the service stops
@@ -543,7 +537,7 @@ def _leave_job() -> None:
 
 def _shared_error(error: Optional[UserError]) -> Optional[UserError]:
     """Process 0's error (exit code and message), broadcast to every process."""
-    import numpy as np
+    import numpy as np  # here, as jax in `_leave_job`
     from jax.experimental import multihost_utils
 
     buffer = np.zeros(2048, np.uint8)

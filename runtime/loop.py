@@ -3,6 +3,12 @@
 `train_loop(ctx, state, position)` runs optimizer steps `position .. plan.total_steps` and
 returns (exit code, status for the manifest, final metrics). Everything it needs is in one
 `LoopContext`; the evaluators (a dataset kind's, a model family's) come in it as a list.
+
+Time is accounted as it goes (runtime/goodput.py): the loop is `train` time except the batches it
+waits for, evaluations, checkpoint saves, log rows and compiles; a `timing` event follows every
+log row. Evaluations before the last run on `train.eval_subset` of the eval set, the last one on
+all of it. Saves come every `checkpoint_every` steps and, with `train.checkpoint_every_minutes`,
+at the first log row after that many minutes (`SaveClock`: process 0's clock decides for all).
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import numpy as np
 
 from runtime import events, liveness
 from runtime.builder import curriculum_metrics
-from runtime.checkpointing import Checkpoints
+from runtime.checkpointing import Checkpoints, SaveClock
 from runtime.config import Config, Plan
 from runtime.errors import EXIT_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED, UserError, one_line
 from runtime.evaluation import evaluate
+from runtime.goodput import CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, TRAIN, Timing
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
@@ -51,6 +58,7 @@ class LoopContext:
     # Called with "at step N" at every metrics row: raises OutputDirError when a file the run writes
     # by path (its run.log) has something else standing in its place now (runtime/run_log.py).
     check_outputs: Optional[Callable[[str], None]] = None
+    timing: Timing = field(default_factory=Timing)  # the run's time account (a fresh one: from the loop's start)
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -70,7 +78,8 @@ class _Progress:
 
     def __init__(self, ctx: LoopContext, state, position: int):
         self.ctx, self.state = ctx, state
-        self.first_batch = ctx.feeder.train_batch(position)
+        with ctx.timing.measure(DATA_LOADING):
+            self.first_batch = ctx.feeder.train_batch(position)
         self.compiled: dict[int, Any] = {}
         self.timer: StepTimer | None = None
         self.pending: list[tuple[int, dict]] = []
@@ -85,7 +94,9 @@ class _Progress:
             with self.timer.paused() if self.timer is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 self.compiled[id(stage)] = stage.train.lower(self.state, self.first_batch).compile()
-                log.info("compiled train step in %.1fs", time.perf_counter() - t0)
+                hits, misses = self.ctx.timing.cache_counts()
+                log.info("compiled train step in %.1fs (compile cache so far: %d hits, %d misses)",
+                         time.perf_counter() - t0, hits, misses)
             if self.timer is not None:  # a curriculum stage with other cycle counts: other FLOPs per step
                 self.timer.flops_per_step = self.formula_flops(stage)
         return self.compiled[id(stage)]
@@ -116,6 +127,7 @@ class _Progress:
             line = (f"non-finite loss or gradient at step {bad[0]}; stopping. Last good checkpoint: "
                     + (f"step {where} in {self.ctx.plan.checkpoint_dir}" if where is not None else "none"))
             log.error("%s", line)
+            self.ctx.timing.finish()  # the last account, before the end's event
             events.failed(EXIT_NONFINITE, line)
             return False
         if fetched:  # task metrics from the sums over the interval (ratios of sums, not means of ratios)
@@ -127,17 +139,21 @@ class _Progress:
         self.pending.clear()
         return True
 
-    def evaluate(self, step: int, done: int, watchdog: Watchdog) -> None:
+    def evaluate(self, step: int, done: int, watchdog: Watchdog, final: bool) -> None:
+        """An evaluation: of the whole eval set when `final`, else of train.eval_subset of it."""
         ctx = self.ctx
-        with self.timer.paused():
+        jax.block_until_ready(self.state)  # the steps still running are training's time, not evaluation's
+        with self.timer.paused(), ctx.timing.measure(EVAL):
             self.eval_metrics = evaluate(ctx.steps.at_step(step), self.state, ctx.eval_feeder,
                                          ctx.config.data.eval_max_examples, ctx.evaluators,
-                                         lambda: watchdog.beat(done, "eval"))
+                                         lambda: watchdog.beat(done, "eval"),
+                                         subset=None if final else ctx.config.train.eval_subset)
             ctx.sinks.log(done, self.eval_metrics)
 
     def save(self, done: int) -> None:
         ctx, plan = self.ctx, self.ctx.plan
-        with self.timer.paused():
+        jax.block_until_ready(self.state)  # as for an evaluation: only the save's own blocking part counts
+        with self.timer.paused(), ctx.timing.measure(CHECKPOINT_SAVE):
             position = {"next_batch": done, "examples_seen": done * plan.global_batch_size,
                         "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
                         "seed": ctx.config.train.seed, "train_examples": plan.train_examples}
@@ -145,6 +161,7 @@ class _Progress:
                                              "metrics": self.train_metrics | self.eval_metrics,
                                              "data_position": position, "init_states": ctx.init_states})
             self.last_good_ckpt = done
+        ctx.timing.saves += 1
         log.info("saving the checkpoint of step %d (asynchronously)", done)  # progress, for operators (launchers read events)
 
     def profile(self, step: int, done: int | None = None) -> None:
@@ -159,7 +176,7 @@ class _Progress:
 
 
 def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict | None]:
-    plan, total = ctx.plan, ctx.plan.total_steps
+    plan, total, timing = ctx.plan, ctx.plan.total_steps, ctx.timing
     if position >= total:
         log.info("nothing to do: the checkpoint is at step %d of %d", position, total)
         return 0, "completed", None
@@ -167,45 +184,60 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
     run.start_timer(position)
     preemption = ctx.preemption or PreemptionWatcher()
     watchdog = Watchdog(ctx.config.train.watchdog_timeout_s).start()
+    save_clock = SaveClock(ctx.config.train.checkpoint_every_minutes)
     batch, step = run.first_batch, position
     try:
-        for step in range(position, total):
-            run.profile(step)
-            run.state, metrics = run.step_fn(step)(run.state, batch)
-            done = step + 1  # optimizer steps taken == index of the next global batch
-            last = done == total
-            if not last:
-                batch = ctx.feeder.train_batch(done)  # host work overlaps the step running on device
-            run.pending.append((done, metrics))
-            watchdog.beat(done)
-            run.profile(step, done)
-            ctx.ckpt.poll()  # a save finished meanwhile: its `checkpoint` event
-            preempted = preemption.should_stop(done)
-            noticed = time.time()
-            if done % plan.log_every == 0 or done % plan.checkpoint_every == 0 or last or preempted:
-                if not run.drain():
-                    return EXIT_NONFINITE, "nonfinite", None
-                if done % plan.log_every == 0 or last:
-                    ctx.sinks.log(done, run.train_metrics | run.timer.lap(done) | curriculum_metrics(ctx.config, step, total))
-                    if ctx.check_outputs is not None:
-                        ctx.check_outputs(f"at step {done}")
-            if done % plan.eval_every == 0 or last:
-                run.evaluate(step, done, watchdog)
-            if done % plan.checkpoint_every == 0 or last or preempted:
-                run.save(done)
-            if preempted:
-                watchdog.beat(done, "preemption checkpoint")
-                ctx.ckpt.wait()
-                log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
-                            "resume", done, plan.checkpoint_dir)
-                events.emit("preempted", step=done, noticed=round(noticed, 3))
-                return EXIT_PREEMPTED, "preempted", run.train_metrics | run.eval_metrics
+        with timing.measure(TRAIN):
+            for step in range(position, total):
+                run.profile(step)
+                run.state, metrics = run.step_fn(step)(run.state, batch)
+                done = step + 1  # optimizer steps taken == index of the next global batch
+                timing.step_done(done)
+                last = done == total
+                if not last:
+                    with timing.measure(DATA_LOADING):
+                        batch = ctx.feeder.train_batch(done)  # host work overlaps the step running on device
+                run.pending.append((done, metrics))
+                watchdog.beat(done)
+                run.profile(step, done)
+                with timing.measure(CHECKPOINT_SAVE):
+                    ctx.ckpt.poll()  # a save finished meanwhile: its `checkpoint` event
+                preempted = preemption.should_stop(done)
+                noticed = time.time()
+                log_row = done % plan.log_every == 0 or last
+                if log_row or done % plan.checkpoint_every == 0 or preempted:
+                    if not run.drain():
+                        return EXIT_NONFINITE, "nonfinite", None
+                    if log_row:
+                        with timing.measure(OTHER):
+                            ctx.sinks.log(done, run.train_metrics | run.timer.lap(done)
+                                          | curriculum_metrics(ctx.config, step, total))
+                            if ctx.check_outputs is not None:
+                                ctx.check_outputs(f"at step {done}")
+                            timing.emit()
+                # every process asks at the same steps (log rows): process 0's clock decides for all
+                minutes_due = log_row and not last and save_clock.due()
+                if done % plan.eval_every == 0 or last:
+                    run.evaluate(step, done, watchdog, final=last)
+                if done % plan.checkpoint_every == 0 or last or preempted or minutes_due:
+                    run.save(done)
+                    save_clock.saved()
+                if preempted:
+                    watchdog.beat(done, "preemption checkpoint")
+                    with timing.measure(CHECKPOINT_SAVE):
+                        ctx.ckpt.wait()
+                    log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
+                                "resume", done, plan.checkpoint_dir)
+                    timing.finish()
+                    events.emit("preempted", step=done, noticed=round(noticed, 3))
+                    return EXIT_PREEMPTED, "preempted", run.train_metrics | run.eval_metrics
     except UserError:
         raise  # its one line is printed as the run's error
     except Exception as e:
         liveness.failing()  # a lost peer, if that is the cause, is named instead (and this process exits)
         line = f"training failed in step {step + 1}: {one_line(e)[:500]}"
         log.error("%s", line)
+        timing.finish()
         events.failed(EXIT_FAILURE, line)
         raise
     finally:

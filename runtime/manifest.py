@@ -20,6 +20,8 @@ from typing import Any
 import fsspec
 import jax
 
+from runtime.atomic import write_atomic
+
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "tensorstore", "hydra-core",
             "wandb", "gcsfs", "google-cloud-storage", "numpy")
 
@@ -113,17 +115,6 @@ def write(manifest: dict[str, Any], *directories: str) -> list[str]:
         if "://" in path:  # an object appears whole or not at all
             fs.pipe_file(p, text.encode())
         else:
-            _replace_local(p, text)
+            write_atomic(p, text)
         paths.append(path)
     return paths
-
-
-def _replace_local(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

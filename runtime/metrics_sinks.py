@@ -22,7 +22,9 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from enum import StrEnum
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from runtime.errors import OutputDirError, UserError, one_line, storage_fault, storage_fix
+from runtime.errors import EXIT_FAILURE, OutputDirError, UserError, one_line, storage_fault, storage_fix
 
 JSONL_NAME = "metrics.jsonl"
 log = logging.getLogger(__name__)
@@ -216,8 +218,6 @@ class MetricsSinks:
         """Upload a file (e.g. the run manifest) to W&B as it is now."""
         if not self.is_primary or self._closed or self._run is None:
             return
-        import shutil
-
         self._check_wandb_dir(f"saving {Path(path).name}")
         src = Path(path).resolve()
         files_dir = Path(self._run.dir).resolve()
@@ -284,7 +284,7 @@ class MetricsSinks:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(exit_code=0 if exc_type is None else 1)
+        self.close(exit_code=0 if exc_type is None else EXIT_FAILURE)
 
     def _update_bar(self, step: int, values: Mapping[str, bool | int | float]) -> None:
         assert self._bar is not None
@@ -396,8 +396,6 @@ def _output_faults(what: str) -> Iterator[None]:
 def _forget_wandb(wait_s: float = 5.0) -> None:
     """Drop W&B's connection to its dead service (and its exit hook, which would print a traceback),
     in a thread that is not waited for beyond `wait_s`: a service that hangs must not hold the run."""
-    import threading
-
     import wandb
 
     def teardown() -> None:

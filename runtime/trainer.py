@@ -1,7 +1,9 @@
 """One training run: join -> preflight -> lease -> data -> plan and build -> state (fresh or
 resumed) -> loop -> final save.
 
-`run(config)` returns the process exit code. Everything a user can get wrong is checked
+`run(config)` returns the process exit code. Its wall time is accounted by category
+(runtime/goodput.py) and reported as `timing` events; its compiles go through the run's persistent
+compilation cache (runtime/compile_cache.py). Everything a user can get wrong is checked
 before the first compile (config, dataset, mesh, batch, checkpoint directory and its
 compatibility), and reported as one line by `pretrain_jax.py`. Dataset kinds and model
 families come from the registries (runtime/registry.py); nothing here knows their names.
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from runtime import events, liveness
+from runtime import compile_cache, events, liveness
 from runtime import manifest as manifest_lib
 from runtime.builder import plan_and_build
 from runtime.checkpointing import Checkpoints, CorruptStep
@@ -29,6 +31,7 @@ from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import (EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault,
                             storage_fix)
 from runtime.evaluation import evaluate
+from runtime.goodput import CHECKPOINT_RESTORE, CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, RUNTIME_STARTUP, Timing
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
 from runtime.loop import LoopContext, train_loop
@@ -297,27 +300,44 @@ def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: i
                         console=wb.console, git_commit=git_commit)
 
 
-def run(config: Config) -> int:
-    setup_logging(is_primary=True)
-    info = initialize(config.distributed)
-    setup_logging(info.is_primary)
-    output_dir, checkpoint_dir = run_dirs(config)
-    preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
-    # Before anything is written to the run's directories: one run at a time writes there.
-    lease = hold_run_lease(config, info.is_primary, info.process_count, output_dir, checkpoint_dir)
-    preemption = PreemptionWatcher()  # from here on a SIGTERM (a preemption) ends the run cleanly, compiles included
-    events.attach(output_dir, process=info.process_index)  # the run's directory is this run's now
-    try:
-        with library_logs_to(run_log_path(output_dir, info.process_index)) as check_run_log:
-            return run_leased(config, info, checkpoint_dir, lease, preemption, check_run_log)
-    finally:
-        preemption.close()
-        events.detach()
-        if lease is not None:
-            lease.release()
+def run(config: Config, started: float | None = None) -> int:
+    """The run; `started`: when its process began (Unix time, runtime.goodput.process_start), where
+    its timing account starts; None: now (a run inside a longer process)."""
+    timing = Timing(started=started)
+    with compile_cache.watching(timing):
+        with timing.measure(RUNTIME_STARTUP, since=timing.started):  # the imports, the backend, jax.distributed
+            setup_logging(is_primary=True)
+            info = initialize(config.distributed)
+            setup_logging(info.is_primary)
+        output_dir, checkpoint_dir = run_dirs(config)
+        preflight(config, checkpoint_dir=checkpoint_dir, output_dir=output_dir, is_primary=info.is_primary)
+        # Before anything is written to the run's directories: one run at a time writes there.
+        lease = hold_run_lease(config, info.is_primary, info.process_count, output_dir, checkpoint_dir)
+        preemption = PreemptionWatcher()  # from here on a SIGTERM (a preemption) ends the run cleanly, compiles included
+        events.attach(output_dir, process=info.process_index)  # the run's directory is this run's now
+        timing.live = True
+        refused = False
+        try:
+            with (library_logs_to(run_log_path(output_dir, info.process_index)) as check_run_log,
+                  compile_cache.configured(config.run.compile_cache, checkpoint_dir, config.run.root) as cache):
+                try:
+                    return run_leased(config, info, checkpoint_dir, lease, preemption, timing, check_run_log)
+                finally:
+                    hits, misses = timing.cache_counts()
+                    log.info("compile cache %s: %d hits, %d misses in this run", cache or "off", hits, misses)
+        except UserError:
+            refused = True  # bad input said in one line: the run's files stay as they were (its end said any account)
+            raise
+        finally:
+            if not refused:
+                timing.finish()  # the process's last account, unless the run's end already said it
+            preemption.close()
+            events.detach()
+            if lease is not None:
+                lease.release()
 
 
-def preempted_early(preemption: PreemptionWatcher, step: int) -> bool:
+def preempted_early(preemption: PreemptionWatcher, step: int, timing: Timing) -> bool:
     """Whether a SIGTERM came before the first step (one process; a pod's processes agree on the
     step through JAX's preemption service instead): nothing was trained in this launch, so
     nothing new is saved, and a relaunch resumes from `step` (what the checkpoint holds)."""
@@ -325,20 +345,24 @@ def preempted_early(preemption: PreemptionWatcher, step: int) -> bool:
         return False
     log.warning("preempted (SIGTERM) before the first step: nothing was trained in this launch, so nothing new is "
                 "saved; relaunch the same command to go on")
+    timing.finish()
     events.emit("preempted", step=step, before_first_step=True)
     return True
 
 
 def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None,
-               preemption: PreemptionWatcher, check_run_log: Callable[[str], None] | None = None) -> int:
+               preemption: PreemptionWatcher, timing: Timing, check_run_log: Callable[[str], None] | None = None) -> int:
     kind = dataset_kind(config.data.name)
-    ensure_dataset(config, info)
-    train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split, config.data.eval_split))
-    shape = kind.shape(config.data, train_split)
+    with timing.measure(DATA_LOADING):
+        ensure_dataset(config, info)
+        train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split,
+                                                                             config.data.eval_split))
+        shape = kind.shape(config.data, train_split)
     files = RunFiles(output_dir_of(config), checkpoint_dir) if info.is_primary else None
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save,
-                       on_commit=lambda step: committed(step, files))
-    start_step, meta = resume_point(config, ckpt, shape.examples)
+                       on_commit=lambda step: (timing.emit(), committed(step, files)))  # the account at each commit
+    with timing.measure(CHECKPOINT_RESTORE):
+        start_step, meta = resume_point(config, ckpt, shape.examples)
     config = resolve_compute_dtype(config, jax.default_backend(), ((meta or {}).get("config") or {}).get("arch"))
     run_id = choose_run_id(config, meta, ckpt.directory, start_step)
     if lease is not None:
@@ -347,19 +371,22 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
     check_host_memory(steps.abstract_state, info.platform)
-    if preempted_early(preemption, start_step or 0):
+    if preempted_early(preemption, start_step or 0, timing):
         ckpt.close()
         return EXIT_PREEMPTED
     evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
-    state, start_step, meta = initial_state(config, steps, ckpt, (start_step, meta), shape.examples)
+    with timing.measure(CHECKPOINT_RESTORE if start_step is not None else OTHER):
+        state, start_step, meta = initial_state(config, steps, ckpt, (start_step, meta), shape.examples)
     change = schedule_change(config, plan, meta, start_step, announce=info.is_primary)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
     position = int(meta["data_position"]["next_batch"]) if meta else 0
+    timing.step = position
 
-    feeder, eval_feeder = (kind.make_feeder(split, batch_sharding(mesh, 1), plan.global_batch_size, config.train.seed,
-                                            prefetch=prefetch) for split, prefetch in ((train_split, True), (eval_split, False)))
+    feeder, eval_feeder = (kind.make_feeder(split, batch_sharding(mesh, 1), batch, config.train.seed, prefetch=prefetch)
+                           for split, batch, prefetch in ((train_split, plan.global_batch_size, True),
+                                                          (eval_split, plan.eval_batch_size, False)))
     config_dict = to_dict(config)
     manifest = manifest_lib.new_manifest(config=config_dict, plan=dataclasses.asdict(plan), run_id=run_id,
                                          resumed_from=start_step, schedule_change=change, quarantined=ckpt.quarantined)
@@ -379,22 +406,26 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         if info.is_primary:
             write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
         if config.train.eval_only:
-            final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
+            with timing.measure(EVAL):
+                final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
+            timing.finish()
             events.emit("completed", step=position, metrics=final, evaluated=True)
             return exit_code
-        if preempted_early(preemption, position):  # the signal came while the state was built (the first compile)
+        if preempted_early(preemption, position, timing):  # the signal came while the state was built (the first compile)
             status, exit_code = "preempted", EXIT_PREEMPTED
             return exit_code
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
                           init_states=init_states, evaluators=evaluators, preemption=preemption,
-                          check_outputs=check_run_log)
+                          check_outputs=check_run_log, timing=timing)
         exit_code, status, final = train_loop(ctx, state, position)
-        ckpt.wait()  # the run is done only when its last checkpoint is committed
+        with timing.measure(CHECKPOINT_SAVE):
+            ckpt.wait()  # the run is done only when its last checkpoint is committed
         if status == "completed":
             log.info("completed: step %d of %d, its checkpoint committed", plan.total_steps, plan.total_steps)
+            timing.finish()
             events.emit("completed", step=plan.total_steps, metrics=final or (meta or {}).get("metrics"))
         return exit_code
     except OutputDirError as e:  # add where a relaunch resumes from
@@ -413,6 +444,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         if exit_code not in (0, EXIT_PREEMPTED):  # a lost peer, the likelier cause, is reported instead
             liveness.failing()  # (the hook records it)
         if failure is not None:
+            timing.finish()
             events.failed(*failure)
         if unhook:
             unhook()
@@ -420,12 +452,13 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         _best_effort(ckpt.close, "closing the checkpoint manager")
         try:
             if info.is_primary:
-                record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final,
+                record_end(manifest, plan, sinks, exit_code=exit_code, status=status, final=final, timing=timing,
                            beside_checkpoints=not ckpt.save_failed)
         except OutputDirError as e:  # a run that succeeded, but the manifest (or W&B's copy) could not be written
             raise with_last_checkpoint(e, ckpt) from e
         finally:
             sinks.close(exit_code)
+            timing.finish()  # unless the end's event was said (the account comes just before it)
             if files:  # how it ended, beside the checkpoints too
                 files.flush()
 
@@ -467,11 +500,13 @@ def record_abrupt_end(manifest: dict, plan, code: int) -> None:
 
 
 def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, status: str, final: dict | None,
-               beside_checkpoints: bool) -> None:
+               timing: Timing, beside_checkpoints: bool) -> None:
     """The final manifest (output dir, beside the checkpoints unless their storage just failed:
     a GCS outage would hold the exit for another round of client retries, W&B). A failed run
     only tries to write it (its own error is the one to report); a run that succeeded fails
-    here with one line."""
+    here with one line. The time account's totals go into the final metrics and W&B's summary."""
+    totals = timing.totals()
+    final = None if final is None else final | totals
     manifest = manifest_lib.finish(manifest, exit_code=exit_code, status=status, final_metrics=final)
     try:
         paths = write_manifest(manifest, plan.output_dir)
@@ -489,8 +524,7 @@ def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, sta
             if exit_code == 0:
                 raise
             log.warning("%s", e)
-    if final:
-        sinks.set_summary(final)
+    sinks.set_summary(final or totals)
 
 
 def _best_effort(action, what: str) -> None:

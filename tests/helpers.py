@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import http.server
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from experiments.launcher.local_pod import find_free_port
 from runtime.cpu_backend import YNN_DOTS_ONLY  # standard library only
@@ -356,9 +360,6 @@ def cli_refused(capsys, main: Callable[[list[str]], object], argv: list[str], co
 def tree_hash(root: os.PathLike) -> dict[str, str]:
     """sha256 of every file under `root`, by relative path; but the run's log files
     (run.log, run.process<k>.log), to which every launch appends its library logs by design."""
-    import hashlib
-    import re
-
     root = Path(root)
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and not re.fullmatch(r"run(\.process\d+)?\.log", p.name)}
@@ -374,6 +375,30 @@ def raises_one_line(kind: type[BaseException], fn: Callable[[], object], *needle
 
 
 # ------------------------------------------------------------------------ fake TPU workers
+
+
+class MetadataServer:
+    """A fake GCE metadata server on loopback answering `attributes` (e.g. a TPU VM worker's
+    agent-worker-number); its `address` is what GCE_METADATA_IP names."""
+
+    def __init__(self, attributes: Mapping[str, str]):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                key = self.path.rsplit("/", 1)[-1]
+                ok = self.headers.get("Metadata-Flavor") == "Google" and key in attributes
+                self.send_response(200 if ok else 404)
+                self.end_headers()
+                self.wfile.write(attributes.get(key, "").encode() if ok else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
 
 
 def make_fake_workers(root: Path, workers: int, trainer: str | None, *, activate: str = "",

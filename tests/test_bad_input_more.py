@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, Trained, base_overrides, child_env, cli_refused, run_pretrain, train, tree_hash
+from runtime.hydra_compose import config_error
 
 NOT_OURS = "holds no .podrunner-generated marker"
 
@@ -34,8 +35,6 @@ def trained(sudoku_dir, tmp_path_factory) -> Path:
 def run_in_process(overrides: list[str]) -> Trained:
     """`pretrain_jax.py <overrides>` in this process: a UserError, or a composing error (Hydra,
     OmegaConf, YAML) turned into its line by `config_error` as the script's main() does."""
-    from runtime.errors import config_error
-
     try:
         return train(overrides, check=False)
     except Exception as e:  # noqa: BLE001 - only the errors the script turns into a line

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import http.server
 import subprocess
 import sys
 import threading
 
 import pytest
 
-from helpers import REPO, base_overrides, child_env, free_port
+from helpers import REPO, MetadataServer, base_overrides, child_env, free_port
 from runtime import distributed
 from runtime.config import DistributedConfig
 from runtime.errors import UserError
@@ -40,33 +39,13 @@ def test_bad_explicit_values(cfg, env, message):
         distributed.explicit_values(cfg, env)
 
 
-class MetadataServer:
-    """A fake GCE metadata server answering the two attributes a TPU VM worker has."""
-
-    def __init__(self, worker: int, endpoints: str):
-        attributes = {"agent-worker-number": str(worker), "worker-network-endpoints": endpoints}
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                key = self.path.rsplit("/", 1)[-1]
-                ok = self.headers.get("Metadata-Flavor") == "Google" and key in attributes
-                self.send_response(200 if ok else 404)
-                self.end_headers()
-                self.wfile.write(attributes.get(key, "").encode() if ok else b"")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
+def worker_attributes(worker: int, endpoints: str) -> dict[str, str]:
+    """The two attributes of a TPU VM worker that the coordinator is derived from."""
+    return {"agent-worker-number": str(worker), "worker-network-endpoints": endpoints}
 
 
 def test_worker_metadata_from_metadata_server():
-    server = MetadataServer(1, "unknown:unknown:10.1.0.4,unknown:unknown:10.1.0.5")
+    server = MetadataServer(worker_attributes(1, "unknown:unknown:10.1.0.4,unknown:unknown:10.1.0.5"))
     try:
         assert distributed.worker_metadata({"GCE_METADATA_IP": server.address}) == (1, ["10.1.0.4", "10.1.0.5"])
         explicit = distributed.explicit_values(DistributedConfig(port=8482), {"GCE_METADATA_IP": server.address})
@@ -137,7 +116,7 @@ def test_bad_liveness_settings(joins, cfg, coordinator, message):
 @pytest.mark.slow
 def test_two_workers_join_through_metadata_server(sudoku_dir, tmp_path):
     port = free_port()
-    servers = [MetadataServer(i, "127.0.0.1,127.0.0.1") for i in range(2)]
+    servers = [MetadataServer(worker_attributes(i, "127.0.0.1,127.0.0.1")) for i in range(2)]
     try:
         procs = [subprocess.Popen(
             [sys.executable, str(REPO / "pretrain_jax.py"), *base_overrides(sudoku_dir, tmp_path, steps=2),

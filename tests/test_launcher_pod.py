@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -65,14 +66,14 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(pod):
                          "--project", "proj", "--worker=all"]
     assert argv[11] == "--command" and len(argv) == 13
     command = argv[12]
-    assert command.startswith(f"SECRETS=\"$HOME\"/{secrets_file}; trap 'rm -f \"$SECRETS\"' EXIT; ")
+    assert command.startswith(f"trap 'rm -f \"$HOME\"/{secrets_file}' EXIT; ")  # should it end before the guard
     assert "cd \"$HOME\"/podrunner || " in command  # the default repo dir, ~ still expanding remotely
-    assert "export PYTHONUNBUFFERED=1 PODRUNNER_RUN_ID=r1;" in command
+    assert " --env PODRUNNER_RUN_ID=r1 " in command
     guard = shlex.split(command.rsplit("; ", 1)[1])  # the launch guard reads the secrets, starts the trainer once
     assert guard[:4] == ["exec", "python", "-m", "experiments.launcher.worker.once"] and "--secrets" in guard
     assert guard[guard.index("--") + 1:] == ["python", "pretrain_jax.py", 'run.name="a b \'c\'"',
                                              "data.path=/x y/$HOME/`id`", "train.steps=5", "run.id=r1"]
-    assert 'LOG="$HOME"/podrunner-logs/r1/worker-"$(hostname)".log' in command
+    assert ' --log "$HOME"/podrunner-logs/r1/worker-"$(hostname)".log ' in command
     for secret in (SECRET, HF_SECRET):
         assert secret not in r.stdout + r.stderr
     assert pod.gcloud_calls() == []  # nothing ran
@@ -399,8 +400,6 @@ def test_setup_brings_a_python_that_fits_where_the_image_has_3_10(tmp_path):
 
 def test_setup_verifies_imports_against_the_pins(tmp_path):
     """What setup_tpu.sh ends with: every pinned distribution at its pin and importable, else exit 1."""
-    from importlib import metadata
-
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nrequires-python = ">=3.11"\ndependencies = ["tqdm==%s", "numpy==0.0.1", "no-such-dist==1.0"]\n'
         % metadata.version("tqdm"))
@@ -415,9 +414,45 @@ def test_setup_verifies_imports_against_the_pins(tmp_path):
 def test_setup_git_ref_dry_run(pod):
     r = pod.launch("setup", *target("--git-ref", "my branch", "--dry-run"))
     command = shlex.split(r.stdout)[-1]
-    assert "git checkout --quiet --detach 'origin/my branch' 2>/dev/null || " \
-           "git checkout --quiet --detach 'my branch'" in command
-    assert command.index("git fetch") < command.index("bash setup_tpu.sh")
+    assert ("python3 -m experiments.launcher.worker.checkout \"$(hostname)\" 'my branch' && bash setup_tpu.sh && "
+            ".venv/bin/python -m experiments.launcher.worker.versions") in command
+
+
+def test_setup_git_ref_checks_out_the_fetched_branch_or_a_tag(pod, tmp_path):
+    """A branch name means origin's branch as just fetched, not the worker's stale local branch of
+    that name; a tag is checked out as it is; a ref that is neither fails naming the worker."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "advice.detachedHead=false"]
+    run = lambda repo, *args: subprocess.run([*git, "-C", str(repo), *args], check=True, capture_output=True,  # noqa: E731
+                                             text=True).stdout.strip()
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    run(origin, "init", "-q", "-b", "main")
+    (origin / "notes.txt").write_text("one\n")
+    run(origin, "add", "notes.txt")
+    run(origin, "commit", "-q", "-m", "one")
+    run(origin, "tag", "v1")
+    run(origin, "branch", "feature")
+    for home in pod.homes:  # each worker's repo: a clone whose local `feature` is about to be stale
+        repo = home / "repo"
+        run(repo, "init", "-q", "-b", "main")
+        run(repo, "remote", "add", "origin", str(origin))
+        run(repo, "fetch", "-q", "origin")
+        run(repo, "checkout", "-q", "-b", "feature", "origin/feature")
+    run(origin, "checkout", "-q", "feature")
+    (origin / "notes.txt").write_text("two\n")
+    run(origin, "commit", "-q", "-am", "two")
+    fresh, tagged = run(origin, "rev-parse", "feature"), run(origin, "rev-parse", "v1")
+
+    r = pod.launch("setup", *target("--repo-dir", "~/repo", "--git-ref", "feature"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"2 workers set up, all identical: commit={fresh}" in r.stdout
+    r = pod.launch("setup", *target("--repo-dir", "~/repo", "--git-ref", "v1"))
+    assert r.returncode == 0 and f"all identical: commit={tagged}" in r.stdout, r.stdout + r.stderr
+    r = pod.launch("setup", *target("--repo-dir", "~/repo", "--git-ref", "no-such-ref"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    for i in range(WORKERS):
+        assert f"podrunner: t1v-n-my-tpu-w-{i}: cannot check out --git-ref" in r.stdout
+    assert "setup_tpu.sh: ok" not in r.stdout  # nothing is set up on a checkout that failed
 
 
 # --- pieces -----------------------------------------------------------------------------------

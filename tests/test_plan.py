@@ -1,11 +1,15 @@
-"""`launch.py plan`: fits, estimated step time and pod-hours of a group at full scale, from train
-steps compiled for a TPU topology (libtpu's compile-only devices), cached by their HLO; and the
-pieces of the estimate (runtime/compile_only.py) on hand-written HLO (loops, collectives in them
-and custom kernels: test_hlo_cost.py)."""
+"""`launch.py plan`: fits, estimated step time and the whole bill of a group at full scale, from
+train and eval steps compiled for a TPU topology (libtpu's compile-only devices), cached by their
+HLO; the bill's formulas (experiments/bill.py) on small made-up inputs, its calibration from a
+ledger the test writes, the CSV the queue reads; and the pieces of the estimate
+(runtime/compile_only.py) on hand-written HLO (loops, collectives in them and custom kernels:
+test_hlo_cost.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import csv
 import dataclasses
 import io
@@ -13,9 +17,13 @@ import re
 
 import pytest
 
-from experiments import plan
+from experiments import bill, plan
+from experiments.compose import compose
 from experiments.launch import main as launch
-from runtime.compile_only import TOPOLOGIES, CompiledStep, estimate_step, optimal_seconds, wire_bytes
+from experiments.launcher.run_queue import read_plan
+from runtime.compile_only import TOPOLOGIES, CompiledStep, StepEstimate, estimate_step, optimal_seconds, wire_bytes
+from runtime.config import derive, validate
+from runtime.errors import UserError
 
 # exp08 (EMA rates, and EMA off) shrunk: 5 variants, 2 distinct train steps. One layer and one
 # cycle of each kind: each variant's train step is traced for its cache key, and tracing time
@@ -34,6 +42,9 @@ def run_plan(*args: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("args,needle", [
     (["nosuchgroup", "--topology", "v4-64"], "unknown group(s) ['nosuchgroup']"),
     (["exp08", "--topology", "v9-8"], "--topology v9-8 is not a known TPU topology"),
+    (["exp08", "--topology", "v4-64", "--mtbf", "soon"], "--mtbf soon is not a duration; give e.g. 8h"),
+    (["exp08", "--topology", "v4-64", "--slices", "0"], "--slices"),
+    (["exp08", "--topology", "v4-64", "--calibrate-from", "/nonexistent"], "no ledger.json there"),
 ])
 def test_bad_group_or_topology_is_one_line(args, needle):
     code, out, err = run_plan(*args)
@@ -114,8 +125,8 @@ def tiny_group(tmp_path_factory):
     """`plan exp08 --topology v5e-8 -- TINY`, run twice on one cache; the CSV rows. The first
     run compiles in two processes, in a new pool for each compile (as a long plan renews its pool)."""
     tmp = tmp_path_factory.mktemp("plan")
-    args = ["exp08", "--topology", "v5e-8", "--cache-dir", str(tmp / "cache"), "--csv", str(tmp / "plan.csv"),
-            "--", *TINY]
+    args = ["exp08", "--topology", "v5e-8", "--mtbf", "8h", "--cache-dir", str(tmp / "cache"), "--csv",
+            str(tmp / "plan.csv"), "--", *TINY]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan, "COMPILES_PER_PROCESS", 0.5)
         first = run_plan("--jobs", "2", *args)
@@ -128,7 +139,9 @@ def tiny_group(tmp_path_factory):
 def test_group_plan_table_and_csv(tiny_group):
     (code, out, err), (code2, out2, err2), rows = tiny_group
     assert code == 0 and code2 == 0, err
-    assert len(re.findall(r"compiled \[\d\] exp08/", err)) == 2  # 5 variants, 2 distinct steps: EMA on (any rate) and off
+    # 5 variants, 2 distinct train steps (EMA on, at any rate, and off) and 2 eval steps (EMA weights or not)
+    assert len(re.findall(r"compiled \[\d\] train exp08/", err)) == 2
+    assert len(re.findall(r"compiled \[\d\] eval exp08/", err)) == 2
     assert "compiled [" not in err2 and out2 == out  # the second run is all from the cache
     variants = [r for r in rows if r["variant"] != "TOTAL"]
     assert [r["variant"] for r in variants] == ["ema0.99", "ema0.995", "ema0.999", "ema0.9995", "off"]
@@ -137,13 +150,18 @@ def test_group_plan_table_and_csv(tiny_group):
         assert r["fits"] == "True" and 0 < float(r["total_gib"]) < float(r["hbm_gib"]) == 15.75
         compute, step, steps = float(r["compute_s"]), float(r["step_s"]), int(r["steps"])
         assert step >= compute > 0 and step == pytest.approx(compute + float(r["collective_s"]))
-        assert float(r["pod_hours"]) == pytest.approx(steps * step / 3600)
+        assert float(r["train_h"]) == pytest.approx(steps * step / 3600)
+        batches = (int(r["evaluations"]) - 1) * int(r["eval_batches"]) + int(r["final_eval_batches"])
+        assert float(r["eval_step_s"]) > 0 and float(r["eval_h"]) == pytest.approx(float(r["eval_step_s"]) * batches / 3600)
+        assert float(r["compile_s"]) > 0 and float(r["eval_compile_s"]) > 0 and float(r["recovery_h"]) > 0
+        parts = sum(float(r[c]) for c in ("train_h", "eval_h", "startup_h", "checkpoint_h", "recovery_h"))
+        assert float(r["pod_hours"]) == pytest.approx(parts) == pytest.approx(float(r["total_h"]))
         assert f"| exp08/{r['variant']} | yes {float(r['total_gib']):.2f} |" in out
     group = next(r for r in rows if r["group"] == "exp08" and r["variant"] == "TOTAL")
     total = sum(float(r["pod_hours"]) for r in variants)
     assert float(group["pod_hours"]) == pytest.approx(total)
     assert float(next(r for r in rows if r["group"] == "ALL")["pod_hours"]) == pytest.approx(total)
-    assert f"| **exp08 total** | | | | | **{total:.2f}** |" in out
+    assert f"| **total_h** |" not in out and f"**{total:.2f}** | **" in out and "**Programme: " in out
 
 
 @pytest.mark.slow
@@ -181,7 +199,7 @@ def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path):
     assert plan.fix_candidates(planner.lowered[job], planner.compiled(job)) == [("mesh.data=1", "mesh.fsdp=-1")]
     fix = plan.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
     assert fix == tried[-1] and planner.compiled(fix).fits
-    assert row.pod_hours == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
+    assert row.train_h == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
 
 
 def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
@@ -196,7 +214,7 @@ def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
         return plan.Lowered(key=f"k{len(job.overrides)}{job.overrides[-1:]}".replace(" ", ""), steps=100,
                             global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
 
-    def compile_job(job, topology):
+    def compile_job(job, topology, kind=plan.TRAIN):
         change = job.overrides[1:]
         compiled.append(change)
         return CompiledStep(hbm_bytes=15.75 * gib, total_bytes=sizes[change] * gib, optimal_s=0.5)
@@ -208,7 +226,7 @@ def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
     (row,) = planner.plan([plan.Job("g", "v", ("x=1",))])
     assert compiled == list(sizes)  # the job, then each change in order until one fits
     assert row.fits is False and row.change == "mesh.data=1 mesh.fsdp=-1" and row.total_gib == 40
-    assert row.estimate.total_s == pytest.approx(0.5) and row.pod_hours == pytest.approx(100 * 0.5 / 3600)
+    assert row.estimate.total_s == pytest.approx(0.5) and row.train_h == pytest.approx(100 * 0.5 / 3600)
 
 
 def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeypatch):
@@ -220,7 +238,7 @@ def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeyp
     def lower(job, topology):
         return plan.Lowered(key=job.variant, steps=10, global_batch=8, per_device_batch=1, remat=False)
 
-    def compile_job(job, topology):
+    def compile_job(job, topology, kind=plan.TRAIN):
         if job.variant == "bad":
             raise MosaicError("INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector type for load\nmore")
         return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=2**30, optimal_s=0.1)
@@ -230,8 +248,8 @@ def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeyp
     planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
     bad, good = planner.plan([plan.Job("g", "bad"), plan.Job("g", "good")])
     assert bad.note == ("compile failed: MosaicError: INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector "
-                        "type for load") and bad.pod_hours is None
-    assert good.fits and good.pod_hours == pytest.approx(10 * 0.1 / 3600)
+                        "type for load") and bad.train_h is None
+    assert good.fits and good.train_h == pytest.approx(10 * 0.1 / 3600)
 
 
 def test_fix_candidates_in_order(monkeypatch):
@@ -260,3 +278,245 @@ def test_steps_of_an_epoch_schedule_over_a_set_not_here_are_unknown(tmp_path):
     assert by_epochs.key and by_epochs.steps == 0 and "steps unknown" in by_epochs.note
     assert plan.lower(job, "v5e-8").steps == 600
     assert not (tmp_path / "absent").exists()
+
+
+# ------------------------------------------------------------------ the bill (experiments/bill.py)
+
+
+def figures(**seconds: float) -> dict[str, bill.Figure]:
+    """Every figure at 0 s but those given, so each formula can be checked alone."""
+    return {name: bill.Figure(seconds.get(name, 0.0), f.category, f.paid, "test") for name, f in bill.FIGURES.items()}
+
+
+# 1000 steps of 0.1 s; 4 evaluations (3 on 2 batches, the last on 10) of a 0.5 s eval step;
+# a save every 250 steps: train 100 s + eval 0.5 x (3 x 2 + 10) = 8 s, 4 saves 27 s apart.
+VARIANT = bill.Variant(steps=1000, step_s=0.1, evaluations=4, eval_step_s=0.5, eval_batches=2, final_eval_batches=10,
+                       checkpoint_every=250, compile_train_s=30.0, compile_eval_s=20.0)
+
+
+def test_train_eval_and_the_first_starts_costs():
+    f = figures(setup_check=1, setup_fresh=100, launch=2, runtime_init=3, data_load=4, other=5, final_save=6,
+                between_variants=7, save=0.5, compile_cache_hit=0.25)
+    b = bill.price(VARIANT, f)
+    assert b.train_s == pytest.approx(100) and b.eval_s == pytest.approx(8)
+    assert b.saves == 4 and b.checkpoint_interval_s == pytest.approx(27)
+    assert b.checkpoint_s == pytest.approx(3 * 0.5)  # the saves before the last
+    # a fresh slice's setup, launch, runtime, data, other, both compiles (missed), final save, idle
+    assert b.startup_s == pytest.approx(100 + 2 + 3 + 4 + 5 + 30 + 20 + 6 + 7)
+    assert b.recovery_s == 0 and b.preemptions == 0 and b.young_interval_s is None
+    assert b.total_s == pytest.approx(sum(b.seconds.values()))
+    assert b.total_s == pytest.approx(b.train_s + b.eval_s + b.startup_s + b.checkpoint_s)
+    assert b.goodput == pytest.approx(108 / b.total_s)
+    assert b.seconds[bill.SETUP] == pytest.approx(102) and b.seconds[bill.PROGRAM_STARTUP] == pytest.approx(50)
+    later = bill.price(dataclasses.replace(VARIANT, first_on_slice=False), f)  # the slice is set up: the check only
+    assert later.startup_s == pytest.approx(b.startup_s - 100 + 1)
+    hit = bill.price(dataclasses.replace(VARIANT, compile_cache=True, train_cached=True, eval_cached=True), f)
+    assert hit.seconds[bill.PROGRAM_STARTUP] == pytest.approx(0.5)  # both steps from the cache
+    cache_no_hit = bill.price(dataclasses.replace(VARIANT, compile_cache=True), f)
+    assert cache_no_hit.seconds[bill.PROGRAM_STARTUP] == pytest.approx(50)  # a program not seen before compiles
+
+
+def test_evaluation_counts_and_unknown_sizes():
+    assert dataclasses.replace(VARIANT, evaluations=1).eval_s == pytest.approx(0.5 * 10)  # only the last, whole set
+    assert dataclasses.replace(VARIANT, evaluations=0).eval_s == 0
+    unknown = bill.price(dataclasses.replace(VARIANT, eval_step_s=None), figures())
+    assert not unknown.eval_known and unknown.eval_s == 0
+
+
+def test_checkpoint_interval_by_steps_or_minutes_whichever_first():
+    f = figures()
+    assert bill.save_count(VARIANT, f) == (4, pytest.approx(27))
+    by_time = dataclasses.replace(VARIANT, checkpoint_minutes=0.25)  # 15 s < 27 s
+    assert bill.save_count(by_time, f) == (8, pytest.approx(15))  # ceil(108 / 15)
+    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0), f) == (1, pytest.approx(108))
+    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0, checkpoint_minutes=60), f)[0] == 1
+
+
+def test_recovery_at_an_mtbf_and_youngs_rule():
+    """Each preemption: half an interval replayed + a restart (fresh setup, launch, runtime, data,
+    restore, both steps compiled again without the cache); expected preemptions = total / MTBF,
+    the total including the recoveries: total = base / (1 - cost / MTBF)."""
+    f = figures(setup_fresh=100, launch=2, runtime_init=3, data_load=4, restore=5, save=2, compile_cache_hit=1,
+                other=6)
+    mtbf = 3600.0
+    base = bill.price(VARIANT, f)
+    b = bill.price(VARIANT, f, mtbf)
+    restart = 100 + 2 + 3 + 4 + 5 + 6 + 30 + 20
+    cost = restart + 27 / 2
+    assert b.restart_s == pytest.approx(restart)
+    assert b.total_s == pytest.approx(base.total_s / (1 - cost / mtbf))
+    assert b.preemptions == pytest.approx(b.total_s / mtbf)
+    assert b.recovery_s == pytest.approx(b.preemptions * cost) == pytest.approx(b.total_s - base.total_s)
+    assert b.seconds[bill.WASTED_PROGRESS] == pytest.approx(b.preemptions * 13.5)
+    assert b.seconds[bill.CHECKPOINT_RESTORE] == pytest.approx(b.preemptions * 5)
+    assert b.young_interval_s == pytest.approx(math.sqrt(2 * 2 * 3600))
+    cached = bill.price(dataclasses.replace(VARIANT, compile_cache=True), f, mtbf)
+    assert cached.restart_s == pytest.approx(restart - 50 + 2)  # a restart loads both steps from the cache
+    with pytest.raises(UserError, match="more than --mtbf"):
+        bill.price(VARIANT, f, mtbf_s=100.0)
+
+
+@pytest.mark.parametrize("text,seconds", [("8h", 28800), ("90m", 5400), ("2d", 172800), ("1.5", 5400), ("30s", 30)])
+def test_parse_hours(text, seconds):
+    assert bill.parse_hours(text) == seconds
+
+
+def test_schedule_takes_the_slice_that_frees_first():
+    assert bill.schedule([5, 1, 1, 1, 3], 2) == [0, 1, 1, 1, 1]
+    assert bill.schedule([1, 1, 1], 1) == [0, 0, 0]
+
+
+def write_ledger(root, launches: dict[str, list[dict]]) -> None:
+    """A programme's ledger.json as the controller keeps it, each launch with its `timing`."""
+    ledger = {"variants": {v: {"state": "completed", "supervision": {"launches": [
+        {"outcome": "completed", "timing": t} for t in timings]}} for v, timings in launches.items()},
+        "slices": {}, "history": []}
+    (root / "ledger.json").write_text(json.dumps(ledger))
+
+
+def test_calibration_takes_the_ledgers_medians(tmp_path):
+    """Launch timings as the trainer's `timing` event has them (seconds by category, saves, cache
+    hits and misses) with the controller's categories beside, or flat."""
+    def event(seconds, saves=0, hits=0, misses=1, **controller):
+        return {"step": 10, "steps_run": 10, "seconds": seconds, "saves": saves, "hits": hits, "misses": misses,
+                **controller}
+
+    write_ledger(tmp_path, {
+        "g/a": [event({"runtime_startup": 20, "data_loading": 3, "program_startup": 40, "checkpoint_save": 8}, saves=4,
+                      setup=8),
+                event({"runtime_startup": 30, "data_loading": 5, "program_startup": 4, "checkpoint_restore": 6},
+                      hits=2, misses=0)],  # a restart that found both steps in the cache
+        "g/b": [{"runtime_startup": 50, "program_startup": 60, "idle": 9, "checkpoint_save": 3, "saves": 1}],
+        "g/c": [event({"train": 100})],  # a launch that measured nothing else
+    })
+    cal = bill.calibrate(tmp_path)
+    assert cal.launches == 4
+    assert cal.figures["runtime_init"].seconds == 30 and "median of 3 launches" in cal.figures["runtime_init"].source
+    assert cal.figures["data_load"].seconds == 4  # median of 3 and 5
+    assert cal.figures["setup_check"].seconds == 8 and cal.figures["restore"].seconds == 6
+    assert cal.figures["between_variants"].seconds == 9
+    assert cal.figures["save"].seconds == pytest.approx((8 / 4 + 3 / 1) / 2)
+    assert cal.figures["compile_cache_hit"].seconds == 2  # 4 s for 2 hits
+    assert cal.figures["setup_fresh"] == bill.FIGURES["setup_fresh"]  # not measured: the plan's own
+    assert cal.program_startup == {"g/a": 40, "g/b": 60}  # launches that compiled
+    # a row of g/a is priced with its own measured start-up, split as the plan's compiles are
+    row = plan.Row("g", "a", estimate=StepEstimate(0.1, "", 0.0, None, 1.0), steps=1000, compile_s=30.0,
+                   eval_compile_s=10.0, lowered=plan.Lowered(protocol=plan.Protocol(evaluations=1)))
+    costs = plan.variant_costs(row, cal.program_startup)
+    assert costs.compile_train_s == pytest.approx(40 * 0.75) and costs.compile_eval_s == pytest.approx(40 * 0.25)
+
+
+def test_calibration_of_a_ledger_without_timings_changes_nothing(tmp_path):
+    (tmp_path / "ledger.json").write_text(json.dumps({"variants": {"g/a": {"supervision": {"launches": [{}]}}}}))
+    assert bill.calibrate(tmp_path).figures == bill.FIGURES
+    (tmp_path / "ledger.json").write_text("{half")
+    with pytest.raises(UserError, match="cannot read"):
+        bill.calibrate(tmp_path)
+
+
+def priced_rows() -> list[plan.Row]:
+    """Three made-up rows: a and b the same program (a cache hit for b), c another, d unplanned."""
+    def row(variant, exact, steps=1000):
+        low = plan.Lowered(key="k", exact=exact, eval_exact=exact + "e", protocol=plan.Protocol(
+            evaluations=2, eval_batch=64, batches=1, final_batches=3, examples=150, checkpoint_every=500,
+            compile_cache=True))
+        return plan.Row("g", variant, fits=True, total_gib=1.0, hbm_gib=16.0, steps=steps, compile_s=30.0,
+                        estimate=StepEstimate(0.1, "", 0.0, None, 1.0), eval_estimate=StepEstimate(0.5, "", 0.0, None, 1.0),
+                        eval_compile_s=20.0, lowered=low)
+    return [row("a", "p1"), row("b", "p1"), row("c", "p2", steps=2000), plan.Row("h", "d", note="not planned")]
+
+
+def test_programme_cache_hits_first_on_slice_and_wall_clock():
+    f = figures(setup_check=1, setup_fresh=100, compile_cache_hit=2)
+    rows = priced_rows()
+    prog = plan.price_programme(rows, f, slices=2)
+    a, b, c, d = (r.bill for r in rows)
+    assert d is None and rows[3].pod_hours is None
+    assert a.seconds[bill.PROGRAM_STARTUP] == 50 and b.seconds[bill.PROGRAM_STARTUP] == 4  # b: a's programs
+    assert c.seconds[bill.PROGRAM_STARTUP] == 50
+    assert a.seconds[bill.SETUP] == 100 and b.seconds[bill.SETUP] == 100 and c.seconds[bill.SETUP] == 1
+    hours = [a.total_s / 3600, b.total_s / 3600, c.total_s / 3600]
+    assert hours[1] < hours[0]  # b's compiles came from the cache: its slice frees first, and c runs there
+    assert prog.slice_hours == pytest.approx([hours[0], hours[1] + hours[2]])
+    assert prog.wall_days == pytest.approx(max(prog.slice_hours) / 24)
+    one = plan.price_programme(rows, f, slices=1)
+    assert rows[1].bill.seconds[bill.SETUP] == 1 and one.slice_hours == pytest.approx([sum(
+        r.bill.total_s for r in rows[:3]) / 3600])
+
+
+def test_csv_carries_every_column_and_the_queue_reads_the_all_in_total(tmp_path):
+    rows = priced_rows()
+    plan.price_programme(rows, figures(setup_fresh=100), mtbf_s=8 * 3600)
+    path = tmp_path / "plan.csv"
+    plan.write_csv(rows, path)
+    with open(path) as f:
+        lines = list(csv.DictReader(f))
+    assert set(plan.CSV_FIELDS) <= set(lines[0])
+    a = lines[0]
+    parts = sum(float(a[c]) for c in ("train_h", "eval_h", "startup_h", "checkpoint_h", "recovery_h"))
+    assert float(a["total_h"]) == pytest.approx(parts) == pytest.approx(float(a["pod_hours"]))
+    assert float(a["train_h"]) == pytest.approx(1000 * 0.1 / 3600)
+    assert float(a["eval_h"]) == pytest.approx(0.5 * (1 * 1 + 3) / 3600)  # eval step x (1 x 1 + 3) batches
+    assert float(a["whole_set_eval_h"]) == pytest.approx(0.5 * 2 * 3 / 3600)  # both on the whole set
+    assert sum(float(a[f"{c}_h"]) for c in bill.CATEGORIES) == pytest.approx(float(a["total_h"]))
+    assert float(a["goodput"]) == pytest.approx((float(a["train_h"]) + float(a["eval_h"])) / float(a["total_h"]))
+    assert a["evaluations"] == "2" and a["eval_examples"] == "150" and float(a["preemptions"]) > 0
+    total = next(r for r in lines if r["group"] == "ALL")
+    assert float(total["pod_hours"]) == pytest.approx(sum(float(r["pod_hours"]) for r in lines[:3]))
+    assert lines[3]["pod_hours"] == ""  # not planned
+    planned = read_plan(path)
+    assert planned["g/a"]["pod_hours"] == pytest.approx(float(a["total_h"])) and planned["h/d"]["pod_hours"] is None
+    out = plan.markdown(plan.price_programme(rows, figures(), slices=1), "v5e-8", "cmd")
+    assert "| **programme total** |" in out and "goodput" in out and "| figure | seconds | paid | source |" in out
+
+
+def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
+    """exp02a/L6 on a v4-64: 8,139 steps, an evaluation every 814 (9) and at the end, the last on
+    the whole Sudoku-Extreme test set the config states (423,168: 69 batches of 6144), the others on
+    the 8,192-puzzle subset (2 batches); a built set's own rows where it is here (40 test puzzles)."""
+    def protocol(*overrides):
+        config = validate(compose("exp02a/L6", overrides), "exp02a/L6")
+        return plan.protocol(config, derive(config, num_processes=8, num_devices=32, train_examples=1_001_000,
+                                            epoch_examples=1000))
+
+    p = protocol()
+    assert (p.evaluations, p.eval_batch, p.final_batches, p.examples) == (10, 6144, 69, 423_168)
+    assert p.batches == 2 and p.subset == 8192  # the intermediate ones on the subset (train.eval_subset)
+    assert p.checkpoint_every == 814 and "data.generate_test_puzzles" in p.source
+    reference = protocol("train.eval_subset=null", "train.eval_batch_size=8192")  # the whole set every time
+    assert (reference.batches, reference.final_batches, reference.eval_batch) == (52, 52, 8192)
+    capped = protocol("data.eval_max_examples=10000")
+    assert capped.batches == capped.final_batches == 2 and capped.examples == 10000
+    built = protocol(f"data.path={sudoku_dir}")
+    assert built.examples == 40 and built.final_batches == 1 and str(sudoku_dir) in built.source
+
+
+def test_what_if_levers_the_code_does_not_have():
+    """long-lived-trainer: b and c follow a in its process (one slice): no setup, runtime start-up
+    or idle; b's programs are a's (compiled in that process: free), c compiles its own.
+    shared-programs: c has a's cache key, so with the cache its compiles are hits. dedupe: b
+    trains a's run, so it costs nothing."""
+    f = figures(setup_check=1, setup_fresh=100, runtime_init=30, data_load=5, between_variants=7,
+                compile_cache_hit=2)
+    rows = priced_rows()
+    plan.price_programme(rows, f, slices=1, what_if=frozenset({"long-lived-trainer"}))
+    a, b, c = (r.bill for r in rows[:3])
+    assert a.seconds[bill.SETUP] == 100 and a.seconds[bill.RUNTIME_STARTUP] == 30 and a.seconds[bill.IDLE] == 7
+    for later in (b, c):
+        assert later.seconds[bill.SETUP] == later.seconds[bill.RUNTIME_STARTUP] == later.seconds[bill.IDLE] == 0
+        assert later.seconds[bill.DATA_LOADING] == 0  # the same dataset, loaded once
+    assert b.seconds[bill.PROGRAM_STARTUP] == 0 and c.seconds[bill.PROGRAM_STARTUP] == 50
+    ahead = plan.price_programme(rows, f, slices=1, what_if=frozenset({"long-lived-trainer", "compile-ahead"}))
+    assert ahead.rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 0  # c's 50 s compiled while b's 102 s of steps ran
+    with pytest.raises(UserError, match="needs --what-if long-lived-trainer"):
+        plan.price_programme(rows, f, what_if=frozenset({"compile-ahead"}))
+    plan.price_programme(rows, f, slices=1, what_if=frozenset({"shared-programs"}))
+    assert rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 4  # two hits: a ran its key's programs
+    out = plan.markdown(plan.price_programme(rows, f, what_if=frozenset({"shared-programs"})), "v5e-8", "cmd")
+    assert "**What-if, not what runs today**: shared-programs" in out
+    rows[1].lowered = dataclasses.replace(rows[1].lowered, run_key="same")
+    rows[0].lowered = dataclasses.replace(rows[0].lowered, run_key="same")
+    plan.price_programme(rows, f, what_if=frozenset({"dedupe"}))
+    assert rows[1].bill.total_s == 0 and rows[1].same_as == "g/a" and rows[0].bill.total_s > 0
+    with pytest.raises(UserError, match="--what-if faster is not a lever"):
+        plan.price_programme(rows, f, what_if=frozenset({"faster"}))

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from helpers import REPO, child_env
-from experiments import launch, programme, sweep
+from experiments import analyze, examples, launch, programme, sweep
+from experiments.examples import tiny
 from experiments.compose import changes, compose, flat, local_overrides, variants
 from experiments.programme import GROUPS, GroupFileError, load_group
 from runtime.config import validate
@@ -136,8 +137,6 @@ def test_commands_report_a_bad_group_file_as_one_error_line(tmp_path, monkeypatc
     _group_file(tmp_path, lambda r: r | {"colour": "red"})
     monkeypatch.setattr(programme, "EXPERIMENTS_DIR", tmp_path)
     monkeypatch.setattr(GROUPS, "_groups", None)  # load again, from tmp_path
-    from experiments import analyze, examples
-
     for command in (lambda: launch.main(["list"]), lambda: launch.main(["sweep", "exp01", "--local", "--dry-run"]),
                     lambda: analyze.main(["exp01"])):
         assert command() == 2
@@ -234,8 +233,6 @@ def test_the_generated_scaled_experiment_is_the_scaled_down_run(group, tmp_path)
 
 @pytest.mark.slow
 def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
-    from experiments.examples import tiny
-
     data = tmp_path / "data"
     env = child_env(1, PODRUNNER_LOCAL_DATA=str(data))
     code = subprocess.call([sys.executable, "experiments/launch.py", "sweep", "exp02a", "--local", "--variants",
@@ -258,3 +255,11 @@ def test_pod_sweep_is_one_pod_run_per_variant(capsys):
     assert len(lines) == 2 and all("--worker=all" in l and "train.seed=3" in l for l in lines)
     assert "+experiment=exp02a/L2" in lines[0] and "+experiment=exp02a/L6" in lines[1]
     assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--dry-run"]) == 2  # no --zone
+
+
+def test_natural_order_by_value_and_never_by_the_order_found():
+    """One sort key for variant files, group folders and analysed runs (experiments/programme.py)."""
+    names = ["lr2", "hidden1024", "lr0.5", "hidden256_train.seed=1", "x01", "hidden256", "10x", "x1", "a"]
+    want = ["10x", "a", "hidden256", "hidden256_train.seed=1", "hidden1024", "lr0.5", "lr2", "x01", "x1"]
+    for order in (names, names[::-1]):
+        assert sorted(order, key=programme.natural_key) == want

@@ -12,15 +12,25 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
-from helpers import LAUNCH, error_line, fake_plane, gcloud_calls, make_fake_workers, wait_for
+from experiments import plan
+from experiments.launcher import queue_status, run_queue, supervise
+from experiments.launcher.ledger import (LaunchRecord, Mark, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
+                                         load_ledger)
+from experiments.launcher.run_queue import live_ready_seconds
+from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, logged_metrics, make_fake_workers, read_jsonl, train,
+                     wait_for)
+from runtime import events, hydra_compose
+from runtime.checkpointing import Checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu  # noqa: E402
@@ -104,8 +114,6 @@ def stub_programme(tmp_path):
 
 def write_plan(path: Path, hours: dict[str, float]) -> Path:
     """A plan CSV as `launch.py plan` writes it, with these variants' pod-hours."""
-    from experiments import plan
-
     rows = [plan.Row(v.split("/")[0], v.split("/")[1], steps=10) for v in hours]
     plan.write_csv(rows, path)
     text = path.read_text().splitlines()
@@ -144,7 +152,7 @@ def test_the_budget_stops_the_queue_before_a_variant_that_would_exceed_it(stub_p
     assert stub_programme.command("budget", "5").returncode == 0  # raised: the queue goes on
     r = stub_programme.command("run", "--mirror", str(mirror))
     assert r.returncode == 0 and stub_programme.states() == {EMA[0]: "completed", EMA[1]: "completed"}, r.stdout[-2000:]
-    assert json.loads((mirror / "ledger.json").read_text())["variants"][EMA[1]]["state"] == "completed"
+    assert json.loads((mirror / "state.json").read_text())["ledger"]["variants"][EMA[1]]["state"] == "completed"
 
 
 def test_on_several_slices_the_budget_counts_what_the_running_variants_will_take(stub_programme, tmp_path):
@@ -169,13 +177,12 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
              "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
              timeout=60, what="the first controller's launch", procs=[first])
     # While the launch runs, status shows it: the step of its last checkpoint, its run id, READY time so far.
-    from experiments.launcher.run_queue import live_ready_seconds
-
     progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("progress") or {}  # noqa: E731
     wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
     row = next(l for l in stub_programme.command("status").stdout.splitlines() if l.startswith(EMA[0] + " "))
     assert " running " in row and " 5/10 " in row and progress()["wandb_run_id"] in row, row
-    assert live_ready_seconds(stub_programme.ledger(), stub_programme.ledger()["variants"][EMA[0]]) > 0
+    ledger = load_ledger(json.dumps(stub_programme.ledger()), "ledger.json")
+    assert live_ready_seconds(ledger, ledger.variants[EMA[0]]) > 0
     second = stub_programme.command("run")
     assert second.returncode == 2, second.stdout + second.stderr
     error_line(second.stderr, f"another controller runs programme {NAME}", f"pid {first.pid}", last=True)
@@ -250,10 +257,6 @@ def e2e_overrides(bucket: Path) -> list[str]:
 
 @pytest.mark.devices(1)  # this process trains only the uninterrupted reference
 def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(tmp_path, sudoku_dir, monkeypatch):
-    import random
-
-    from helpers import logged_metrics, read_jsonl, train
-
     seed = int.from_bytes(os.urandom(2), "big")
     rng, seed_note = random.Random(seed), f"(random seed {seed})"
     data, bucket = tmp_path / "data", tmp_path / "bucket"
@@ -362,9 +365,6 @@ def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
 def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, monkeypatch):
     """wandb.alert (W&B online only): on a variant failed for good, and on a controller that stops
     on a failure. In process, the supervision replaced by its outcome."""
-    from experiments.launcher import run_queue, supervise
-    from runtime import hydra_compose
-
     sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
                                    runtime_version="v", overrides=["++run.wandb.mode=online", "run.wandb.project=p1",
                                                                    "run.wandb.tags=[mine]"])
@@ -381,13 +381,14 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     controller = run_queue.Controller(state, alert=lambda title, text: alerts.append((title, text)))
 
     def fails_for_good(self) -> int:
-        self.sup.data["launches"].append({"outcome": "fatal", "cause": "bad input", "line": "error: bad data"})
-        return self.finish("failed", 2, line="error: bad data", cause="'bad input'")
+        self.sup.record.launches.append(LaunchRecord(started=0.0, ended=1.0, code=2, outcome=Outcome.FATAL,
+                                                     cause="bad input", line="error: bad data"))
+        return self.finish(Status.FAILED, 2, line="error: bad data", cause="'bad input'")
     monkeypatch.setattr(supervise.Supervisor, "run", fails_for_good)
     assert controller.take("s1") == EMA[0]
     controller.run_variant(EMA[0], "s1")
     assert alerts == [(f"{NAME}: {EMA[0]} failed", "error: bad data")]
-    assert state.ledger["variants"][EMA[0]]["state"] == "failed"
+    assert state.ledger.variants[EMA[0]].state == "failed"
     controller.halt(run_queue.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
     assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
 
@@ -424,12 +425,6 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
     run stopped right after its last commit), its newest committed checkpoint at the run's total
     (from the run's `started` event, else the config's or the plan's steps). In process; a
     launch would fail the test."""
-    import jax.numpy as jnp
-
-    from experiments.launcher import run_queue, supervise
-    from runtime import events
-    from runtime.checkpointing import Checkpoints
-
     ckpt = tmp_path / "ckpt"
     sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
                                    runtime_version="v", checkpoint_dirs={v: str(ckpt / v) for v in EMA},
@@ -466,17 +461,15 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
     for variant in EMA:
         assert controller.take("s1") == variant
         controller.run_variant(variant, "s1")
-    record = state.ledger["variants"]
-    assert [(record[v]["state"], record[v]["last_step"]) for v in EMA] == [("completed", 8), ("completed", 10)]
-    assert record[EMA[1]]["metrics"] == {"eval/exact_accuracy": 0.1}
+    record = state.ledger.variants
+    assert [(record[v].state, record[v].last_step) for v in EMA] == [("completed", 8), ("completed", 10)]
+    assert record[EMA[1]].metrics == {"eval/exact_accuracy": 0.1}
 
 
 def test_status_table_totals_eta_and_page(tmp_path):
     """`programme status` from a ledger: a row per variant, totals per group and for the programme,
     the ETA (a running variant at its own measured pace; a queued one at its plan, scaled by how
     the measured variants compare with theirs; shared over the slices), failures' lines, the page."""
-    from experiments.launcher import queue_status, run_queue
-
     done, running, queued, bad = "exp08/ema0.99", "exp08/off", "exp08/ema0.995", "exp04a/puzzles100"
     sub = run_queue.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
                                    accelerator_type="v4-8", runtime_version="v",
@@ -485,15 +478,15 @@ def test_status_table_totals_eta_and_page(tmp_path):
     state = run_queue.State(tmp_path / NAME)
     state.create(sub)
     now = 1_000_000.0
-    v = state.ledger["variants"]
+    v = state.ledger.variants
     primary = queue_status.primary_of("exp08")
-    v[done].update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
-                   metrics={primary: 0.75}, wandb_run_id="w1")
-    v[running].update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark={"ready": 0.0, "host": 0.0},
-                      supervision={"preemptions": 1, "restarts": 0, "progress": {"step": 50, "total": 100}})
-    state.ledger["slices"]["s1"].update(variant=running, clock={"ready_since": now - 1800, "hosts": 1,
-                                                                "ready_seconds": 0.0, "host_seconds": 0.0})
-    v[bad].update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
+    v[done].__dict__.update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
+                            metrics={primary: 0.75}, wandb_run_id="w1")
+    v[running].__dict__.update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark=Mark(0.0, 0.0),
+                               supervision=SupervisionRecord(preemptions=1, restarts=0,
+                                                             progress=Progress(step=50, total=100)))
+    state.ledger.slices["s1"].__dict__.update(variant=running, clock=ReadyClock(ready_since=now - 1800, hosts=1))
+    v[bad].__dict__.update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
 
     out = queue_status.text(sub, state.ledger, now=now)
     cells = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()) if len(c) > 2}

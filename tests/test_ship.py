@@ -4,8 +4,11 @@ stub workers of conftest's `pod` fixture (their ~/repo holds the committed stub 
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -13,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from experiments.launcher.pod import Target, launch_pod
 from experiments.launcher.ship import Pack, ShipError, pack_tree, tree_files
 from helpers import target
+from runtime import manifest
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
 PYPROJECT = '[project]\nname = "stub"\nversion = "0"\ndependencies = ["numpy"]\n'
@@ -113,7 +118,6 @@ def test_a_huge_tree_or_no_git_repo_is_refused_in_one_line(tree, tmp_path):
 
 
 def test_the_manifest_records_the_shipped_tree(tree, tmp_path, monkeypatch):
-    from runtime import manifest
     record = pack_tree(tree, tmp_path).shipped_record()
     checkout = manifest.new_manifest(config={}, plan={}, run_id="r", resumed_from=None)
     assert checkout["shipped"] is None and manifest.source_commit(checkout) == checkout["git_commit"]
@@ -182,14 +186,26 @@ def test_ship_warns_when_the_pins_differ_from_the_workers_venv(pod, project):
     assert len(warnings) == len(pod.homes) and "run launch.py setup" in warnings[0]
 
 
+def test_a_worker_without_the_repo_fails_naming_itself_and_keeps_no_copied_file(pod, project):
+    r = pod.launch(*ship_args(project, "--repo-dir", "~/elsewhere"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    for i, home in enumerate(pod.homes):
+        assert f"podrunner: t1v-n-my-tpu-w-{i}: no repo at --repo-dir" in r.stdout
+        assert not list(home.glob(".podrunner-*"))  # the pack and the secrets: the command's EXIT trap
+        assert not (home / "podrunner-shipped").exists()
+
+
 def test_ship_dry_run_shows_the_pack_and_runs_nothing(pod, project):
     del pod.env["WANDB_API_KEY"]  # no secrets' lines
     r = pod.launch(*ship_args(project, "--dry-run"))
     assert r.returncode == 0, r.stderr
-    note, scp, ssh = r.stdout.split("\n", 2)  # the ssh command holds a multi-line python script
+    note, scp, ssh = r.stdout.splitlines()
     assert note.startswith("# ship: 4 files, ") and "(base " in note and "2 changed, 1 untracked" in note
-    assert " scp PACK.tar.gz my-tpu:.podrunner-ship-" in scp and "--worker=all" in scp
-    assert "tree=" in ssh and "podrunner-shipped/" in ssh
+    tree = re.search(r" tree ([0-9a-f]{64}) ", note).group(1)
+    assert f" scp PACK.tar.gz my-tpu:.podrunner-ship-{tree[:16]}.tar.gz " in scp and "--worker=all" in scp
+    command = shlex.split(ssh)[-1]  # the guard unpacks the pack into the tree's folder and runs it there
+    assert f'--ship "$HOME"/podrunner-shipped/{tree} --pack "$HOME"/.podrunner-ship-{tree[:16]}.tar.gz' in command
+    assert f'"tree_hash": "{tree}"' in command  # PODRUNNER_SHIPPED_TREE, for the run's manifest
     assert pod.gcloud_calls() == []
 
 
@@ -205,8 +221,6 @@ def test_ship_refuses_a_huge_tree_before_any_gcloud(pod, project):
 
 def test_launch_pod_accepts_a_prebuilt_pack(pod, project, tmp_path):
     """The supervisor packs once and hands the same Pack to every launch."""
-    import io
-    from experiments.launcher.pod import Target, launch_pod
     pack = pack_tree(project, tmp_path)
     assert isinstance(pack, Pack)
     out = io.StringIO()

@@ -10,6 +10,7 @@ dead worker.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -21,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from experiments.launcher import pod, supervise
+from experiments.launcher.pod import Target
+from gcs_emulator import start_gcs_emulator
 from helpers import (LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, fake_plane, gcloud_calls,
                      make_fake_workers, reached, read_jsonl, train_losses, wait_for)
 
@@ -308,12 +312,6 @@ def test_dry_run_with_ship_and_clone_url(plane):
 
 def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
     """A supervisor on another machine (no local record) carries on from the copy on gs://."""
-    import io
-
-    from experiments.launcher import supervise
-    from experiments.launcher.pod import Target
-    from gcs_emulator import start_gcs_emulator
-
     assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path))[0] is None  # local checkpoints
     overrides = base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://sup-bucket/ckpt/t"]
     uri = supervise.state_mirror(overrides)[0]
@@ -323,21 +321,16 @@ def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
         emu.create_bucket("sup-bucket")
         spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, overrides, log_dir=tmp_path / "here", state_mirror=uri)
         first = supervise.Supervision(spec, io.StringIO())
-        first.data["restarts"] = 3
+        first.record.restarts = 3
         first.save()
         spec.log_dir = tmp_path / "elsewhere"
-        assert supervise.Supervision(spec, io.StringIO()).data["restarts"] == 3
+        assert supervise.Supervision(spec, io.StringIO()).record.restarts == 3
 
 
 def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, monkeypatch):
     """The commit every worker first agreed on is recorded; a later setup (fresh disks of a
     re-created TPU) checks it out rather than the remote's default HEAD; a failed setup waits
     `storage_backoff_s` before the next try instead of spinning."""
-    import io
-
-    from experiments.launcher import pod, supervise
-    from experiments.launcher.pod import Target
-
     row = {"commit": "c0ffee", "python": "3.12", "jax": "0.10.2", "ok": True}
     answers = iter([[dict(row, host="w0"), dict(row, host="w1")],  # launch 1: versions agree
                     [dict(row, host="w0")],                        # launch 2: worker 1 is a fresh disk

@@ -20,8 +20,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from data_pipeline.kinds.puzzle import unit_offsets
 from runtime.config import DataConfig, TaskDataConfig
-from runtime.data_feed import BatchFeeder
+from runtime.data_feed import BatchFeeder, EvalSelection
 from runtime.errors import UserError
 from runtime.registry import DATASET_KINDS, DatasetKind, dataset_kind, register_dataset_kind
 from runtime.task import DataShape, sub_batches
@@ -75,9 +76,10 @@ class MultiTaskSplit:
     """One split of every task: ``splits[task]`` is that task's split."""
 
     def __init__(self, splits: Mapping[str, Any], fractions: Mapping[str, float],
-                 eval_caps: Mapping[str, int | None] | None = None):
+                 eval_caps: Mapping[str, int | None] | None = None, units: Mapping[str, np.ndarray] | None = None):
         self.splits = dict(splits)
         self.eval_caps = dict(eval_caps or {})  # per-task eval_max_examples (None = the run's)
+        self.units = dict(units or {})  # per-task row offsets of its eval units (absent: each row is one)
         self.fractions = {t: float(fractions[t]) for t in self.splits}
         total = sum(self.fractions.values())
         metas = {t: s.metadata for t, s in self.splits.items()}
@@ -96,7 +98,8 @@ class MultiTaskFeeder:
 
     Eval: batch b holds batch b of every task's eval set; a task whose set is exhausted fills
     its rows with padding (ignored labels, counted nowhere), so every batch has the same fields.
-    `max_examples` caps each task's eval set (a task's own cap, ``split.eval_caps[task]``, wins).
+    `max_examples` caps each task's eval set (a task's own cap, ``split.eval_caps[task]``, wins);
+    `subset` takes that many of each task's puzzles (its augmented copies together).
     """
 
     def __init__(self, split: MultiTaskSplit, sharding: Any, global_batch: int, seed: int, prefetch: bool = True):
@@ -106,7 +109,7 @@ class MultiTaskFeeder:
         self.sizes = sub_batches(split.fractions, global_batch)
         if sum(self.sizes.values()) != global_batch:
             raise ValueError(f"sub-batches {self.sizes} do not add up to the global batch {global_batch}")
-        self.feeders = {t: BatchFeeder(s, sharding, self.sizes[t], task_seed(seed, t), prefetch)
+        self.feeders = {t: BatchFeeder(s, sharding, self.sizes[t], task_seed(seed, t), prefetch, units=split.units.get(t))
                         for t, s in split.splits.items()}
         self.eval_caps = dict(split.eval_caps)
         self.num_examples = len(split)
@@ -117,15 +120,21 @@ class MultiTaskFeeder:
             out |= {f"{t}/{k}": v for k, v in feeder.train_batch(step).items()}
         return out
 
-    def eval_batches(self, max_examples: int | None = None):
-        counts = {}
+    def eval_selections(self, max_examples: int | None = None, subset: int | None = None) -> dict[str, EvalSelection]:
+        """Each task's eval selection, by its metrics' prefix ("<task>/")."""
+        out = {}
         for t, feeder in self.feeders.items():
             cap = self.eval_caps.get(t)
-            counts[t] = feeder.eval_count(cap if cap is not None else max_examples)
-        for b in range(max((c[1] for c in counts.values()), default=0)):
+            out[f"{t}/"] = feeder.eval_selection(cap if cap is not None else max_examples, subset)
+        return out
+
+    def eval_batches(self, max_examples: int | None = None, subset: int | None = None):
+        rows = {t: sel.rows for t, sel in zip(self.feeders, self.eval_selections(max_examples, subset).values())}
+        batches = max((-(-r.size // self.feeders[t].global_batch) for t, r in rows.items()), default=0)
+        for b in range(batches):
             out = {}
             for t, feeder in self.feeders.items():
-                out |= {f"{t}/{k}": v for k, v in feeder.eval_batch(counts[t][0], b).items()}
+                out |= {f"{t}/{k}": v for k, v in feeder.eval_batch(rows[t], b).items()}
             yield out
 
     def close(self) -> None:
@@ -164,9 +173,11 @@ class MultiTaskKind(DatasetKind):
         return {t: (dataset_kind(d.name), d) for t, d in task_data_configs(data).items()}
 
     def load_split(self, data: Any, split: str) -> MultiTaskSplit:
-        return MultiTaskSplit({t: kind.load_split(d, split) for t, (kind, d) in self._each(data).items()},
-                              {t: c.batch_fraction for t, c in data.tasks.items()},
-                              {t: c.eval_max_examples for t, c in data.tasks.items()})
+        splits = {t: kind.load_split(d, split) for t, (kind, d) in self._each(data).items()}
+        # every mixable kind is a puzzle kind: its eval units are puzzles with their augmented copies
+        return MultiTaskSplit(splits, {t: c.batch_fraction for t, c in data.tasks.items()},
+                              {t: c.eval_max_examples for t, c in data.tasks.items()},
+                              {t: unit_offsets(s) for t, s in splits.items()})
 
     def shape(self, data: Any, train_split: MultiTaskSplit) -> DataShape:
         tasks = {t: dataclasses.replace(kind.shape(d, train_split.splits[t]), batch_fraction=data.tasks[t].batch_fraction)
@@ -204,6 +215,9 @@ class MultiTaskKind(DatasetKind):
                             f"{'does' if len(bad) == 1 else 'do'} not divide over data x fsdp = {shards} devices; choose "
                             f"data.tasks.<task>.batch_fraction (or train.global_batch_size) so that every task's share is "
                             f"a positive multiple of {shards}")
+        if plan.eval_batch_size != gb:
+            raise UserError(f"train.eval_batch_size={plan.eval_batch_size}: a mixture evaluates at its global batch "
+                            f"(its tasks' sub-batches are built for {gb}); use train.eval_batch_size=null")
         for t, n in sizes.items():
             if shape.tasks[t].examples < n:
                 raise UserError(f"data.tasks.{t} has {shape.tasks[t].examples} training examples, fewer than its {n} "

@@ -2,7 +2,9 @@
 base of the sudoku, maze and arc kinds.
 
 The reference's epoch: one augmented copy of each original puzzle (total_groups x
-mean_puzzle_examples examples), not a pass over every augmented row.
+mean_puzzle_examples examples), not a pass over every augmented row. An evaluation's unit is a
+group too: an original puzzle with its augmented copies (`unit_offsets`), which an intermediate
+evaluation's subset keeps together (train.eval_subset).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from data_pipeline.marker import build_note, check_generated, remove_generated, 
 from data_pipeline.puzzle_format import FIELDS, DatasetError, load_metadata, load_split
 from runtime.errors import UserError, one_line
 from runtime.preflight import check_buildable, check_npy_readable, os_reason, principal_in
+from runtime.data_feed import BatchFeeder
 from runtime.registry import DatasetKind
 from runtime.task import DataShape
 
@@ -27,6 +30,11 @@ log = logging.getLogger("runtime")
 def epoch_examples(metadata: Any) -> int:
     """The reference's epoch of a puzzle split: total_groups x mean_puzzle_examples."""
     return max(1, round(metadata.total_groups * metadata.mean_puzzle_examples))
+
+
+def unit_offsets(split: Any) -> np.ndarray:
+    """Row offsets [G + 1] of a split's groups (an original puzzle and its augmented copies)."""
+    return np.asarray(split.puzzle_indices)[np.asarray(split.group_indices)]
 
 
 def stored_rows(path: str, split: str) -> int:
@@ -72,6 +80,9 @@ class PuzzleKind(DatasetKind):
         # (a pod's data is usually only on GCS or the workers).
         log.info("no dataset at %s: planning from the config's sizes", data.path)
         return self.generated_shape(data)
+
+    def make_feeder(self, split: Any, sharding: Any, global_batch: int, seed: int, prefetch: bool = True) -> Any:
+        return BatchFeeder(split, sharding, global_batch, seed, prefetch=prefetch, units=unit_offsets(split))
 
     def ensure_built(self, data: Any) -> None:
         if not self.can_generate or not data.generate_if_missing or data.path.startswith("gs://"):

@@ -12,7 +12,8 @@ Operations (CLI in experiments/launch.py):
   stop    kill this login's stale training processes and TPU holders, remove the libtpu lockfile
   status  per worker: training process alive, pid, elapsed, last step, newest log file
 The programs that run on the workers are modules, `python -m experiments.launcher.worker.<tool>`, run from
-the repo on the worker (experiments/launcher/worker/).
+the repo on the worker (experiments/launcher/worker/); the command line each worker gets is a
+short sequence of calls: cd to the repo (or say it is missing), activate the .venv, run the module.
 
 Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
 value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
@@ -26,7 +27,8 @@ per worker, all reading gcloud's one stdin, so only one worker would get the byt
 deleted right after) to ~/.podrunner-secrets-<random> on every worker; the launch guard there
 (experiments/launcher/worker/once.py) reads and removes it and puts the values into the trainer's
 environment alone (/proc/<pid>/environ: the user's own). Every print, the dry run and the local
-logs name the secrets, never their values. `stop` removes the file a failed launch left behind.
+logs name the secrets, never their values. A command that ends before the guard starts removes
+the file (its EXIT trap), the launcher does after a failed launch, and `stop` removes what is left.
 
 A launch runs once per worker whatever gcloud does: it re-runs an ssh command that ended with 255
 (a dropped connection), and the guard makes that re-run follow the launch already running (or
@@ -40,10 +42,12 @@ launch's id the launcher says so and writes it to <log-dir>/<launch id>/run_id. 
 on the workers) are filed under the launch's id.
 
 Shipping (`pod --ship`, experiments/launcher/ship.py): the local working tree is packed, copied with one
-`scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker and
-run there with the repo's .venv (`shipped_steps`); PODRUNNER_SHIPPED_TREE carries the tree hash
-and its diff from HEAD to the run's manifest. Without it the workers run their checkout and the
-launcher warns when their commits differ.
+`scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker by the
+launch guard and run there with the repo's .venv (experiments/launcher/worker/shipped.py);
+PODRUNNER_SHIPPED_TREE carries the tree hash and its diff from HEAD to the run's manifest. Without
+it the workers run their checkout and the launcher warns when their commits differ. Either way the
+worker tools come from the repo's checkout on the workers: after an update of the launcher, bring
+the workers to the same commit (`launch.py setup --git-ref REF`).
 
 gcloud's `--worker=all` output is interleaved; the workers' programs print one tagged line each
 (`podrunner-versions {json}`, `podrunner-status {json}`, the trainer's `podrunner-event {json}`),
@@ -71,9 +75,9 @@ from typing import Callable, Iterable, Mapping, Sequence, TextIO
 from experiments.launcher import gcloud
 from experiments.launcher.gcloud import PodError, Target
 from experiments.launcher.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
-from experiments.launcher.worker import START_TAG, STATUS_TAG, VERSIONS_TAG
+from experiments.launcher.worker import SECRETS_PREFIX, START_TAG, STATUS_TAG, VERSIONS_TAG, shipped
 from runtime import events
-from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED
+from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
 
 __all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_MB", "VERSIONS_TAG", "STATUS_TAG"]
@@ -81,9 +85,7 @@ __all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
 SECRET_ENV = ("WANDB_API_KEY",)  # forwarded from the local environment when set, never printed
-SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home
 SHIPPED_TREE_ENV = "PODRUNNER_SHIPPED_TREE"  # read by runtime/manifest.py: JSON of what --ship sent
-SHIP_DIR = "~/podrunner-shipped"  # + /<tree hash>: a shipped tree, unpacked once per worker
 REPO_ROOT = Path(__file__).resolve().parents[2]  # what --ship packs by default
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -154,7 +156,10 @@ def remote_env(extra: Mapping[str, str], forward: Iterable[str],
     return dict(extra), secret
 
 
-def _fail(message: str, code: int = 2) -> str:
+HOST = '"$(hostname)"'  # the worker's name, as its shell says it (what tags every worker's line)
+
+
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> str:
     """`|| <this>`: say on which worker and why, then end that worker's command. `message` is
     ours (no user values: it sits inside double quotes)."""
     return f'{{ echo "podrunner: $(hostname): {message}" >&2; exit {code}; }}'
@@ -167,39 +172,34 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
                 secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None) -> str:
-    """Worker command: cd, activate, export, then the launch guard (experiments/launcher/worker/once.py)
-    that starts `python pretrain_jax.py ...` once per launch `key`, its output in
+    """Worker command: cd to the repo, activate its .venv, then the launch guard
+    (experiments/launcher/worker/once.py) that starts `python pretrain_jax.py ...` once per launch
+    `key` with the plain `env` (and the run id proposed), its output in
     ~/podrunner-logs/<run_id>/worker-<hostname>.log, and follows that log. `secrets_file` (in the
     home directory, copied there by `send_secrets`): read and removed by the guard, its values
-    given to the trainer alone; removed by the EXIT trap if the command ends before the guard
-    starts. `ship`: run the shipped tree (`shipped_steps`) instead of the repo, and report its hash
-    instead of the commit."""
-    exports = ["PYTHONUNBUFFERED=1", f"{PROPOSED_RUN_ID_ENV}={shlex.quote(run_id)}"]
-    if ship:  # PYTHONPATH: a subprocess's python imports the shipped code too
-        exports += [f"{SHIPPED_TREE_ENV}={shlex.quote(json.dumps(ship.shipped_record(), sort_keys=True))}",
-                    'PYTHONPATH="$SHIP"']
-    exports += [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    steps = []
+    given to the trainer alone. `ship`: the guard runs the shipped tree (unpacked from the pack
+    `_run_pod` copied) instead of the repo, and reports its hash instead of the commit. Should the
+    command end before the guard starts, its EXIT trap removes the copied files."""
+    plain = {PROPOSED_RUN_ID_ENV: run_id}
+    if ship:
+        plain[SHIPPED_TREE_ENV] = json.dumps(ship.shipped_record(), sort_keys=True)
+    plain.update(env)
+    log = remote_path(f"~/podrunner-logs/{run_id}/worker-") + HOST + ".log"
+    guard = ["exec python -m experiments.launcher.worker.once", "--key", shlex.quote(key or new_launch_key()),
+             "--log", log, "--host", HOST, "--start", shlex.quote(f"launch_id={run_id}"),
+             *(f"--env {shlex.quote(f'{k}={v}')}" for k, v in plain.items())]
+    copied = []
     if secrets_file:
-        steps.append(f"SECRETS={remote_path('~/' + secrets_file)}; trap 'rm -f \"$SECRETS\"' EXIT")
+        copied.append(remote_path("~/" + secrets_file))
+        guard += ["--secrets", copied[-1]]
     if ship:
-        steps += shipped_steps(repo_dir, ship)
-        version = f"tree={ship.tree_hash}"
-    else:
-        version = "commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
-    steps += [f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),  # the guard runs from the repo
-              ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)")]
-    if ship:
-        steps.append('python -m experiments.launcher.worker.pins "$SHIP"/pyproject.toml pyproject.toml "$(hostname)"')
-    guard = ["exec python -m experiments.launcher.worker.once", f"--key {shlex.quote(key or new_launch_key())}",
-             '--log "$LOG"', '--host "$(hostname)"', f'--start "host=$(hostname) {version} launch_id={run_id}"',
-             *(['--secrets "$SECRETS"'] if secrets_file else []), *(['--cwd "$SHIP"'] if ship else []),
-             "--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
+        copied.append(remote_path("~/" + ship_remote_name(ship)))
+        guard += ["--ship", remote_path(shipped.tree_dir(ship.tree_hash)), "--pack", copied[-1]]
+    guard += ["--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
     return "; ".join([
-        *steps,
-        "export " + " ".join(exports),
-        f'LOG="$HOME"/podrunner-logs/{shlex.quote(run_id)}/worker-"$(hostname)".log',
-        'mkdir -p "${LOG%/*}" || ' + _fail("cannot create the log directory"),
+        *([f"trap {shlex.quote('rm -f ' + ' '.join(copied))} EXIT"] if copied else []),
+        f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"),  # the guard runs from the repo
+        ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)"),
         " ".join(guard),
     ])
 
@@ -211,24 +211,7 @@ def new_launch_key() -> str:
 
 def ship_remote_name(pack: Pack) -> str:
     """The pack's name in each worker's home while it is copied there."""
-    return f".podrunner-ship-{pack.tree_hash[:16]}.tar.gz"
-
-
-def shipped_steps(repo_dir: str, pack: Pack) -> list[str]:
-    """Worker steps for --ship: unpack the copied pack into ~/podrunner-shipped/<tree hash> unless
-    it is there already (into a temporary directory renamed into place, so a half-unpacked tree is
-    never used) and link the repo's .venv into it (setup installs the packages; shipping code
-    installs nothing). The trainer then runs there (the guard's --cwd)."""
-    repo = remote_path(repo_dir if repo_dir.startswith(("/", "~")) else "~/" + repo_dir)  # the link's target
-    unpack = ('T="$SHIP.tmp-$$"; rm -rf "$T" && mkdir -p "$T" && tar -xzf "$PACK" -C "$T" && '
-              '{ mv -T "$T" "$SHIP" || rm -rf "$T"; }')
-    return [
-        f"SHIP={remote_path(SHIP_DIR + '/' + pack.tree_hash)}; PACK={remote_path('~/' + ship_remote_name(pack))}",
-        f'{{ [ -d "$SHIP" ] || {{ {unpack}; }}; }} || ' + _fail("cannot unpack the shipped tree (gcloud scp)"),
-        'rm -f "$PACK"',
-        f'ln -sfn {repo}/.venv "$SHIP"/.venv || ' + _fail("cannot link the .venv of --repo-dir into the shipped tree"),
-        '[ -d "$SHIP" ] || ' + _fail("the shipped tree is missing"),
-    ]
+    return shipped.pack_name(pack.tree_hash)
 
 
 def remove_secrets_command(secrets_file: str) -> str:
@@ -238,43 +221,44 @@ def remove_secrets_command(secrets_file: str) -> str:
 def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/python", missing: str | None = None) -> str:
     """Worker command: run `python -m experiments.launcher.worker.<module> ARGS` from the repo. `missing`: what
     to say (and exit 0) when there is no repo there; else that is an error."""
-    no_repo = (f'{{ echo "podrunner: $(hostname): {missing}"; exit 0; }}' if missing
-               else _fail("no repo at --repo-dir"))
-    return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {python} -m experiments.launcher.worker.{module} {' '.join(args)}"
+    no_repo = _fail(missing, 0) if missing else _fail("no repo at --repo-dir")
+    return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {worker_call(module, *args, python=python)}"
+
+
+def worker_call(module: str, *args: str, python: str = ".venv/bin/python") -> str:
+    """`python -m experiments.launcher.worker.<module> ARGS` (ARGS quoted for the worker's shell already)."""
+    return " ".join([python, "-m", f"experiments.launcher.worker.{module}", *args])
 
 
 def versions_command(repo_dir: str) -> str:
     """Each worker's versions line (experiments/launcher/worker/versions.py)."""
-    return in_repo(repo_dir, "versions", '"$(hostname)"')
+    return in_repo(repo_dir, "versions", HOST)
 
 
 def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
     """Worker command: [git clone URL when the repo is missing (a re-created TPU has fresh disks)],
-    [git fetch + checkout REF], bash setup_tpu.sh (which imports every package), then the versions line."""
-    steps = ["set -o pipefail"]
+    [fetch and check out REF (experiments/launcher/worker/checkout.py, with the system python3: the
+    .venv may not be there yet)], bash setup_tpu.sh (which imports every package), then the
+    versions line."""
+    repo = remote_path(repo_dir)
+    steps = []
     if clone_url:
-        steps.append(f"{{ [ -d {remote_path(repo_dir)} ] || git clone --quiet {shlex.quote(clone_url)} "
-                     f"{remote_path(repo_dir)}; }} || " + _fail("git clone of --clone-url failed"))
-    steps.append(f"cd {remote_path(repo_dir)} || " + _fail("no repo at --repo-dir"))
-    if git_ref:
-        # A branch name means the fetched remote branch, not a stale local one.
-        steps += ["git fetch --quiet --tags origin || " + _fail("git fetch failed"),
-                  f"{{ git checkout --quiet --detach {shlex.quote('origin/' + git_ref)} 2>/dev/null || "
-                  f"git checkout --quiet --detach {shlex.quote(git_ref)}; }} || "
-                  + _fail("cannot check out --git-ref")]
-    steps += ["bash setup_tpu.sh || exit $?",
-              '.venv/bin/python -m experiments.launcher.worker.versions "$(hostname)"']
-    return "; ".join(steps)
+        steps.append(f"[ -d {repo} ] || git clone --quiet {shlex.quote(clone_url)} {repo} || "
+                     + _fail("git clone of --clone-url failed"))
+    steps.append(f"cd {repo} || " + _fail("no repo at --repo-dir"))
+    calls = [worker_call("checkout", HOST, shlex.quote(git_ref), python="python3")] if git_ref else []
+    calls += ["bash setup_tpu.sh", worker_call("versions", HOST)]
+    return "; ".join([*steps, " && ".join(calls)])
 
 
 def stop_command(grace: float = 0.0, repo_dir: str = DEFAULT_REPO_DIR) -> str:
     """Runs with the system python3 (works while the repo's .venv is broken); no repo: nothing of ours runs."""
-    return in_repo(repo_dir, "stop", '"$(hostname)"', f"{grace:g}", python="python3",
+    return in_repo(repo_dir, "stop", HOST, f"{grace:g}", python="python3",
                    missing="no repo at --repo-dir: nothing of ours runs here")
 
 
 def status_command(repo_dir: str, outputs: str = "outputs", run_id: str | None = None) -> str:
-    return in_repo(repo_dir, "status", '"$(hostname)"', '"$PWD"', shlex.quote(outputs), shlex.quote(run_id or ""),
+    return in_repo(repo_dir, "status", HOST, shlex.quote(outputs), shlex.quote(run_id or ""),
                    python="python3", missing="no repo at --repo-dir")
 
 
@@ -412,7 +396,7 @@ def _pack_line(pack: Pack) -> str:
     base = (pack.summary["base_commit"] or "no commit")[:12]
     return (f"{pack.files} files, {pack.size / 1024:.0f} KiB packed, tree {pack.tree_hash} (base {base}, "
             f"{len(diff['changed'])} changed, {len(diff['untracked'])} untracked); on each worker in "
-            f"{SHIP_DIR}/{pack.tree_hash}, run with the repo's .venv")
+            f"{shipped.tree_dir(pack.tree_hash)}, run with the repo's .venv")
 
 
 def shown_commands(target: Target, command: str, secret: Mapping[str, str], secrets_file: str | None,
@@ -463,7 +447,7 @@ class _PodWatch:
         if self.also:
             self.also(line)
         event = events.parse(line)
-        if event and event["event"] == "failed" and event.get("failure") == "tpu-busy":
+        if event and event["event"] == events.Kind.FAILED and event.get("failure") == events.Failure.TPU_BUSY:
             self.tpu_busy = True
         if event and event["event"] == "started" and self.run_id is None and self.run_dir is not None:
             self.run_id = str(event.get("run_id"))

@@ -19,9 +19,13 @@ import io
 import time
 from dataclasses import dataclass
 
-from experiments.launcher.run_queue import COMPLETED, FAILED, QUEUED, RUNNING, SKIPPED, Submission, live_ready_seconds
+from experiments.launcher.ledger import Ledger, Progress, VariantState
+from experiments.launcher.run_queue import Submission, live_ready_seconds
+from experiments.programme import GROUPS, PRIMARY
 
-UNFINISHED = (QUEUED, RUNNING)
+UNFINISHED = (VariantState.QUEUED, VariantState.RUNNING)
+STATES_SHOWN = (VariantState.COMPLETED, VariantState.RUNNING, VariantState.QUEUED, VariantState.FAILED,
+                VariantState.SKIPPED)  # the order of the totals' counts
 
 
 @dataclass
@@ -42,28 +46,25 @@ class Row:
 
 
 def primary_of(group: str) -> str:
-    from experiments.programme import GROUPS, PRIMARY
-
     try:
         return GROUPS[group].primary
     except KeyError:
         return PRIMARY
 
 
-def rows(sub: Submission, ledger: dict, now: float | None = None) -> list[Row]:
+def rows(sub: Submission, ledger: Ledger, now: float | None = None) -> list[Row]:
     out = []
-    for variant in sorted(ledger["variants"], key=lambda v: ledger["variants"][v]["order"]):
-        r = ledger["variants"][variant]
-        sup = r.get("supervision") or {}
-        live = (sup.get("progress") or {}) if r["state"] == RUNNING else {}  # what the running launch said last
-        steps = [s for s in (r.get("last_step"), live.get("step")) if isinstance(s, int)]
+    for variant, r in sorted(ledger.variants.items(), key=lambda item: item[1].order):
+        sup = r.supervision
+        # what the running launch said last
+        live = (sup.progress if r.state == VariantState.RUNNING else None) or Progress()
+        steps = [s for s in (r.last_step, live.step) if isinstance(s, int)]
         name = primary_of(variant.split("/", 1)[0])
-        value = (r.get("metrics") or {}).get(name)
-        out.append(Row(variant, r["state"], r["attempts"], sup.get("preemptions", 0), sup.get("restarts", 0),
+        value = (r.metrics or {}).get(name)
+        out.append(Row(variant, r.state, r.attempts, sup.preemptions, sup.restarts,
                        live_ready_seconds(ledger, r, now) / 3600, sub.planned_hours(variant), max(steps, default=None),
-                       r.get("total") or live.get("total") or (sub.planned.get(variant) or {}).get("steps"), name,
-                       value if isinstance(value, (int, float)) else None, r.get("wandb_run_id") or live.get("wandb_run_id"),
-                       r.get("line")))
+                       r.total or live.total or (sub.planned.get(variant) or {}).get("steps"), name,
+                       value if isinstance(value, (int, float)) else None, r.wandb_run_id or live.wandb_run_id, r.line))
     return out
 
 
@@ -106,7 +107,7 @@ def totals(table: list[Row]) -> list[list[str]]:
         groups.setdefault(r.variant.split("/", 1)[0], []).append(r)
     out = []
     for name, members in [*groups.items(), ("programme", table)]:
-        counts = ", ".join(f"{sum(r.state == s for r in members)} {s}" for s in (COMPLETED, RUNNING, QUEUED, FAILED, SKIPPED)
+        counts = ", ".join(f"{sum(r.state == s for r in members)} {s}" for s in STATES_SHOWN
                            if any(r.state == s for r in members))
         planned = sum(r.planned or 0.0 for r in members)
         out.append([f"{name} total", counts, "", "", "", f"{sum(r.spent for r in members):.3f}/{planned:.3f}", "", "",
@@ -114,36 +115,37 @@ def totals(table: list[Row]) -> list[list[str]]:
     return out
 
 
-def text(sub: Submission, ledger: dict, now: float | None = None) -> str:
+def text(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
     table = rows(sub, ledger, now)
     lines = [HEADER, *(columns(r) for r in table), *totals(table)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-    controller = ledger.get("controller", {})
+    controller = ledger.controller
     eta = eta_hours(sub, table)
-    out.append(f"controller: {controller.get('status', '?')}" + (f" ({controller['line']})" if controller.get("line") else "")
+    out.append(f"controller: {controller.status}" + (f" ({controller.line})" if controller.line else "")
                + f"; ETA {'unknown' if eta is None else f'{eta:.2f} h'}"
                + (f"; budget {sub.budget:g} pod-hours" if sub.budget is not None else ""))
     for r in table:
-        if r.state == FAILED and r.line:
+        if r.state == VariantState.FAILED and r.line:
             out.append(f"{r.variant}: {r.line}")
     return "\n".join(out) + "\n"
 
 
-def picture(sub: Submission, ledger: dict) -> bytes:
+def picture(sub: Submission, ledger: Ledger) -> bytes:
     """PNG: pod-hours spent and planned over time; each variant's primary metric, group by group."""
-    import matplotlib
+    import matplotlib  # heavy: only for the page
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = rows(sub, ledger)
     fig, (spent_ax, metric_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    history = ledger.get("history") or []
+    history = ledger.history
     if history:
         t0 = history[0][0]
         spent_ax.plot([(t - t0) / 3600 for t, _ in history], [h for _, h in history], label="spent (READY)")
-        ended = sorted((r["ended"], v) for v, r in ledger["variants"].items() if r["state"] == COMPLETED and r.get("ended"))
+        ended = sorted((r.ended, v) for v, r in ledger.variants.items()
+                       if r.state == VariantState.COMPLETED and r.ended)
         planned, acc = [], 0.0
         for when, variant in ended:
             acc += sub.planned_hours(variant) or 0.0
@@ -169,7 +171,7 @@ def picture(sub: Submission, ledger: dict) -> bytes:
     return buf.getvalue()
 
 
-def page(sub: Submission, ledger: dict) -> str:
+def page(sub: Submission, ledger: Ledger) -> str:
     """The static HTML page: the table, then the picture."""
     table = rows(sub, ledger)
     cells = lambda line, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in line)  # noqa: E731

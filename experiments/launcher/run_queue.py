@@ -5,12 +5,23 @@ slices, each variant supervised, with a ledger of pod-hours, results and status
 State: one directory per programme (default outputs/programmes/<name>/):
   programme.json  what was submitted (variants in order, slices, budget, overrides); only the budget changes
   ledger.json     every variant's state, attempts, supervision record (experiments/launcher/supervise.py),
-                  pod time, last step, result; every slice's READY clock; pod-hours over time
+                  pod time, last step, result; every slice's READY clock; pod-hours over time; the
+                  records are typed and versioned in experiments/launcher/ledger.py (`"schema": 2`;
+                  a ledger written before, without it, is read as it is)
   controller.log  one `[programme] <UTC time> <event> key=value ...` line per event
-  commands/       stop / retry / skip requests, applied by the running controller
+  commands/       stop / retry / skip / budget requests, each with an id, applied once by the controller
   logs/           each variant's launch output; launch-logs/: each launch's (pod.launch_pod)
-The directory is mirrored (--mirror, e.g. gs://BUCKET/programmes/<name>) after every change, so a
-controller on another machine takes over from the mirror (`programme run NAME --mirror URI`).
+The state is mirrored (--mirror, e.g. gs://BUCKET/programmes/<name>) after every change as one
+object, state.json (the submission and the ledger of one moment, with the ledger's save count
+`seq`), beside a copy of controller.log; a controller on another machine takes over from it
+(`programme run NAME --mirror URI`; a mirror written before state.json, as three files, is read
+too). Requests are left on the mirror as well (<mirror>/commands/): a controller running
+elsewhere looks there every MIRROR_POLL_S seconds.
+
+Consistency: every change to the submission and the ledger is made under `State.lock`, and a
+save writes a copy taken under it (`State.save`), so slice threads changing their variants'
+records never tear a save. A variant's state changes only through ledger.move (the table
+ledger.TRANSITIONS; docs/OPERATIONS.md's state table).
 
 One controller at a time: it holds a lease on the state directory and the mirror (runtime/lease.py:
 a second controller is refused in one line; a controller that died leaves a lease that is taken
@@ -50,7 +61,9 @@ import csv
 import io
 import json
 import os
+import secrets
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -58,12 +71,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+import fsspec
+
+from experiments.compose import variants as group_variants
 from experiments.launcher import pod, supervise
 from experiments.launcher.gcloud import Target
+from experiments.launcher.ledger import (SCHEMA, Command, ControllerStatus, Ledger, Mark, Move, ReadyClock, RecordError,
+                                         SliceRecord, Snapshot, Status, Streak, SupervisionRecord, VariantRecord,
+                                         VariantState, Verb, can_move, decode, dumps, load_ledger, load_snapshot,
+                                         log_line, move, parse_json, to_text, write_text)
+from experiments.programme import GROUPS
 from runtime import events, hydra_compose
+from runtime.config import run_dirs
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError
+from runtime.events import Kind
+from runtime.lease import Lease
 
-QUEUED, RUNNING, COMPLETED, FAILED, SKIPPED = "queued", "running", "completed", "failed", "skipped"
+SNAPSHOT = "state.json"  # the mirror's copy of the state: one object
+COMMANDS = "commands"  # requests for the controller, in the directory and on the mirror
+MIRROR_POLL_S = 10.0  # how often a controller looks for requests on the mirror
+KEEP_APPLIED = 200  # ids of the last requests applied, kept in the ledger (a request is applied once)
 
 
 @dataclass
@@ -145,14 +172,11 @@ def read_plan(path: Path) -> dict[str, dict]:
 def choose_variants(groups: list[str], only: list[str]) -> list[str]:
     """group/variant of the groups (`all`: every group) in plan order, or just `only` of them
     (each `group/variant`, or a variant name of any of the groups)."""
-    from experiments.compose import variants
-    from experiments.programme import GROUPS
-
     names = list(GROUPS) if groups == ["all"] else groups
     unknown = [g for g in names if g not in GROUPS]
     if unknown:
         raise UserError(f"unknown group(s) {unknown}; the groups are {list(GROUPS)} (or all)")
-    chosen = [f"{g}/{v}" for g in names for v in variants(g)]
+    chosen = [f"{g}/{v}" for g in names for v in group_variants(g)]
     if not only:
         return chosen
     picked = [c for c in chosen if c in only or c.split("/", 1)[1] in only]
@@ -166,8 +190,6 @@ def preflight(sub: Submission) -> list[str]:
     """One line per problem of a variant: its config does not compose or validate, its dataset on
     gs:// is missing, no planned pod-hours under a budget; and the budget must cover the first.
     Fills in each variant's checkpoint directory."""
-    from runtime.config import run_dirs
-
     problems = []
     for variant in sub.variants:
         try:  # under the workers' environment (PODRUNNER_DATA names the data), os.environ untouched
@@ -192,8 +214,6 @@ def preflight(sub: Submission) -> list[str]:
 
 
 def _exists(url: str) -> bool:
-    import fsspec
-
     try:
         fs, path = fsspec.core.url_to_fs(url)
         return fs.exists(path)
@@ -204,15 +224,23 @@ def _exists(url: str) -> bool:
 # --- state ---------------------------------------------------------------------------------------
 
 class State:
-    """The programme's directory: submission, ledger, event log, commands; mirrored after each change."""
+    """The programme's directory: submission, ledger, event log, commands; mirrored after each change.
+
+    Locks, always taken in this order: `lock` (every change to the submission and the ledger is made
+    holding it), `write_lock` (one writer of the files at a time), `log_lock` (controller.log and
+    the console). A save takes a copy of the ledger under `lock` and writes it outside; of two saves
+    the later copy (`Ledger.seq`) is the one left on disk and on the mirror."""
 
     def __init__(self, directory: Path, stream: TextIO | None = None) -> None:
         self.dir = Path(directory)
         self.stream = stream or sys.stdout
         self.lock = threading.RLock()
+        self.write_lock = threading.Lock()
+        self.log_lock = threading.Lock()
         self.sub: Submission | None = None
-        self.ledger: dict = {}
-        self.mirror_failed = False
+        self.ledger = Ledger()
+        self.written = -1  # the seq of the ledger on disk
+        self.mirror_failed = self.mirror_unread = False  # said once until the mirror answers again
 
     @property
     def name(self) -> str:
@@ -221,113 +249,164 @@ class State:
     def create(self, sub: Submission) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.sub = sub
-        self.ledger = {"variants": {v: new_variant(v, i, sub) for i, v in enumerate(sub.variants)},
-                       "slices": {s: {"clock": {}, "variant": None} for s in sub.slices},
-                       "history": [], "controller": {"status": "submitted"}}
+        self.ledger = Ledger(variants={v: VariantRecord(order=i, run_id=sub.run_id(v))
+                                       for i, v in enumerate(sub.variants)},
+                             slices={s: SliceRecord() for s in sub.slices})
         self.save_submission()
         self.save()
 
     def load(self, mirror: str | None = None) -> None:
-        """From the directory, or (a controller on another machine) first from the mirror."""
+        """From the directory, or (a controller on another machine) first from the mirror. A file of
+        the wrong shape is one line (ledger.RecordError) naming the mirror's copy."""
         if not (self.dir / "programme.json").exists() and mirror:
             self.fetch(mirror)
+        good_copy = f"{mirror}/{SNAPSHOT}" if mirror else None
         try:
-            self.sub = Submission(**json.loads((self.dir / "programme.json").read_text()))
-            self.ledger = json.loads((self.dir / "ledger.json").read_text())
+            sub_text = (self.dir / "programme.json").read_text()
+            ledger_text = (self.dir / "ledger.json").read_text()
         except FileNotFoundError:
             raise UserError(f"no programme at {self.dir}" + (f" nor at {mirror}" if mirror else "") +
                             "; submit it first (launch.py programme submit)") from None
+        self.sub = submission_of(parse_json(sub_text, what="submission", file=self.dir / "programme.json",
+                                            good_copy=good_copy), self.dir / "programme.json", good_copy)
+        good_copy = good_copy or (f"{self.sub.mirror}/{SNAPSHOT}" if self.sub.mirror else None)
+        self.ledger = load_ledger(ledger_text, self.dir / "ledger.json", good_copy)
 
     def fetch(self, mirror: str) -> None:
-        import fsspec
-
+        """The mirror's state into the directory: its snapshot (state.json), or the three files a
+        mirror written before the snapshot holds."""
         fs, root = fsspec.core.url_to_fs(mirror)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in ("programme.json", "ledger.json", "controller.log"):
+        if fs.exists(f"{root}/{SNAPSHOT}"):
+            where = f"{mirror}/{SNAPSHOT}"
+            snapshot = load_snapshot(fs.cat_file(f"{root}/{SNAPSHOT}"), where)
+            write_text(self.dir / "programme.json", dumps(asdict(submission_of(snapshot.submission, where, None))))
+            write_text(self.dir / "ledger.json", to_text(snapshot.ledger))
+            names: tuple[str, ...] = ("controller.log",)
+        else:
+            names = ("programme.json", "ledger.json", "controller.log")
+        for name in names:
             if fs.exists(f"{root}/{name}"):
-                fs.get_file(f"{root}/{name}", str(self.dir / name))
+                write_text(self.dir / name, fs.cat_file(f"{root}/{name}").decode())
 
     def save(self) -> None:
+        """Write the ledger (its text taken under the lock), then the mirror's snapshot."""
         with self.lock:
-            text = json.dumps(self.ledger, indent=1)
-            _write(self.dir / "ledger.json", text)
-            self.push()
+            self.ledger.seq += 1
+            seq, text = self.ledger.seq, to_text(self.ledger)
+            snapshot = (to_text(Snapshot(schema=SCHEMA, seq=seq, submission=asdict(self.sub), ledger=self.ledger))
+                        if self.sub and self.sub.mirror else None)
+        with self.write_lock:
+            if seq <= self.written:  # a later copy is on disk already
+                return
+            write_text(self.dir / "ledger.json", text)
+            self.written = seq
+            if snapshot is not None:
+                self.push(snapshot)
 
-    def push(self) -> None:
-        """Copy the state to the mirror (a failure is said once; the next save tries again)."""
-        if not (self.sub and self.sub.mirror):
-            return
-        import fsspec
-
+    def push(self, snapshot: str) -> None:
+        """The mirror's copy: the controller's log, then the snapshot (state.json, one object: the
+        submission and the ledger of one moment). A failure is said once; the next save tries again."""
+        mirror = self.sub.mirror
         try:
-            fs, root = fsspec.core.url_to_fs(self.sub.mirror)
-            fs.makedirs(root, exist_ok=True)
-            for name in ("programme.json", "ledger.json", "controller.log"):
-                if (self.dir / name).exists():
-                    fs.put_file(str(self.dir / name), f"{root}/{name}")
+            log = self.dir / "controller.log"
+            if log.exists():
+                write_text(f"{mirror}/controller.log", log.read_text())
+            write_text(f"{mirror}/{SNAPSHOT}", snapshot)
             self.mirror_failed = False
         except Exception as e:  # noqa: BLE001 - the local state stands
             if not self.mirror_failed:
                 self.mirror_failed = True
-                self.event("mirror-failed", uri=self.sub.mirror, detail=shlex.quote(" ".join(str(e).split())[:200]))
+                self.event("mirror-failed", uri=mirror, detail=shlex.quote(" ".join(str(e).split())[:200]))
 
     def event(self, name: str, **fields) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        line = " ".join(["[programme]", stamp, name, *(f"{k}={v}" for k, v in fields.items())])
-        with self.lock:
+        line = log_line("[programme]", name, fields)
+        with self.log_lock:
             with open(self.dir / "controller.log", "a", encoding="utf-8") as f:
                 f.write(line + "\n")
             self.stream.write(line + "\n")
             self.stream.flush()
 
-    def command(self, verb: str, variant: str | None = None, value: float | None = None) -> Path:
-        """Leave a request for the controller (it applies it, now or when it next starts)."""
-        folder = self.dir / "commands"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{time.time_ns()}-{verb}.json"
-        _write(path, json.dumps({"verb": verb, "variant": variant, "value": value}))
-        return path
+    def command(self, verb: Verb, variant: str | None = None, value: float | None = None,
+                mirror: str | None = None) -> Command:
+        """Leave a request for the controller, here and on the mirror (a controller on another machine
+        reads it there); it applies it once, now or when it next starts."""
+        command = Command(id=f"{time.time_ns()}-{secrets.token_hex(3)}", verb=verb, variant=variant, value=value)
+        text = to_text(command)
+        write_text(self.dir / COMMANDS / f"{command.id}.json", text)
+        mirror = mirror or (self.sub.mirror if self.sub else None)
+        if mirror:
+            try:
+                write_text(f"{mirror}/{COMMANDS}/{command.id}.json", text)
+            except Exception as e:  # noqa: BLE001 - the local copy stands
+                print(f"WARNING cannot leave the request on the mirror {mirror} ({' '.join(str(e).split())[:200]}): "
+                      "only a controller on this machine sees it", file=sys.stderr, flush=True)
+        return command
 
     def save_submission(self) -> None:
-        _write(self.dir / "programme.json", json.dumps(asdict(self.sub), indent=1))
+        with self.lock:
+            text = dumps(asdict(self.sub))
+        write_text(self.dir / "programme.json", text)
 
-    def commands(self) -> list[dict]:
-        """The requests left since the last call (taken: each is applied once)."""
-        found = []
-        for path in sorted((self.dir / "commands").glob("*.json")):
-            try:
-                found.append(json.loads(path.read_text()))
-            except ValueError:
-                pass
+    def commands(self, mirror: bool = False) -> list[Command]:
+        """The requests left since the last call (each file taken once read), in the order they were
+        made: the directory's, and with `mirror` the mirror's too. A file that is not a request is
+        said and dropped."""
+        found: dict[str, Command] = {}
+        for path in sorted((self.dir / COMMANDS).glob("*.json")):
+            self._take_command(path.read_bytes(), path, found)
             path.unlink(missing_ok=True)
-        return found
+        if mirror and self.sub.mirror:
+            try:
+                fs, root = fsspec.core.url_to_fs(self.sub.mirror)
+                for path in sorted(fs.glob(f"{root}/{COMMANDS}/*.json")):
+                    self._take_command(fs.cat_file(path), f"{self.sub.mirror}/{COMMANDS}/{Path(path).name}", found)
+                    fs.rm_file(path)
+                self.mirror_unread = False
+            except Exception as e:  # noqa: BLE001 - the mirror out of reach: the next poll tries again
+                if not self.mirror_unread:
+                    self.mirror_unread = True
+                    self.event("mirror-commands-failed", uri=self.sub.mirror,
+                               detail=shlex.quote(" ".join(str(e).split())[:200]))
+        return [found[key] for key in sorted(found)]
+
+    def _take_command(self, raw: bytes, where: object, found: dict[str, Command]) -> None:
+        try:
+            data = json.loads(raw)
+            if isinstance(data, dict):  # a request left before requests had ids: its file's name
+                data.setdefault("id", Path(str(where)).stem)
+            command = decode(Command, data, what="request", file=where)
+        except (ValueError, RecordError) as e:
+            self.event("command-ignored", reason=shlex.quote(" ".join(str(e).split())[:300]))
+            return
+        found[command.id] = command
 
 
-def new_variant(variant: str, order: int, sub: Submission) -> dict:
-    return {"state": QUEUED, "order": order, "run_id": sub.run_id(variant), "attempts": 0, "slice": None,
-            "supervision": {}, "ready_seconds": 0.0, "host_seconds": 0.0, "last_step": None, "total": None,
-            "wandb_run_id": None, "metrics": None, "line": None, "failure": None, "started": None, "ended": None}
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)  # whole or not at all: a controller killed mid-write leaves the previous one
+def submission_of(data: dict, file: object, good_copy: str | None) -> Submission:
+    """programme.json's data as a Submission, or RecordError."""
+    data = {k: v for k, v in data.items() if k != "schema"}
+    try:
+        return Submission(**data)
+    except TypeError as e:  # a key missing or unknown
+        raise RecordError("submission", file, str(e).replace("__init__() ", ""), good_copy=good_copy,
+                          fresh="submit the programme again") from None
 
 
 class VariantSupervision(supervise.Supervision):
-    """A variant's supervision record inside the programme's ledger, its events in the controller's log."""
+    """A variant's supervision record inside the programme's ledger (changed under the ledger's
+    lock), its events in the controller's log and the variant's own."""
 
     prefix = "[programme]"
 
     def __init__(self, state: State, variant: str, slice_name: str) -> None:
-        record = state.ledger["variants"][variant]
         self.state, self.variant, self.slice = state, variant, slice_name
-        self.data = record["supervision"]
-        for key, value in (("run_id", record["run_id"]), ("tpu", slice_name), ("zone", state.sub.zone), ("restarts", 0),
-                           ("preemptions", 0), ("status", "running"), ("launches", []), ("slice", {})):
-            self.data.setdefault(key, value)
-        self.data["tpu"] = slice_name
+        self.lock, self.mirror = state.lock, None
+        with state.lock:
+            held = state.ledger.variants[variant]
+            self.record = held.supervision
+            self.record.run_id = self.record.run_id or held.run_id
+            self.record.zone = self.record.zone or state.sub.zone
+            self.record.tpu = slice_name
         logs = state.dir / "logs"
         logs.mkdir(exist_ok=True)
         self.stream = open(logs / f"{variant.replace('/', '__')}.log", "a", encoding="utf-8")
@@ -338,7 +417,7 @@ class VariantSupervision(supervise.Supervision):
 
     def event(self, name: str, **fields) -> None:
         self.state.event(name, variant=self.variant, slice=self.slice, **fields)
-        self.stream.write(f"[programme] {name} " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n")
+        self.stream.write(log_line(self.prefix, name, fields) + "\n")
         self.stream.flush()
 
 
@@ -352,48 +431,50 @@ class Stop(Exception):
         self.line, self.code = line, code
 
 
-def live_ready_seconds(ledger: dict, record: dict, now: float | None = None) -> float:
+def live_ready_seconds(ledger: Ledger, record: VariantRecord, now: float | None = None) -> float:
     """A variant's READY seconds, with those of the launch under way on its slice (a running
     variant's record is settled only when its launch ends)."""
-    seconds, mark = record["ready_seconds"], record.get("mark")
-    if record["state"] == RUNNING and mark and record.get("slice") in ledger["slices"]:
-        clock = supervise.ReadyClock(dict(ledger["slices"][record["slice"]]["clock"]))  # a copy: read only
-        seconds += max(0.0, clock.ready_seconds(now) - mark["ready"])
+    seconds, mark = record.ready_seconds, record.mark
+    if record.state == VariantState.RUNNING and mark and record.slice in ledger.slices:
+        seconds += max(0.0, ledger.slices[record.slice].clock.ready_total(now) - mark.ready)
     return seconds
 
 
 class Controller:
-    """Runs the programme's queue on its slices until nothing is left (see the module docstring)."""
+    """Runs the programme's queue on its slices until nothing is left (see the module docstring).
+    Every change of a variant's state goes through ledger.move (the transition table)."""
 
     def __init__(self, state: State, *, alert: Callable[[str, str], None] | None = None,
-                 sleep_s: float = 0.5) -> None:
+                 sleep_s: float = 0.5, mirror_poll_s: float = MIRROR_POLL_S) -> None:
         self.state, self.sub, self.ledger = state, state.sub, state.ledger
         self.alert = alert or Alerts(state.sub).send
         self.stop = threading.Event()
         self.stopping: Stop | None = None  # why the controller stops (None: the queue ran out)
         self.budget_line: str | None = None
         self.supervisors: dict[str, supervise.Supervisor] = {}  # running variant -> its supervisor
-        self.sleep_s = sleep_s
+        self.sleep_s = sleep_s  # how often the directory's requests are looked for
+        self.mirror_poll_s = mirror_poll_s  # how often the mirror's
+        self.mirror_polled: float | None = None
         self.lock = state.lock
 
     # -- time and money
 
-    def clock(self, slice_name: str) -> supervise.ReadyClock:
-        return supervise.ReadyClock(self.ledger["slices"][slice_name]["clock"])
+    def clock(self, slice_name: str) -> ReadyClock:
+        return self.ledger.slices[slice_name].clock
 
     def spent_hours(self, now: float | None = None) -> float:
         """Pod-hours: the slices' READY hours so far."""
-        return sum(self.clock(s).ready_seconds(now) for s in self.ledger["slices"]) / 3600
+        return sum(s.clock.ready_total(now) for s in self.ledger.slices.values()) / 3600
 
     def ahead_hours(self) -> float:
         """Pod-hours the running variants are still planned to take (their plan less what they spent):
         on several slices, a new variant must fit the budget beside them."""
         return sum(max(0.0, (self.sub.planned_hours(variant) or 0.0) - live_ready_seconds(self.ledger, record) / 3600)
-                   for variant, record in self.ledger["variants"].items()
-                   if record["state"] == RUNNING and record.get("mark") and record.get("slice") in self.ledger["slices"])
+                   for variant, record in self.ledger.variants.items()
+                   if record.state == VariantState.RUNNING and record.mark and record.slice in self.ledger.slices)
 
     def note_spending(self) -> None:
-        self.ledger["history"].append([round(time.time(), 3), round(self.spent_hours(), 6)])
+        self.ledger.history.append((round(time.time(), 3), round(self.spent_hours(), 6)))
 
     # -- the queue
 
@@ -404,11 +485,11 @@ class Controller:
         with self.lock:
             if self.stop.is_set() or self.budget_line:
                 return None
-            own = self.ledger["slices"][slice_name]["variant"]
-            if own and self.ledger["variants"][own]["state"] in (QUEUED, RUNNING):
+            own = self.ledger.slices[slice_name].variant
+            if own and self.ledger.variants[own].state in (VariantState.QUEUED, VariantState.RUNNING):
                 return self._start(own, slice_name)
-            queued = sorted((v for v, r in self.ledger["variants"].items() if r["state"] == QUEUED
-                             and not self._held(v)), key=lambda v: self.ledger["variants"][v]["order"])
+            queued = sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
+                             and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
             if not queued:
                 return None
             variant = queued[0]
@@ -431,14 +512,17 @@ class Controller:
 
     def _held(self, variant: str) -> bool:
         """Another slice's own variant (it resumes there)."""
-        return any(s["variant"] == variant for s in self.ledger["slices"].values())
+        return any(s.variant == variant for s in self.ledger.slices.values())
 
     def _start(self, variant: str, slice_name: str) -> str:
-        record = self.ledger["variants"][variant]
-        record.update(state=RUNNING, slice=slice_name, started=record["started"] or time.time())
-        record["attempts"] += 1
-        record["mark"] = {"ready": self.clock(slice_name).ready_seconds(), "host": self.clock(slice_name).host_seconds()}
-        self.ledger["slices"][slice_name]["variant"] = variant
+        with self.lock:
+            record = self.ledger.variants[variant]
+            move(record, Move.START)
+            record.slice, record.started = slice_name, record.started or time.time()
+            record.attempts += 1
+            clock = self.clock(slice_name)
+            record.mark = Mark(ready=clock.ready_total(), host=clock.host_total())
+            self.ledger.slices[slice_name].variant = variant
         self.state.save()
         return variant
 
@@ -454,14 +538,15 @@ class Controller:
             said = events.read(self.sub.events_file(variant))
         except Exception:  # noqa: BLE001 - unreadable here: the checkpoints may still tell
             said = []
-        completed = [e for e in said if e.get("event") == "completed"]
+        completed = [e for e in said if e.get("event") == Kind.COMPLETED]
         if completed:
             return completed[-1]
-        totals = [e["total"] for e in said if e.get("event") == "started" and isinstance(e.get("total"), int)]
+        totals = [e["total"] for e in said if e.get("event") == Kind.STARTED and isinstance(e.get("total"), int)]
         total = totals[-1] if totals else self.sub.total_steps.get(variant)
         if not total:
             return None
         try:
+            # Not at the top: Orbax adds a second to every `programme` command, for a check only the controller makes.
             from runtime.checkpointing import newest_committed
 
             newest = newest_committed(directory)
@@ -469,96 +554,110 @@ class Controller:
             return None
         if newest is None or newest[0] < total:
             return None
-        return {"event": "completed", "step": newest[0], "metrics": newest[1].get("metrics"), "from": "checkpoint"}
+        return {"event": Kind.COMPLETED, "step": newest[0], "metrics": newest[1].get("metrics"), "from": "checkpoint"}
 
     # -- one variant on one slice
 
     def run_variant(self, variant: str, slice_name: str) -> None:
-        record = self.ledger["variants"][variant]
         done = self.already_complete(variant)
         if done is not None:
             self.state.event("skipped-complete", variant=variant, step=done.get("step"),
                              seen=done.get("from", "completed-event"))
-            self.end(variant, slice_name, COMPLETED, metrics=done.get("metrics"), last_step=done.get("step"))
+            self.end(variant, slice_name, Move.COMPLETE, metrics=done.get("metrics"), last_step=done.get("step"))
             return
         sup = VariantSupervision(self.state, variant, slice_name)
         supervisor = supervise.Supervisor(self.sub.spec(variant, slice_name, self.state.dir), sup,
                                           self.clock(slice_name), owns_slice=False, report=lambda line: None)
         with self.lock:
-            if self.stop.is_set():
-                return self.end(variant, slice_name, QUEUED)
-            self.supervisors[variant] = supervisor
+            stopping = self.stop.is_set()
+            if not stopping:
+                self.supervisors[variant] = supervisor
+        if stopping:
+            sup.stream.close()
+            return self.end(variant, slice_name, Move.REQUEUE)
         try:
-            code = supervisor.run()
+            supervisor.run()
         except supervise.Unavailable as e:  # the slice could not be had: back of the queue
-            self.end(variant, slice_name, QUEUED, line=e.line, failure=e.kind, back=True)
+            self.end(variant, slice_name, Move.REQUEUE, line=e.line, failure=e.kind, back=True)
             self.infrastructure(variant, e.kind, e.line)
             return
         finally:
             with self.lock:
                 self.supervisors.pop(variant, None)
             sup.stream.close()
-        status, end, launches = sup.data["status"], sup.data.get("end") or {}, sup.data["launches"]
-        last = launches[-1] if launches else {}
-        result = {"last_step": last.get("last_step"), "total": last.get("total"), "wandb": last.get("wandb_run_id")}
-        if status == "completed":
-            self.end(variant, slice_name, COMPLETED, metrics=last.get("metrics"), **result)
+        with self.lock:
+            record = sup.record
+            status, end, skip = record.status, record.end, self.ledger.variants[variant].skip
+            last = record.launches[-1] if record.launches else None
+        result = dict(last_step=last.last_step if last else None, total=last.total if last else None,
+                      wandb=last.wandb_run_id if last else None)
+        if status == Status.COMPLETED:
+            self.end(variant, slice_name, Move.COMPLETE, metrics=last.metrics if last else None, **result)
             self.streak_reset()
-        elif status == "interrupted":
-            self.end(variant, slice_name, SKIPPED if record.pop("skip", False) else QUEUED, **result)
-        elif status == "failed" and end.get("cause") in ("gcloud-refused", "gcloud-credentials"):
-            raise Stop(end.get("line") or "gcloud refused a request", code or EXIT_USER_ERROR)  # none fares better
-        elif status == "failed":
-            line = end.get("line") or last.get("line") or last.get("cause")
-            self.end(variant, slice_name, FAILED, line=line, failure=last.get("cause"), **result)
+        elif status == Status.INTERRUPTED:
+            self.end(variant, slice_name, Move.SKIP if skip else Move.REQUEUE, **result)
+        elif status == Status.FAILED and end and end.cause in ("gcloud-refused", "gcloud-credentials"):
+            raise Stop(end.line or "gcloud refused a request", end.code or EXIT_USER_ERROR)  # none fares better
+        elif status == Status.FAILED:
+            line = (end.line if end else None) or (last.line or last.cause if last else None)
+            self.end(variant, slice_name, Move.FAIL, line=line, failure=last.cause if last else None, **result)
             self.alert(f"{self.state.name}: {variant} failed", line or "")
         else:  # gave up: restarts without progress or past --max-restarts
-            cause = last.get("cause") or status
-            self.end(variant, slice_name, FAILED, line=last.get("line") or f"gave up: {cause}", failure=cause, **result)
+            cause = (last.cause if last else None) or str(status)
+            line = (last.line if last else None) or f"gave up: {cause}"
+            self.end(variant, slice_name, Move.FAIL, line=line, failure=cause, **result)
             self.alert(f"{self.state.name}: {variant} failed", f"gave up after restarts: {cause}")
-            self.infrastructure(variant, cause, last.get("line") or cause)
+            self.infrastructure(variant, cause, (last.line if last else None) or cause)
 
-    def end(self, variant: str, slice_name: str, state: str, *, back: bool = False, metrics: dict | None = None,
-            **fields) -> None:
+    def end(self, variant: str, slice_name: str, how: Move, *, back: bool = False, metrics: dict | None = None,
+            line: str | None = None, failure: str | None = None, last_step: int | None = None,
+            total: int | None = None, wandb: str | None = None) -> None:
+        """The variant's run on the slice ended: charge it the slice's READY time since it started
+        there, record what it got to, and move it (`how`)."""
         with self.lock:
-            record = self.ledger["variants"][variant]
-            mark = record.pop("mark", None) or {"ready": 0.0, "host": 0.0}
+            record = self.ledger.variants[variant]
+            mark, record.mark = record.mark or Mark(), None
             clock = self.clock(slice_name)
-            record["ready_seconds"] += max(0.0, clock.ready_seconds() - mark["ready"])
-            record["host_seconds"] += max(0.0, clock.host_seconds() - mark["host"])
-            wandb_id = fields.pop("wandb", None)
-            record.update({k: v for k, v in fields.items() if v is not None}, state=state, ended=time.time())
-            record["wandb_run_id"] = wandb_id or record["wandb_run_id"]
+            record.ready_seconds += max(0.0, clock.ready_total() - mark.ready)
+            record.host_seconds += max(0.0, clock.host_total() - mark.host)
+            for name, value in (("line", line), ("failure", failure), ("last_step", last_step), ("total", total)):
+                if value is not None:
+                    setattr(record, name, value)
+            state = move(record, how)
+            if how == Move.SKIP:
+                record.skip = False  # honoured
+            record.ended = time.time()
+            record.wandb_run_id = wandb or record.wandb_run_id
             if metrics is not None:
-                record["metrics"] = metrics
+                record.metrics = metrics
             if back:
-                record["order"] = max(r["order"] for r in self.ledger["variants"].values()) + 1
-            if self.ledger["slices"][slice_name]["variant"] == variant:
-                self.ledger["slices"][slice_name]["variant"] = None
+                record.order = max(r.order for r in self.ledger.variants.values()) + 1
+            if self.ledger.slices[slice_name].variant == variant:
+                self.ledger.slices[slice_name].variant = None
             self.note_spending()
-            self.state.save()
+        self.state.save()
         self.state.event("variant-" + state, variant=variant, slice=slice_name,
-                         **({"failure": shlex.quote(str(fields["failure"]))} if fields.get("failure") else {}))
+                         **({"failure": shlex.quote(str(failure))} if failure else {}))
 
     # -- repeated infrastructure failures
 
     def infrastructure(self, variant: str, kind: str, line: str) -> None:
         with self.lock:
-            streak = self.ledger["controller"].setdefault("streak", {"kind": None, "variants": []})
-            if streak["kind"] != kind:
-                streak.update(kind=kind, variants=[])
-            if variant not in streak["variants"]:
-                streak["variants"].append(variant)
-            self.state.save()
-            if len(streak["variants"]) >= self.sub.infra_streak:
-                raise Stop(f"the same infrastructure failure ended {len(streak['variants'])} variants in a row "
-                           f"({kind}: {line}); fix it, then `launch.py programme run {self.state.name}` carries on",
-                           EXIT_FAILURE)
+            streak = self.ledger.controller.streak
+            if streak.kind != kind:
+                streak.kind, streak.variants = kind, []
+            if variant not in streak.variants:
+                streak.variants.append(variant)
+            count = len(streak.variants)
+        self.state.save()
+        if count >= self.sub.infra_streak:
+            raise Stop(f"the same infrastructure failure ended {count} variants in a row ({kind}: {line}); fix it, "
+                       f"then `launch.py programme run {self.state.name}` carries on", EXIT_FAILURE)
 
     def streak_reset(self) -> None:
         with self.lock:
-            self.ledger["controller"]["streak"] = {"kind": None, "variants": []}
-            self.state.save()
+            self.ledger.controller.streak = Streak()
+        self.state.save()
 
     # -- the slices
 
@@ -585,13 +684,13 @@ class Controller:
             supervise.Spec(Target(slice_name, self.sub.zone, self.sub.project), f"{self.state.name}-{slice_name}", [],
                            at_end="delete"), _SliceRecord(self.state, slice_name), self.clock(slice_name))
         state, _ = supervise.tpu_state(supervisor.spec, supervisor.run_gcloud)
-        if state != supervise.MISSING:
-            supervisor.release_tpu("completed")
+        if state != supervise.TpuState.MISSING:
+            supervisor.release_tpu(Status.COMPLETED)
         else:
             supervisor.gone(time.time())
         with self.lock:
             self.note_spending()
-            self.state.save()
+        self.state.save()
 
     def halt(self, why: Stop) -> None:
         """Stop everything: the running variants checkpoint and stop, no new one starts."""
@@ -603,52 +702,78 @@ class Controller:
         for supervisor in running:
             supervisor.interrupt()
 
-    def apply(self, command: dict) -> None:
-        verb, variant = command.get("verb"), command.get("variant")
+    # -- requests (programme stop | skip | retry | budget)
+
+    def apply_commands(self, *, mirror: bool | None = None) -> None:
+        """Apply the requests left since the last look; the mirror's every `mirror_poll_s` (or when
+        `mirror` says)."""
+        now = time.monotonic()
+        if mirror is None:
+            mirror = self.mirror_polled is None or now - self.mirror_polled >= self.mirror_poll_s
+        if mirror:
+            self.mirror_polled = now
+        for command in self.state.commands(mirror=mirror):
+            self.apply(command)
+
+    def apply(self, command: Command) -> None:
+        """One request, once (the ledger keeps the ids of those applied: one left both here and on the
+        mirror is one request)."""
+        with self.lock:
+            applied = self.ledger.controller.applied
+            if command.id in applied:
+                return
+            applied.append(command.id)
+            del applied[:-KEEP_APPLIED]
+        verb, variant = command.verb, command.variant
         self.state.event("command", verb=verb, variant=variant or "-")
-        if verb == "stop":
+        if verb == Verb.STOP:
+            self.state.save()
             self.halt(Stop("stopped by `programme stop`: the running variants checkpointed", 0))
             return
-        if verb == "budget":
+        if verb == Verb.BUDGET:
             with self.lock:
-                self.sub.budget, self.budget_line = command.get("value"), None
-                self.state.save_submission()
+                self.sub.budget, self.budget_line = command.value, None
+            self.state.save_submission()
+            self.state.save()
             return
+        interrupt = None
         with self.lock:
-            record = self.ledger["variants"].get(variant)
+            record = self.ledger.variants.get(variant)
             if record is None:
                 self.state.event("command-ignored", reason=shlex.quote(f"no variant {variant}"))
-                return
-            if verb == "retry" and record["state"] in (FAILED, SKIPPED):
-                record.update(state=QUEUED, line=None, failure=None)
-                record["supervision"].update(restarts=0, status="running")
-            elif verb == "skip" and record["state"] in (QUEUED, FAILED):
-                record["state"] = SKIPPED
-            elif verb == "skip" and record["state"] == RUNNING:
-                record["skip"] = True
-                supervisor = self.supervisors.get(variant)
-                if supervisor:
-                    threading.Thread(target=supervisor.interrupt, daemon=True).start()
-            self.state.save()
+            elif verb == Verb.RETRY and can_move(record.state, Move.RETRY):
+                move(record, Move.RETRY)
+                record.line = record.failure = None
+                record.supervision.restarts, record.supervision.status = 0, Status.RUNNING
+            elif verb == Verb.SKIP and record.state == VariantState.RUNNING:
+                record.skip = True  # skipped once it has stopped
+                interrupt = self.supervisors.get(variant)
+            elif verb == Verb.SKIP and can_move(record.state, Move.SKIP):
+                move(record, Move.SKIP)
+            else:
+                self.state.event("command-ignored", reason=shlex.quote(f"{variant} is {record.state}"))
+        self.state.save()
+        if interrupt is not None:
+            threading.Thread(target=interrupt.interrupt, daemon=True).start()
 
     def run(self) -> int:
         """Until nothing is left to run, the budget is reached, or a stop; the exit code."""
         self.recover()
-        self.ledger["controller"].update(status="running", pid=os.getpid(), started=time.time())
+        with self.lock:
+            self.ledger.controller.status = ControllerStatus.RUNNING
+            self.ledger.controller.pid, self.ledger.controller.started = os.getpid(), time.time()
         self.state.save()
-        self.state.event("start", programme=self.state.name, variants=len(self.ledger["variants"]),
+        self.state.event("start", programme=self.state.name, variants=len(self.ledger.variants),
                          slices=",".join(self.sub.slices), budget=self.sub.budget if self.sub.budget is not None else "none",
                          spent=f"{self.spent_hours():.3f}")
-        for command in self.state.commands():
-            self.apply(command)
+        self.apply_commands(mirror=True)
         workers = [threading.Thread(target=self.slice_worker, args=(s,), name=f"slice-{s}", daemon=True)
                    for s in self.sub.slices]
         for w in workers:
             w.start()
         while any(w.is_alive() for w in workers):
             try:
-                for command in self.state.commands():
-                    self.apply(command)
+                self.apply_commands()
                 time.sleep(self.sleep_s)  # how often requests are looked for
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`run` turns it into this)
                 self.halt(Stop("interrupted: the running variants checkpointed; run it again to carry on",
@@ -658,44 +783,49 @@ class Controller:
     def recover(self) -> None:
         """A controller killed mid-run: its variants were running; each resumes on its own slice
         (a skip asked meanwhile is honoured once it has stopped)."""
-        for variant, record in self.ledger["variants"].items():
-            if record["state"] == RUNNING:
-                record["state"] = QUEUED
+        with self.lock:
+            for record in self.ledger.variants.values():
+                if record.state == VariantState.RUNNING:
+                    move(record, Move.REQUEUE)
         self.state.save()
 
     def finish(self) -> int:
-        for variant, record in self.ledger["variants"].items():
-            if record.pop("skip", False) and record["state"] == QUEUED:
-                record["state"] = SKIPPED
-        why = self.stopping
-        if why is not None:
-            status, line, code = "stopped", why.line, why.code
-        elif self.budget_line:
-            status, line, code = "budget", self.budget_line, 0
-        else:
-            status, line, code = "done", None, 0
-        self.ledger["controller"].update(status=status, line=line, ended=time.time())
-        self.note_spending()
+        with self.lock:
+            for record in self.ledger.variants.values():
+                if record.skip and record.state == VariantState.QUEUED:
+                    move(record, Move.SKIP)
+                record.skip = False
+            why = self.stopping
+            if why is not None:
+                status, line, code = ControllerStatus.STOPPED, why.line, why.code
+            elif self.budget_line:
+                status, line, code = ControllerStatus.BUDGET, self.budget_line, 0
+            else:
+                status, line, code = ControllerStatus.DONE, None, 0
+            controller = self.ledger.controller
+            controller.status, controller.line, controller.ended = status, line, time.time()
+            self.note_spending()
+            counts = {s: sum(r.state == s for r in self.ledger.variants.values())
+                      for s in (VariantState.COMPLETED, VariantState.FAILED, VariantState.SKIPPED, VariantState.QUEUED)}
         self.state.save()
-        counts = {s: sum(r["state"] == s for r in self.ledger["variants"].values())
-                  for s in (COMPLETED, FAILED, SKIPPED, QUEUED)}
-        self.state.event("controller-" + status, code=code, spent=f"{self.spent_hours():.3f}",
-                         **{k: v for k, v in counts.items()})
+        self.state.event("controller-" + status, code=code, spent=f"{self.spent_hours():.3f}", **counts)
         if line:
             print(f"error: {line}" if code else line, file=sys.stderr if code else sys.stdout, flush=True)
-        if status == "stopped" and code:
+        if status == ControllerStatus.STOPPED and code:
             self.alert(f"{self.state.name}: the controller stopped", line or "")
         return code
 
 
 class _SliceRecord(supervise.Supervision):
-    """The record a slice's own release writes to: events into the controller's log."""
+    """The record a slice's own release writes to (never saved: the slice's clock is the ledger's):
+    events into the controller's log."""
 
     prefix = "[programme]"
 
     def __init__(self, state: State, slice_name: str) -> None:
         self.state, self.slice, self.stream = state, slice_name, io.StringIO()
-        self.data = {"restarts": 0, "preemptions": 0, "launches": [], "status": "released"}
+        self.lock, self.mirror = state.lock, None
+        self.record = SupervisionRecord(status=Status.RELEASED)
         self.path = state.dir / "ledger.json"
 
     def save(self) -> None:
@@ -729,7 +859,7 @@ class Alerts:
         if not self.online:
             return
         try:
-            import wandb
+            import wandb  # optional and heavy: only when an alert is sent
 
             if self.run is None:
                 self.run = wandb.init(project=self.wandb.project, entity=self.wandb.entity,
@@ -747,8 +877,6 @@ class Alerts:
 
 def hold_lease(state: State):
     """The programme's lease (state directory and mirror): a second controller is refused in one line."""
-    from runtime.lease import Lease
-
     targets = [(str(state.dir), f"programme {state.name}", "--state-dir")]
     if state.sub.mirror:
         targets.append((state.sub.mirror, f"programme {state.name} (mirror)", "--mirror"))
@@ -764,8 +892,6 @@ def run(state_dir: Path, mirror: str | None = None, *, stream: TextIO | None = N
         alert: Callable[[str, str], None] | None = None) -> int:
     """`programme run`: take the lease, then run the controller to its end. SIGTERM (systemd's
     stop) is handled as Ctrl-C: the running variants checkpoint, the controller exits 130."""
-    import signal
-
     state = State(state_dir, stream)
     state.load(mirror)
     if mirror and not state.sub.mirror:

@@ -22,12 +22,18 @@ The loop, top to bottom (`Supervisor.run`):
   5. at the end, delete the TPU or keep it (--at-end; by default deleted when the checkpoints
      are on gs://, where nothing is lost with the VM).
 
-State: <log dir>/<run id>/supervision.json, rewritten after every change; a supervisor started
-again with the same run id carries on from it (restart count, history, pod time), and when the one
-before was killed mid-launch, first stops what still runs on the workers (they checkpoint).
-Stopping the supervisor (Ctrl-C, SIGTERM) stops the run too (`run_until_done`). Events: one
-`[supervise] <UTC time> <event> key=value ...` line each, on the console and appended to
-<log dir>/<run id>/supervise.log.
+The vocabulary is typed (experiments/launcher/ledger.py): a launch's `Outcome`, the supervision's
+`Status`; failure classes and their policies are the trainer's (runtime/events.py's `Failure`);
+`TpuState` names the states gcloud reports that the loop compares.
+
+State: <log dir>/<run id>/supervision.json (ledger.SupervisionRecord), rewritten whole after every
+change; a supervisor started again with the same run id carries on from it (restart count, history,
+pod time), and when the one before was killed mid-launch, first stops what still runs on the
+workers (they checkpoint). Every change to the record is made under its lock (`Supervision.lock`;
+a programme's variant shares the ledger's), and a save writes a copy taken under it. Stopping
+the supervisor (Ctrl-C, SIGTERM) stops the run too (`run_until_done`). Events: one
+`[supervise] <UTC time> <event> key=value ...` line each (ledger.log_line), on the console and
+appended to <log dir>/<run id>/supervise.log.
 
 Pod time is what GCP bills: the time the TPU was READY (`ReadyClock`), from the describe that
 first showed it READY to the delete we issue, the preemption the trainer acted on (its
@@ -40,9 +46,10 @@ its own, with a record, a clock per slice and a stop signal of its own.
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import io
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -51,24 +58,41 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import Callable, Iterator, Sequence, TextIO
+
+import fsspec
 
 from experiments.launcher import gcloud, pod
 from experiments.launcher.gcloud import Runner, Shape, run_quiet
+from experiments.launcher.ledger import (End, LaunchRecord, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
+                                         load_supervision, log_line, supervision_text, write_text)
 from runtime import events, hydra_compose
+from runtime.config import run_dirs
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
+from runtime.events import Failure, Kind, Policy
 
-READY = "READY"
-GONE = ("PREEMPTED", "TERMINATED")  # must be deleted before the name can be created again
-MISSING = "MISSING"
-QUEUE_WAITING = ("CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES", "ACTIVE")
-QUEUE_DEAD = ("FAILED", "SUSPENDED")  # delete (--force: with its node) and queue again
-SSH_DROPPED = 255
-PERMANENT = ("bad-input", "non-finite", "does-not-fit")  # failure classes no relaunch fixes
-BACKOFF = ("storage", "lease-held")  # wait before the relaunch (storage to come back, a dead run's lease to go stale)
-CAUSES = {"bad-input": "bad input", "non-finite": "non-finite loss", "does-not-fit": "does not fit",
-          "hang": "hang watchdog", "peer-lost": "worker lost", "storage": "storage failure",
-          "lease-held": "lease held", "crash": "crash", "tpu-busy": "TPU busy"}
+
+class TpuState(enum.StrEnum):
+    """The states of a TPU VM node and of a queued resource that the loop compares (gcloud's words),
+    and two of ours: MISSING (gcloud says NOT_FOUND) and UNKNOWN (the describe failed)."""
+    READY = "READY"
+    CREATING = "CREATING"
+    PREEMPTED = "PREEMPTED"
+    TERMINATED = "TERMINATED"
+    ACCEPTED = "ACCEPTED"  # a queued resource's, from here on
+    PROVISIONING = "PROVISIONING"
+    WAITING_FOR_RESOURCES = "WAITING_FOR_RESOURCES"
+    ACTIVE = "ACTIVE"
+    FAILED = "FAILED"
+    SUSPENDED = "SUSPENDED"
+    MISSING = "MISSING"
+    UNKNOWN = "UNKNOWN"
+
+
+GONE = (TpuState.PREEMPTED, TpuState.TERMINATED)  # must be deleted before the name can be created again
+QUEUE_WAITING = (TpuState.CREATING, TpuState.ACCEPTED, TpuState.PROVISIONING, TpuState.WAITING_FOR_RESOURCES,
+                 TpuState.ACTIVE)
+QUEUE_DEAD = (TpuState.FAILED, TpuState.SUSPENDED)  # delete (--force: with its node) and queue again
 
 
 @dataclass
@@ -105,7 +129,7 @@ class Spec:
 # --- state and events ---------------------------------------------------------------------------
 
 class Supervision:
-    """The run's supervision record (supervision.json) and its event log."""
+    """The run's supervision record (supervision.json), its lock and its event log."""
 
     prefix = "[supervise]"
 
@@ -113,106 +137,61 @@ class Supervision:
         self.dir = Path(spec.log_dir) / spec.run_id
         self.path, self.log_path, self.stream = self.dir / "supervision.json", self.dir / "supervise.log", stream
         self.mirror = spec.state_mirror
-        self.data = load(self.path) or self.load_mirror() or {"run_id": spec.run_id, "tpu": spec.target.tpu,
-                                                              "zone": spec.target.zone, "restarts": 0, "preemptions": 0,
-                                                              "status": "running", "launches": []}
-        self.data.setdefault("slice", {})
+        self.lock = threading.RLock()  # every change to `record` is made holding it (see `changing`)
+        self.write_lock = threading.Lock()  # saves one at a time, each writing a copy at least as new as the last
+        self.record = load(self.path, self.mirror) or self.load_mirror() or SupervisionRecord(
+            run_id=spec.run_id, tpu=spec.target.tpu, zone=spec.target.zone)
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[SupervisionRecord]:
+        """Change the record under its lock, then save it."""
+        with self.lock:
+            yield self.record
+        self.save()
 
     def save(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
-        os.replace(tmp, self.path)  # a supervisor killed mid-write leaves the previous record
-        if self.mirror:
-            try:
-                import fsspec
+        with self.write_lock:
+            with self.lock:
+                text = supervision_text(self.record)  # a copy taken under the lock
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_text(self.path, text)  # a supervisor killed mid-write leaves the previous record
+            if self.mirror:
+                try:
+                    write_text(self.mirror, text)
+                except Exception as e:  # the local record stands; the next save tries again
+                    self.event("state-mirror-failed", uri=self.mirror,
+                               detail=shlex.quote(" ".join(str(e).split())[:200]))
 
-                with fsspec.open(self.mirror, "w") as f:  # one object write: whole or not at all
-                    f.write(json.dumps(self.data, indent=1) + "\n")
-            except Exception as e:  # the local record stands; the next save tries again
-                self.event("state-mirror-failed", uri=self.mirror, detail=shlex.quote(" ".join(str(e).split())[:200]))
-
-    def load_mirror(self) -> dict | None:
+    def load_mirror(self) -> SupervisionRecord | None:
         """The record beside the checkpoints, when this machine has none (a supervisor moved here)."""
         if not self.mirror:
             return None
-        import fsspec
-
         try:
             with fsspec.open(self.mirror, "r") as f:
-                return parse_record(f.read(), self.mirror)
+                return load_supervision(f.read(), self.mirror)
         except FileNotFoundError:
             return None
 
     def event(self, name: str, **fields) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        line = " ".join([self.prefix, stamp, name, *(f"{k}={v}" for k, v in fields.items())])
+        line = log_line(self.prefix, name, fields)
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
         self.stream.write(line + "\n")
         self.stream.flush()
 
-    def last_step(self) -> int | None:
-        launches = self.data["launches"]
-        return launches[-1].get("last_step") if launches else None
 
-
-def load(path: Path) -> dict | None:
+def load(path: Path, mirror: str | None = None) -> SupervisionRecord | None:
+    """The record at `path`, None when there is none; one that cannot be read is one line
+    (ledger.RecordError, naming `mirror` as the good copy): it is the run's history, so it is never
+    replaced silently."""
     try:
-        return parse_record(Path(path).read_text(), path)
+        text = Path(path).read_text()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:  # a folder by that name, no permission
         raise pod.PodError(f"cannot read the supervision record {path} ({e.strerror or e}); fix or move it") from e
-
-
-def parse_record(text: str, where) -> dict:
-    """A supervision record's data; a truncated or garbled one is one line (PodError): the record is
-    the run's history, so it is never replaced silently."""
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise pod.PodError(f"the supervision record {where} is truncated or garbled ({e}); restore it (a copy "
-                           "beside the checkpoints, when they are on gs://), or move it away to start a new history "
-                           "for this run id") from None
-    if not isinstance(data, dict) or not isinstance(data.get("launches"), list):
-        raise pod.PodError(f"the supervision record {where} is not a supervision record (no list of launches); "
-                           "restore it, or move it away to start a new history for this run id")
-    return data
-
-
-class ReadyClock:
-    """How long a slice was READY (billed), and that times its hosts, in `record` (saved with the
-    state it belongs to: a supervisor started again goes on counting from `ready_since`)."""
-
-    def __init__(self, record: dict) -> None:
-        self.record = record
-        for key, value in (("ready_since", None), ("hosts", 0), ("ready_seconds", 0.0), ("host_seconds", 0.0)):
-            record.setdefault(key, value)
-
-    def ready(self, since: float, hosts: int) -> None:
-        if self.record["ready_since"] is None:
-            self.record["ready_since"] = since
-        self.record["hosts"] = hosts or self.record["hosts"]
-
-    def gone(self, at: float) -> None:
-        since = self.record["ready_since"]
-        if since is None:
-            return
-        seconds = max(0.0, at - since)
-        self.record["ready_seconds"] += seconds
-        self.record["host_seconds"] += seconds * self.record["hosts"]
-        self.record["ready_since"] = None
-
-    def host_seconds(self, now: float | None = None) -> float:
-        since = self.record["ready_since"]
-        open_ = 0.0 if since is None else max(0.0, (now or time.time()) - since) * self.record["hosts"]
-        return self.record["host_seconds"] + open_
-
-    def ready_seconds(self, now: float | None = None) -> float:
-        since = self.record["ready_since"]
-        return self.record["ready_seconds"] + (0.0 if since is None else max(0.0, (now or time.time()) - since))
+    return load_supervision(text, path, mirror or "a copy beside the checkpoints, when they are on gs://")
 
 
 # --- what went wrong for good -------------------------------------------------------------------
@@ -237,24 +216,24 @@ class Unavailable(Exception):
 # --- 1. the TPU ---------------------------------------------------------------------------------
 
 def tpu_state(spec: Spec, run: Runner) -> tuple[str, int]:
-    """(state, number of workers); MISSING when gcloud says NOT_FOUND."""
+    """(state as gcloud says it, number of workers); MISSING when gcloud says NOT_FOUND."""
     code, out = run(gcloud.describe_argv(spec.target))
     if code != 0:
         _check_credentials(out)
-        return (MISSING if gcloud.not_found(out) else "UNKNOWN"), 0
+        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), 0
     try:
         node = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
     except ValueError:
-        return "UNKNOWN", 0
-    return node.get("state", "UNKNOWN"), len(node.get("networkEndpoints") or [])
+        return TpuState.UNKNOWN, 0
+    return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or [])
 
 
 def queue_state(spec: Spec, run: Runner) -> str:
     code, out = run(gcloud.queued_describe_argv(spec.target, spec.shape))
     if code != 0:
         _check_credentials(out)
-        return MISSING if gcloud.not_found(out) else "UNKNOWN"
-    return out.strip().splitlines()[0].strip() if out.strip() else "UNKNOWN"  # stdout's line; stderr follows
+        return TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN
+    return out.strip().splitlines()[0].strip() if out.strip() else TpuState.UNKNOWN  # stdout's line; stderr follows
 
 
 def _check_credentials(out: str) -> None:
@@ -300,31 +279,33 @@ class Supervisor:
         self.sup.event(event if code == 0 else event + "-failed", code=code,
                        **({} if code == 0 else {"detail": shlex.quote(" ".join(out.split())[-300:])}))
         if code == 0:
-            self.sup.data["create_refusals"] = 0
+            with self.sup.lock:
+                self.sup.record.create_refusals = 0
             return
         _check_credentials(out)
         if gcloud.refused(out):
             raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {gcloud.error_line(out)}; fix the flags")
-        self.sup.data["create_refusals"] = self.sup.data.get("create_refusals", 0) + 1
-        self.sup.save()
-        if self.spec.create_attempts and self.sup.data["create_refusals"] >= self.spec.create_attempts:
+        with self.sup.changing() as record:
+            record.create_refusals += 1
+            refusals = record.create_refusals
+        if self.spec.create_attempts and refusals >= self.spec.create_attempts:
             kind = "quota" if gcloud.quota(out) else "create refused"
-            raise Unavailable(kind, f"{self.sup.data['create_refusals']} creates of {self.spec.target.tpu} refused in a "
-                                    f"row ({gcloud.error_line(out)})")
+            raise Unavailable(kind, f"{refusals} creates of {self.spec.target.tpu} refused in a row "
+                                    f"({gcloud.error_line(out)})")
 
     def gone(self, at: float) -> None:
-        self.clock.gone(at)
-        self.sup.save()
+        with self.sup.changing():
+            self.clock.gone(at)
 
     def went(self, seen: float) -> float:
         """When a TPU seen gone at `seen` went: when the trainer acted on its preemption (its
         `preempted` event, beside the checkpoints: a supervisor started again after that sees it
         only now), else `seen`."""
-        since = self.clock.record["ready_since"]
+        since = self.clock.ready_since
         if since is None or not self.spec.events_file:
             return seen
         try:
-            noticed = [e.get("noticed") for e in events.read(self.spec.events_file) if e.get("event") == "preempted"]
+            noticed = [e.get("noticed") for e in events.read(self.spec.events_file) if e.get("event") == Kind.PREEMPTED]
         except Exception:  # noqa: BLE001 - storage out of reach: what was seen stands
             return seen
         return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
@@ -332,14 +313,14 @@ class Supervisor:
     def step_towards_ready(self, state: str) -> None:
         """One action for a TPU that is not READY: create, delete + create, or nothing (wait)."""
         spec, target, shape = self.spec, self.spec.target, self.spec.shape
-        if state != "UNKNOWN":
+        if state != TpuState.UNKNOWN:
             self.gone(self.went(time.time()))
         if spec.queued_resource:
             queued = queue_state(spec, self.run_gcloud)
             if queued in QUEUE_DEAD:
                 self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")
-                queued = state = MISSING  # --force deleted its node too
-            if queued == MISSING:
+                queued = state = TpuState.MISSING  # --force deleted its node too
+            if queued == TpuState.MISSING:
                 if state in GONE:
                     self.act(gcloud.delete_argv(target), "tpu-deleted")
                 self.create(gcloud.queued_create_argv(target, shape), "queued-resource-created")
@@ -348,8 +329,8 @@ class Supervisor:
             return
         if state in GONE:
             self.act(gcloud.delete_argv(target), "tpu-deleted")
-            state = MISSING
-        if state == MISSING:
+            state = TpuState.MISSING
+        if state == TpuState.MISSING:
             self.create(gcloud.create_argv(target, shape), "tpu-created")
         else:
             self.sup.event("waiting", tpu_state=state)
@@ -360,11 +341,11 @@ class Supervisor:
         while not self.stop.is_set():
             asked = time.time()
             state, hosts = tpu_state(self.spec, self.run_gcloud)
-            if state in (*GONE, MISSING, "CREATING"):
+            if state in (*GONE, TpuState.MISSING, TpuState.CREATING):
                 self.seen_down = True
-            if state == READY:
-                self.clock.ready(asked, hosts)
-                self.sup.save()
+            if state == TpuState.READY:
+                with self.sup.changing():
+                    self.clock.ready(asked, hosts)
                 self.sup.event("tpu-ready", hosts=hosts)
                 return hosts
             self.step_towards_ready(state)
@@ -382,25 +363,25 @@ class Supervisor:
         rows: list[dict] = []
         code = pod.run_gcloud(pod.gcloud_argv(spec.target, pod.versions_command(spec.repo_dir)),
                               on_line=lambda l: rows.append(r) if (r := pod.tagged(l, pod.VERSIONS_TAG)) else None)
-        if code == 0 and not sup.data.get("setup_pending") and pod.versions_agree(rows, hosts):
+        if code == 0 and not sup.record.setup_pending and pod.versions_agree(rows, hosts):
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
             return 0
         problem = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), None)
-        if sup.data.get("setup_pending"):
+        if sup.record.setup_pending:
             why = "the last setup failed"
         elif len(rows) != hosts:
             why = f"{len(rows)} of {hosts} workers answered"
         else:
             why = problem or "versions differ"
-        git_ref = sup.data.get("commit")
+        git_ref = sup.record.commit
         sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned",
                   reason=shlex.quote(str(why)[:200]))
         rows = []
         code = pod.setup_pod(spec.target, repo_dir=spec.repo_dir, git_ref=git_ref, clone_url=spec.clone_url,
                              stream=sup.stream, on_versions=rows.append)
-        sup.data["setup_pending"] = code != 0  # a failed setup is run again, whatever the versions say then
-        sup.save()
+        with sup.changing() as record:
+            record.setup_pending = code != 0  # a failed setup is run again, whatever the versions say then
         sup.event("setup-done" if code == 0 else "setup-failed", code=code)
         if code == 0:
             self.record_commit(rows)
@@ -408,27 +389,28 @@ class Supervisor:
 
     def record_commit(self, rows: list[dict]) -> None:
         """Keep the first commit every worker agreed on (the run's code for its whole life)."""
-        if "commit" not in self.sup.data and rows and rows[0].get("commit"):
-            self.sup.data["commit"] = rows[0]["commit"]
-            self.sup.save()
+        if self.sup.record.commit is None and rows and rows[0].get("commit"):
+            with self.sup.changing() as record:
+                record.commit = rows[0]["commit"]
 
     # --- 3. the launch, 4. how it ended
 
     def launch_once(self, hosts: int) -> tuple[str, int, "LaunchEvents"]:
         """Launch the run, record the launch; (outcome, exit code, what the trainer said)."""
         spec, sup = self.spec, self.sup
-        progress = sup.data.setdefault("progress", {"step": None, "total": None, "wandb_run_id": None})
 
         def on_progress(seen: LaunchEvents) -> None:  # the live state, for status pages, at each checkpoint
-            progress.update(step=seen.last_step, total=seen.total or progress["total"],
-                            wandb_run_id=seen.run_id or progress["wandb_run_id"])
-            sup.save()
+            with sup.changing() as record:
+                was = record.progress or Progress()
+                record.progress = Progress(step=seen.last_step, total=seen.total or was.total,
+                                           wandb_run_id=seen.run_id or was.wandb_run_id)
 
         seen = LaunchEvents(on_progress)
         started = time.time()
-        sup.event("launch", run_id=spec.run_id, attempt=len(sup.data["launches"]) + 1)
-        sup.data["in_flight"] = True
-        sup.save()
+        sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1)
+        with sup.changing() as record:
+            record.progress = record.progress or Progress()
+            record.in_flight = True
         code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                               log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
                               interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=sup.stream,
@@ -438,20 +420,21 @@ class Supervisor:
         if code != 0 or seen.stopped_at() is not None:  # the TPU may have gone, even under a run that completed
             looked = time.time()
             state_after = tpu_state(spec, self.run_gcloud)[0]
-            if state_after not in (READY, "UNKNOWN"):  # it went when a worker was told to stop, if one said so
+            if state_after not in (TpuState.READY, TpuState.UNKNOWN):  # it went when a worker was told to stop
                 self.gone(min(looked, seen.stopped_at() or looked))
         outcome = classify(code, seen, state_after)
         why = cause(code, outcome, seen)
-        sup.data["launches"].append({"started": started, "ended": time.time(), "code": code, "outcome": outcome,
-                                     "cause": why, "line": seen.line_of_failure(), "last_step": seen.last_step,
-                                     "total": seen.total, "wandb_run_id": seen.run_id, "tpu_state_after": state_after,
-                                     "metrics": (seen.completed or {}).get("metrics")})
-        if outcome == "preempted":  # counted in the launch's own save: a kill cannot record one without the other
-            sup.data["preemptions"] += 1
-        sup.data["in_flight"] = False
-        sup.save()
+        launch = LaunchRecord(started=started, ended=time.time(), code=code, outcome=outcome, cause=why,
+                              line=seen.line_of_failure(), last_step=seen.last_step, total=seen.total,
+                              wandb_run_id=seen.run_id, tpu_state_after=state_after,
+                              metrics=(seen.completed or {}).get("metrics"))
+        with sup.changing() as record:  # one change: a kill cannot record the launch without its preemption
+            record.launches.append(launch)
+            if outcome == Outcome.PREEMPTED:
+                record.preemptions += 1
+            record.in_flight = False
         sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(why), last_step=seen.last_step,
-                  tpu_state=state_after or READY)
+                  tpu_state=state_after or TpuState.READY)
         return outcome, code, seen
 
     def _gcloud_started(self, proc: subprocess.Popen) -> None:
@@ -466,96 +449,101 @@ class Supervisor:
 
     # --- 5. the end
 
-    def release_tpu(self, status: str) -> None:
+    def release_tpu(self, status: Status) -> None:
         """Delete the TPU or keep it, as --at-end says (by default: delete when the checkpoints are on gs://)."""
         at_end = self.spec.at_end or ("delete" if self.spec.state_mirror else "keep")
-        if at_end == "delete" and status in ("completed", "failed", "gave-up"):
+        if at_end == "delete" and status in (Status.COMPLETED, Status.FAILED, Status.GAVE_UP):
             deleting = time.time()
             if self.act(gcloud.delete_argv(self.spec.target), "tpu-deleted"):
                 self.gone(deleting)
             return
-        if self.clock.record["ready_since"] is not None:  # still billed; no longer counted here
-            self.sup.event("tpu-kept", at_end=at_end if status != "interrupted" else "interrupted")
+        if self.clock.ready_since is not None:  # still billed; no longer counted here
+            self.sup.event("tpu-kept", at_end=at_end if status != Status.INTERRUPTED else Status.INTERRUPTED)
         self.gone(time.time())
 
-    def finish(self, status: str, code: int, release: bool = True, line: str | None = None, **fields) -> int:
+    def finish(self, status: Status, code: int, release: bool = True, line: str | None = None, **fields) -> int:
         """Record how the run ended; delete or keep the TPU (not while a launch may still run on it,
         nor without gcloud credentials)."""
         sup = self.sup
-        if self.owns_slice and release and not (status == "interrupted" and sup.data.get("in_flight")):
+        if self.owns_slice and release and not (status == Status.INTERRUPTED and sup.record.in_flight):
             try:
                 self.release_tpu(status)
             except GiveUp:
                 self.gone(time.time())
         elif self.owns_slice:
             self.gone(time.time())
-        sup.data["status"] = status
-        sup.data["end"] = {"status": status, "code": code, "line": line, **fields}
-        sup.save()
-        sup.event(status, code=code, restarts=sup.data["restarts"], preemptions=sup.data["preemptions"],
-                  host_hours=f"{self.clock.host_seconds() / 3600:.3f}", **fields)
+        with sup.changing() as record:
+            record.status = status
+            record.end = End(status=status, code=code, line=line, **fields)
+            restarts, preemptions = record.restarts, record.preemptions
+        sup.event(status, code=code, restarts=restarts, preemptions=preemptions,
+                  host_hours=f"{self.clock.host_total() / 3600:.3f}", **fields)
         return code
 
     def run(self) -> int:
         """Until the run completes (0), fails for good (its code) or stops making progress (1)."""
         spec, sup = self.spec, self.sup
-        resumed = bool(sup.data["launches"])
-        orphaned = sup.data.get("in_flight", False)  # the supervisor before was killed mid-launch
-        sup.data["status"] = "running"
-        sup.save()
-        sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed,
-                  restarts=sup.data["restarts"], launches=len(sup.data["launches"]), state=sup.path,
-                  mirror=spec.state_mirror or "none", shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
+        with sup.changing() as record:
+            resumed = bool(record.launches)
+            orphaned = record.in_flight  # the supervisor before was killed mid-launch
+            record.status = Status.RUNNING
+            restarts, launches = record.restarts, len(record.launches)
+        sup.event("start", run_id=spec.run_id, tpu=spec.target.tpu, resumed=resumed, restarts=restarts,
+                  launches=launches, state=sup.path, mirror=spec.state_mirror or "none",
+                  shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
         while True:
             try:
                 hosts = self.ensure_ready()
             except NoCredentials as e:
                 self.report(str(e))
-                return self.finish("failed", EXIT_USER_ERROR, release=False, line=str(e), cause="gcloud-credentials")
+                return self.finish(Status.FAILED, EXIT_USER_ERROR, release=False, line=str(e),
+                                   cause="gcloud-credentials")
             except GiveUp as e:
                 self.report(str(e))
-                return self.finish("failed", EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
+                return self.finish(Status.FAILED, EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
             if self.stop.is_set():
-                return self.finish("interrupted", EXIT_INTERRUPTED)
+                return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
             if orphaned and self.seen_down:  # the slice went down under the launch left in flight:
                 orphaned = False  # a preemption no supervisor saw end, counted here (once)
-                sup.data["preemptions"] += 1
-                sup.data["in_flight"] = False
-                sup.save()
-                sup.event("preempted-unwatched", last_step=(sup.data.get("progress") or {}).get("step"))
+                with sup.changing() as record:
+                    record.preemptions += 1
+                    record.in_flight = False
+                    step = record.progress.step if record.progress else None
+                sup.event("preempted-unwatched", last_step=step)
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
                 orphaned = False
                 code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
                 sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
             if self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
-                outcome, code = "backoff", EXIT_FAILURE
+                outcome, code = Outcome.BACKOFF, EXIT_FAILURE
             else:
                 outcome, code, _ = self.launch_once(hosts)
-            if outcome == "completed":
-                return self.finish("completed", 0, last_step=sup.last_step())
-            if outcome == "fatal":
-                launch = sup.data["launches"][-1]
-                return self.finish("failed", code, line=launch["line"], cause=shlex.quote(launch["cause"]))
+            if outcome == Outcome.COMPLETED:
+                return self.finish(Status.COMPLETED, 0, last_step=sup.record.last_step())
+            if outcome == Outcome.FATAL:
+                launch = sup.record.launches[-1]
+                return self.finish(Status.FAILED, code, line=launch.line, cause=shlex.quote(launch.cause))
             if self.stop.is_set() or code == EXIT_INTERRUPTED:
-                return self.finish("interrupted", EXIT_INTERRUPTED)
-            if outcome == "preempted":
+                return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
+            if outcome == Outcome.PREEMPTED:
                 continue
-            sup.data["restarts"] += 1
-            sup.save()
-            if sup.data["restarts"] > spec.max_restarts:
-                return self.finish("gave-up", EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
-            if no_progress(sup.data["launches"]):
-                return self.finish("gave-up", EXIT_FAILURE, reason="no-progress", last_step=sup.last_step())
+            with sup.changing() as record:
+                record.restarts += 1
+                restarts, stuck = record.restarts, no_progress(record.launches)
+            if restarts > spec.max_restarts:
+                return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
+            if stuck:
+                return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="no-progress", last_step=sup.record.last_step())
             self.recover(outcome)
 
-    def recover(self, outcome: str) -> None:
+    def recover(self, outcome: Outcome) -> None:
         """Before a relaunch: free the TPU of stale processes; after a storage or setup failure, wait first."""
         spec, sup = self.spec, self.sup
-        if outcome == "backoff":
+        if outcome == Outcome.BACKOFF:
             sup.event("backoff", seconds=spec.storage_backoff_s)
             self.sleep(spec.storage_backoff_s)
         code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
-        sup.event("stopped-stale-processes", code=code, restarts=sup.data["restarts"])
+        sup.event("stopped-stale-processes", code=code, restarts=sup.record.restarts)
 
 
 class LaunchEvents:
@@ -576,17 +564,17 @@ class LaunchEvents:
         kind, step = event["event"], event.get("step")
         if isinstance(step, int):
             self.last_step = max(step, self.last_step if self.last_step is not None else step)
-        if kind == "started":
+        if kind == Kind.STARTED:
             self.run_id, self.total = event.get("run_id"), event.get("total")
-        elif kind == "completed":
+        elif kind == Kind.COMPLETED:
             self.completed = event
-        elif kind == "preempted":
+        elif kind == Kind.PREEMPTED:
             self.preempted = event
-        elif kind == "failed":
+        elif kind == Kind.FAILED:
             self.failures.append(event)
-        elif kind == "sigterm" and isinstance(event.get("time"), (int, float)):
+        elif kind == Kind.SIGTERM and isinstance(event.get("time"), (int, float)):
             self.sigterm = min(event["time"], self.sigterm or event["time"])
-        if kind in ("started", "checkpoint") and self.on_progress is not None:
+        if kind in (Kind.STARTED, Kind.CHECKPOINT) and self.on_progress is not None:
             self.on_progress(self)
 
     def stopped_at(self) -> float | None:
@@ -595,7 +583,7 @@ class LaunchEvents:
 
     def failure(self) -> dict | None:
         """The cause: a process's own failure rather than the others' "a peer was lost"."""
-        own = [f for f in self.failures if f.get("failure") != "peer-lost"]
+        own = [f for f in self.failures if f.get("failure") != Failure.PEER_LOST]
         return (own or self.failures or [None])[0]
 
     def line_of_failure(self) -> str | None:
@@ -603,46 +591,50 @@ class LaunchEvents:
         return failure.get("line") if failure else None
 
 
-def classify(code: int, seen: LaunchEvents, state_after: str | None) -> str:
-    """completed, preempted, fatal, backoff or restart."""
+# What a supervisor does after a failure, by its class's policy (runtime/events.py's Failure).
+OUTCOME_OF = {Policy.PERMANENT: Outcome.FATAL, Policy.BACK_OFF: Outcome.BACKOFF, Policy.RESTART: Outcome.RESTART}
+
+
+def classify(code: int, seen: LaunchEvents, state_after: str | None) -> Outcome:
+    """How the launch ended: completed, preempted, or after a failure as its class's policy says
+    (an unknown class, or no event at all: a restart)."""
     if seen.completed:
-        return "completed"
+        return Outcome.COMPLETED
     if seen.preempted or code == EXIT_PREEMPTED:
-        return "preempted"
-    if state_after not in (None, READY, "UNKNOWN"):  # UNKNOWN: the describe failed, the rest decides
-        return "preempted"  # the ssh dropped (or the workers died) because the TPU went away
+        return Outcome.PREEMPTED
+    if state_after not in (None, TpuState.READY, TpuState.UNKNOWN):  # UNKNOWN: the describe failed, the rest decides
+        return Outcome.PREEMPTED  # the ssh dropped (or the workers died) because the TPU went away
     if code == 0:
-        return "completed"  # a trainer that reports no events (older code on the workers)
+        return Outcome.COMPLETED  # a trainer that reports no events (older code on the workers)
     failure = seen.failure()
-    kind = failure.get("failure") if failure else None
-    if kind in PERMANENT:
-        return "fatal"
-    return "backoff" if kind in BACKOFF else "restart"
+    kind = Failure.of_label(failure.get("failure")) if failure else None
+    return OUTCOME_OF[kind.policy] if kind else Outcome.RESTART
 
 
-def cause(code: int, outcome: str, seen: LaunchEvents) -> str:
-    if outcome in ("completed", "preempted"):
-        return outcome
+def cause(code: int, outcome: Outcome, seen: LaunchEvents) -> str:
+    if outcome in (Outcome.COMPLETED, Outcome.PREEMPTED):
+        return str(outcome)
     failure = seen.failure()
     if failure:
-        return CAUSES.get(failure.get("failure"), str(failure.get("failure")))
+        kind = Failure.of_label(failure.get("failure"))
+        return kind.cause if kind else str(failure.get("failure"))
     return f"exit {code}" + (" (no event from the trainer: the worker command failed)" if code else "")
 
 
-def no_progress(launches: list[dict]) -> bool:
+def no_progress(launches: list[LaunchRecord]) -> bool:
     """The last two launches were restarts and both ended at the step the launch before them did."""
     if len(launches) < 3:
         return False
     a, b, c = launches[-3:]
-    return (b["outcome"] in ("restart", "backoff") and c["outcome"] in ("restart", "backoff")
-            and a.get("last_step") == b.get("last_step") == c.get("last_step"))
+    restarts = (Outcome.RESTART, Outcome.BACKOFF)
+    return b.outcome in restarts and c.outcome in restarts and a.last_step == b.last_step == c.last_step
 
 
 def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_quiet,
               sleep: Callable[[float], None] = time.sleep) -> int:
     """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
     sup = Supervision(spec, stream or sys.stdout)
-    return Supervisor(spec, sup, ReadyClock(sup.data["slice"]), run=run, sleep=sleep).run()
+    return Supervisor(spec, sup, sup.record.slice, run=run, sleep=sleep).run()
 
 
 def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
@@ -658,8 +650,6 @@ def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
 
 def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
     """(the run's checkpoint directory, or None; why not), from conf/ + the overrides."""
-    from runtime.config import run_dirs
-
     try:
         config = hydra_compose.composed(overrides)
     except Exception as e:  # the trainer reports a bad override itself, in one line
@@ -675,12 +665,13 @@ def run_until_done(spec: Spec) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     sup = Supervision(spec, sys.stdout)
-    supervisor = Supervisor(spec, sup, ReadyClock(sup.data["slice"]))
+    supervisor = Supervisor(spec, sup, sup.record.slice)
     try:
         return supervisor.run()
     except KeyboardInterrupt:
-        sup.data["in_flight"] = False  # launch_pod stopped the workers (they checkpointed)
-        return supervisor.finish("interrupted", EXIT_INTERRUPTED)
+        with sup.lock:
+            sup.record.in_flight = False  # launch_pod stopped the workers (they checkpointed)
+        return supervisor.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
 
 
 # --- what an operator sees without running anything ---------------------------------------------
@@ -700,7 +691,7 @@ def dry_run(spec: Spec) -> str:
                       else [j(gcloud.create_argv(t, shape))])],
         "CREATING (or queued: " + ", ".join(QUEUE_WAITING[:-1]) + "): wait with backoff, then again":
             [j(gcloud.describe_argv(t)), *([j(gcloud.queued_describe_argv(t, shape))] if q else [])],
-        "READY": ready,
+        TpuState.READY: ready,
         "PREEMPTED or TERMINATED": [j(gcloud.describe_argv(t)),
                                     *([j(gcloud.queued_describe_argv(t, shape)), j(gcloud.queued_delete_argv(t, shape)),
                                        j(gcloud.queued_create_argv(t, shape))] if q
@@ -715,7 +706,7 @@ def dry_run(spec: Spec) -> str:
     out = []
     for state, lines in sections.items():
         out += [f"# TPU {state}:", *lines]
-        if state == "READY":
+        if state == TpuState.READY:
             shown = io.StringIO()
             pod.launch_pod(t, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
                            forward_env=spec.forward_env, ship=spec.ship or False, dry_run=True, stream=shown)
@@ -725,17 +716,17 @@ def dry_run(spec: Spec) -> str:
 
 def status_text(log_dir: Path, run_id: str) -> str | None:
     """The supervision history of a run, for `launch.py supervise --status`; None if there is none."""
-    data = load(Path(log_dir) / run_id / "supervision.json")
-    if data is None:
+    record = load(Path(log_dir) / run_id / "supervision.json")
+    if record is None:
         return None
-    clock = ReadyClock(dict(data.get("slice") or {}))
-    lines = [f"run {data['run_id']} on {data['tpu']} ({data['zone']}): {data['status']}; "
-             f"{len(data['launches'])} launches, {data['restarts']} restarts, {data['preemptions']} preemptions; "
-             f"{clock.ready_seconds() / 3600:.3f} pod-hours READY, {clock.host_seconds() / 3600:.3f} host-hours "
+    clock = record.slice
+    lines = [f"run {record.run_id} on {record.tpu} ({record.zone}): {record.status}; "
+             f"{len(record.launches)} launches, {record.restarts} restarts, {record.preemptions} preemptions; "
+             f"{clock.ready_total() / 3600:.3f} pod-hours READY, {clock.host_total() / 3600:.3f} host-hours "
              "(READY time x workers)"]
-    for i, launch in enumerate(data["launches"], 1):
-        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(launch["started"]))
-        minutes = (launch["ended"] - launch["started"]) / 60
-        lines.append(f"  {i:>3}  {when}  {minutes:7.1f} min  exit {launch['code']:>3}  {launch['cause']:<16} "
-                     f"last step {launch['last_step'] if launch['last_step'] is not None else '-'}")
+    for i, launch in enumerate(record.launches, 1):
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(launch.started))
+        minutes = (launch.ended - launch.started) / 60
+        lines.append(f"  {i:>3}  {when}  {minutes:7.1f} min  exit {launch.code:>3}  {launch.cause:<16} "
+                     f"last step {launch.last_step if launch.last_step is not None else '-'}")
     return "\n".join(lines) + "\n"

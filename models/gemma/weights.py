@@ -47,6 +47,7 @@ from flax.traverse_util import unflatten_dict
 from models.gemma.config import CHECKPOINT_FORMATS, GemmaConfig
 from models.gemma.hf_config import GEMMA_TOKEN_IDS, WeightsError, generation_config, hf_config
 from models.layers import dtype_from_name
+from runtime.atomic import replacing
 
 log = logging.getLogger(__name__)
 
@@ -484,9 +485,8 @@ def _cache_locally(url: str, fs, files: list[str]) -> list[str]:
         local = os.path.join(dest, posixpath.basename(rf))
         if not (os.path.exists(local) and os.path.getsize(local) == fs.size(rf)):
             log.info("copying %s to %s", rf, local)
-            tmp = f"{local}.tmp-{os.getpid()}"
-            fs.get(rf, tmp)
-            os.replace(tmp, local)
+            with replacing(local) as tmp:  # a copy cut short is never taken for the file
+                fs.get(rf, tmp)
         out.append(local)
     return out
 

@@ -25,15 +25,16 @@ is the work the hardware does; HBM bytes), which runtime/hlo_cost.py prices at t
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from models.kernels import TILE, activation_spec, per_shard, round_up
+
 FORMS = ("auto", "xla", "pallas")
-MXU = 128  # the MXU's tile: a product's sequence dimension is padded to it
+MXU = TILE  # the MXU's tile: a product's sequence dimension is padded to it
 VMEM_BUDGET = 4 << 20  # bytes of float32 intermediates per grid step (the backward's [2F, Dt] tiles, ~8 of them)
 _TILES = (512, 256, 128)  # feature-column tiles tried, widest first
 _ROWS = (8, 4, 2, 1)  # batch rows per grid step, most first
@@ -145,10 +146,6 @@ def _call(kernel, activations, weights, partials, cost: pl.CostEstimate, inter: 
         cost_estimate=cost, interpret=interpret, name=name)(*activations, *weights)
 
 
-def _padded(length: int) -> int:
-    return -(-length // MXU) * MXU
-
-
 def _weights(gate_up, down):
     """gate_up [L, 2, F], down [F, L] -> the kernels' layouts: wgu [2F, L] (gate rows, then up)
     and wd [L, F], and their transposes."""
@@ -159,7 +156,7 @@ def _weights(gate_up, down):
 
 def _cost(x, inter: int, products: int, activation_passes: int, weight_bytes: int) -> pl.CostEstimate:
     batch, length, dim = x.shape
-    return pl.CostEstimate(flops=2 * batch * dim * _padded(length) * inter * products,
+    return pl.CostEstimate(flops=2 * batch * dim * round_up(length, MXU) * inter * products,
                            transcendentals=batch * dim * (inter + 1),
                            bytes_accessed=activation_passes * x.size * x.dtype.itemsize + weight_bytes)
 
@@ -190,29 +187,10 @@ def mixer_block(h: jax.Array, gate_up: jax.Array, down: jax.Array, eps: float, *
     [B, L, D], gate_up [L, 2, F], down [F, L] (the SequenceMixer's parameters in the compute
     dtype). Under a mesh each batch shard runs its own kernels and the weight gradients are summed
     over the batch axes. `interpret`: Pallas' interpreter (any platform)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sharded = not mesh.empty and math.prod(mesh.shape.values()) > 1
-    if sharded:
-        from runtime.sharding import logical_spec
-
-        spec = logical_spec(("batch", None, None), mesh, h.shape)
-        axes = spec[0] if isinstance(spec[0], tuple) else tuple(a for a in (spec[0],) if a)
-
-    def per_shard(fn, in_specs, out_specs, reduce_last: bool = False):
-        if not sharded:
-            return fn
-        def local(*args):
-            out = fn(*args)
-            if reduce_last and axes:
-                out = (out[0],) + tuple(jax.lax.psum(o, axes) for o in out[1:])
-            return out
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-    P = jax.sharding.PartitionSpec
-    x_spec = spec if sharded else None
-    forward = per_shard(lambda x, gu, d: _forward(x, gu, d, eps, interpret), (x_spec, P(), P()), x_spec)
-    backward = per_shard(lambda x, dz, gu, d: _backward(x, dz, gu, d, eps, interpret), (x_spec, x_spec, P(), P()),
-                         (x_spec, P(), P()), reduce_last=True)
+    spec = activation_spec(("batch", None, None), h.shape)  # the weights whole on every shard
+    forward = per_shard(lambda x, gu, d: _forward(x, gu, d, eps, interpret), spec, (True, False, False), True)
+    backward = per_shard(lambda x, dz, gu, d: _backward(x, dz, gu, d, eps, interpret), spec, (True, True, False, False),
+                         (True, False, False), sum_whole_outputs=True)
 
     @jax.custom_vjp
     def block(x, gu, d):

@@ -149,6 +149,25 @@ def build_task(arch: Any, shape: DataShape, *, init_states: Any = None, explorat
     return ACTTask(build_model(arch, shape, init_states), exploration=exploration)
 
 
+def absent_part(arch: Any) -> str | None:
+    """The problem when a form setting names a part this TRM does not have: `arch.attention` on the
+    mlp_t variant (its sequence mixer is a SwiGLU, there is no attention), `arch.mixer` on the
+    attention variant (no mlp_t mixer), `arch.grid_width` without a local window to shape. A form
+    left at its default (`auto`; null) is no setting."""
+    if not isinstance(arch, TRMConfig):  # HRM has attention only; its schema has no mixer
+        return None
+    if arch.mlp_t and arch.attention != "auto":
+        return (f"arch.attention={arch.attention!r}: this TRM (arch.mlp_t=true) has no attention, its sequence mixer "
+                "is the mlp_t SwiGLU; drop the setting, or use arch=trm_att (arch.mlp_t=false) for attention")
+    if not arch.mlp_t and arch.mixer != "auto":
+        return (f"arch.mixer={arch.mixer!r}: this TRM (arch.mlp_t=false) mixes the sequence with attention and has no "
+                "mlp_t mixer; drop the setting, or use arch=trm_mlp (arch.mlp_t=true) for the mixer")
+    if arch.grid_width is not None and arch.attention_window is None:
+        return (f"arch.grid_width={arch.grid_width} shapes the local attention window, and arch.attention_window is "
+                "not set; drop arch.grid_width, or set arch.attention_window")
+    return None
+
+
 def validate(arch: Any) -> None:
     if arch.loss_type not in LOSS_FNS:
         raise UserError(f"arch.loss_type={arch.loss_type!r} is not one of {sorted(LOSS_FNS)}")
@@ -166,6 +185,9 @@ def validate(arch: Any) -> None:
         raise UserError(f"arch.attention={arch.attention!r} is not one of {list(IMPLEMENTATIONS)}")
     if getattr(arch, "mixer", "xla") not in MIXER_FORMS:
         raise UserError(f"arch.mixer={arch.mixer!r} is not one of {list(MIXER_FORMS)}")
+    absent = absent_part(arch)
+    if absent:
+        raise UserError(absent)
     window = getattr(arch, "attention_window", None)
     if window is not None and (window < 1 or window % 2 == 0 or arch.mlp_t):
         raise UserError(f"arch.attention_window={window} must be a positive odd side length, with arch.mlp_t=false "

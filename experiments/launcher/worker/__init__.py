@@ -4,11 +4,15 @@
   stop      end this login's training processes and TPU holders, free the libtpu lockfile
   status    this worker's training processes, last step and newest log, as one tagged line
   versions  this worker's commit, Python and package versions, and whether they fit the pins
-  pins      warn when a shipped tree pins other packages than the worker's .venv has
-  once      start the trainer once per launch, however often gcloud re-runs the command
+  once      a launch: start the trainer once per launch, however often gcloud re-runs the command
+            (the secrets, the environment, the log; with --ship the shipped tree: shipped.py)
+  checkout  `setup --git-ref`: fetch, then check out the remote branch (or the tag, the commit)
+  tpu_check setup_tpu.sh's check that jax sees this worker's TPU devices (imports jax: the .venv's
+            python)
 
-Standard library only, and Python 3.10 syntax: `stop` and `status` run with the system python3
-(so that they work while the repo's .venv is broken), which is 3.10 on the TPU VM images.
+Standard library only (tpu_check aside), and Python 3.10 syntax: `stop`, `status` and `checkout`
+run with the system python3 (so that they work while the repo's .venv is broken or not there yet),
+which is 3.10 on the TPU VM images.
 A worker's answer is one line, `<tag>{json}` (the tags below), which the launcher finds anywhere
 in gcloud's interleaved output.
 """
@@ -16,3 +20,4 @@ in gcloud's interleaved output.
 STATUS_TAG = "podrunner-status "
 VERSIONS_TAG = "podrunner-versions "
 START_TAG = "podrunner-start "
+SECRETS_PREFIX = ".podrunner-secrets-"  # + a random token: the secrets file in each worker's home

@@ -1,18 +1,27 @@
-"""`python -m experiments.launcher.worker.once --key KEY --log LOG --start TEXT [--secrets FILE] [--cwd DIR]
--- python pretrain_jax.py ...`: start the trainer once per launch, however often its command runs.
+"""`python -m experiments.launcher.worker.once --key KEY --log LOG --host HOST --start TEXT [--secrets FILE]
+[--env NAME=VALUE ...] [--ship TREE --pack FILE] -- python pretrain_jax.py ...`: a launch on one worker
+(the command experiments/launcher/pod.py `pod_command` builds), run from the repo with its .venv
+active. It starts the trainer once per launch, however often its command runs.
 
 gcloud re-runs an ssh `--command` that ended with 255 (a dropped connection), up to 10 times, on
 that worker. The trainer started the first time is still running there (or has finished); a
 second one would fight it, and the secrets file is gone already. So the first run claims the
-launch (a directory `launch-KEY` beside LOG, created once) and a re-run finds the claim: it
-says so, replays the launch's events, follows its log and exits with its exit code.
+launch (a directory `launch-KEY` beside LOG, created once; LOG's directory is made first) and a
+re-run finds the claim: it says so, replays the launch's events, follows its log and exits with
+its exit code.
 
 The first run:
   - reads and removes the secrets file (KEY='value' lines, shell-quoted): the values go into the
-    trainer's environment only, never a command line or another process's environment;
-  - writes the start line (`podrunner-start TEXT log=LOG`) into LOG and starts the trainer with
-    its output appended to LOG, not to this ssh: a dropped connection must not take the
-    trainer's stdout (and its log) with it;
+    trainer's environment only (with the --env variables), never a command line or another
+    process's environment;
+  - with --ship: makes the shipped tree TREE (~/podrunner-shipped/<tree hash>) from the pack FILE
+    that gcloud copied (shipped.py), warns when it pins other packages than the repo's .venv has,
+    and runs the trainer there (PYTHONPATH=TREE: a subprocess's python imports the shipped code
+    too);
+  - writes the start line (`podrunner-start host=HOST commit=C TEXT log=LOG`; with --ship
+    `tree=<tree hash>` instead of the commit) into LOG and starts the trainer with its output
+    appended to LOG, not to this ssh: a dropped connection must not take the trainer's stdout
+    (and its log) with it;
   - copies LOG to stdout as it grows until the trainer ends, records its exit code in the claim
     and exits with it. It outlives SIGTERM, SIGHUP and a stdout that is gone (a VM shutdown
     signals every process; the trainer saves its checkpoint meanwhile): the exit code is
@@ -20,9 +29,13 @@ The first run:
     the guard's own, `sigterm` (time, host): when the worker was told to stop (a preemption's
     shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
     comes after the agreed step and the save), for a launcher that counts READY time.
+
+Whatever fails before the trainer starts is one line naming the worker (`podrunner: HOST: ...`)
+and exit 2; the secrets file never outlives this command.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -31,8 +44,10 @@ import subprocess
 import sys
 import time
 
-from experiments.launcher.worker import START_TAG
-from runtime.events import TAG as EVENT_TAG  # standard library only, like this
+from experiments.launcher.worker import START_TAG, shipped
+from runtime.atomic import write_atomic  # standard library only, like this
+from runtime.errors import EXIT_FAILURE, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
+from runtime.events import TAG as EVENT_TAG
 
 POLL_S = 0.1
 EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
@@ -67,11 +82,21 @@ def read_secrets(path):
     return values
 
 
-def write_atomically(path, text):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def discard(path):
+    """Remove the secrets file of a launch that will not start its trainer."""
+    if path:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def commit():
+    """The repo's commit (12 digits) as the start line names it; `unknown` without git or a commit."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def follow(log, offset, done, replay_events_from=None, host=""):
@@ -101,29 +126,48 @@ def follow(log, offset, done, replay_events_from=None, host=""):
             time.sleep(POLL_S)
 
 
+def trainer_env(args, secrets):
+    """The trainer's environment: this one unbuffered (its lines reach LOG as printed), the --env
+    variables, the secrets, and with --ship the shipped tree on PYTHONPATH."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.update(args.env)
+    env.update(secrets)
+    if args.ship:
+        env["PYTHONPATH"] = args.ship
+    return env
+
+
 def first_run(args, claim):
     for sig in (signal.SIGHUP, signal.SIGINT):  # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _note_sigterm)
-    env = dict(os.environ)
+    secrets = {}
     if args.secrets:
         try:
-            env.update(read_secrets(args.secrets))
+            secrets = read_secrets(args.secrets)
         except OSError:
-            return record(claim, 2, f"podrunner: {args.host}: the secrets file did not arrive (gcloud scp)\n")
+            return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: the secrets file did not arrive (gcloud scp)\n")
+    if args.ship:
+        try:
+            shipped.prepare(args.pack, args.ship, os.path.abspath(".venv"))
+        except shipped.ShipFailed as e:
+            return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: {e}\n")
+        shipped.warn_if_pins_differ(args.ship, os.getcwd(), args.host)
+    version = f"tree={os.path.basename(args.ship)}" if args.ship else f"commit={commit()}"
     with open(args.log, "ab") as log:
         offset = log.tell()
-        write_atomically(os.path.join(claim, OFFSET_FILE), str(offset))
-        log.write(f"{START_TAG}{args.start} log={args.log}\n".encode())
+        write_atomic(os.path.join(claim, OFFSET_FILE), str(offset))
+        log.write(f"{START_TAG}host={args.host} {version} {args.start} log={args.log}\n".encode())
         log.flush()
         try:
-            trainer = subprocess.Popen(args.argv, cwd=args.cwd or None, env=env, stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_signals)
+            trainer = subprocess.Popen(args.argv, cwd=args.ship or None, env=trainer_env(args, secrets),
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=_default_signals)
         except OSError as e:
-            return record(claim, 2, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
-    write_atomically(os.path.join(claim, PID_FILE), str(trainer.pid))
+            return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
+    write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))
     follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
-    code = trainer.returncode if trainer.returncode >= 0 else 128 - trainer.returncode
+    code = trainer.returncode if trainer.returncode >= 0 else EXIT_SIGNAL_BASE - trainer.returncode
     return record(claim, code)
 
 
@@ -135,7 +179,7 @@ def _default_signals():
 def record(claim, code, line=""):
     if line:
         say(line)
-    write_atomically(os.path.join(claim, EXIT_FILE), str(code))
+    write_atomic(os.path.join(claim, EXIT_FILE), str(code))
     return code
 
 
@@ -166,7 +210,7 @@ def rerun(args, claim):
         follow(args.log, os.path.getsize(args.log), ended, replay_events_from=start)
     if not os.path.exists(exit_file):
         say(f"podrunner: {args.host}: the first run of this launch ended without recording its exit code\n")
-        return 1
+        return EXIT_FAILURE
     return int(open(exit_file).read())
 
 
@@ -180,18 +224,41 @@ def _alive(pid):
         return True
 
 
-def main(argv):
+def _variable(text):
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
+def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m experiments.launcher.worker.once")
     parser.add_argument("--key", required=True, help="this launch's token (the same in every re-run)")
     parser.add_argument("--log", required=True, help="the worker's log of this launch")
     parser.add_argument("--host", required=True)
-    parser.add_argument("--start", required=True, help="the start line's fields")
+    parser.add_argument("--start", required=True, help="the start line's fields after the host and version")
     parser.add_argument("--secrets", default=None, help="the secrets file to read and remove")
-    parser.add_argument("--cwd", default=None, help="the trainer's working directory")
+    parser.add_argument("--env", type=_variable, action="append", default=[], metavar="NAME=VALUE",
+                        help="a variable of the trainer's environment (repeatable)")
+    parser.add_argument("--ship", default=None, metavar="TREE", help="run the shipped tree at TREE (named by its hash)")
+    parser.add_argument("--pack", default=None, help="with --ship: the copied pack to unpack when TREE is not there")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if args.ship and not args.pack:
+        parser.error("--ship needs --pack")
+    return args
+
+
+def main(argv):
+    args = parse(argv)
     claim = os.path.join(os.path.dirname(os.path.abspath(args.log)), f"launch-{args.key}")
+    try:
+        os.makedirs(os.path.dirname(claim), exist_ok=True)
+    except OSError as e:
+        discard(args.secrets)
+        say(f"podrunner: {args.host}: cannot create the log directory ({e.strerror})\n")
+        return EXIT_USER_ERROR
     try:
         os.mkdir(claim)
     except FileExistsError:

@@ -1,7 +1,8 @@
-"""`python3 -m experiments.launcher.worker.status HOST REPO OUTPUTS RUN_ID`: this worker's training
-processes (pid, seconds running), its last step and its newest worker log, as one line
-`podrunner-status {json}`. The last step: the newest metrics.jsonl under REPO/OUTPUTS (process
-0's), else the newest event with a step in the newest worker log (of RUN_ID when given).
+"""`python3 -m experiments.launcher.worker.status HOST OUTPUTS RUN_ID`, run from the repo: this
+worker's training processes (pid, seconds running), its last step and its newest worker log, as
+one line `podrunner-status {json}`. The last step: the newest metrics.jsonl under the repo's
+OUTPUTS (process 0's), else the newest event with a step in the newest worker log (of RUN_ID when
+given).
 """
 
 import glob
@@ -79,4 +80,4 @@ def status(host, repo, outputs, run_id):
 
 
 if __name__ == "__main__":
-    sys.exit(status(*sys.argv[1:5]))
+    sys.exit(status(sys.argv[1], os.getcwd(), *sys.argv[2:4]))

@@ -13,9 +13,8 @@ import os
 import signal
 import sys
 
-from experiments.launcher.worker import procs
-
-SECRETS_GLOB = ".podrunner-secrets-*"  # experiments/launcher/pod.py SECRETS_PREFIX
+from experiments.launcher.worker import SECRETS_PREFIX, procs
+from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
 
 def _signal(pids, sig):
@@ -44,7 +43,7 @@ def stop(host, grace):
     for pid, cmd, _ in foreign:
         print(f"[{host}] not killed: pid {pid} of user {procs.owner(pid)} (another login): {cmd[:300]}; "
               f"`sudo kill -9 {pid}` if it is stale", flush=True)
-    code = 1 if left else 0
+    code = EXIT_FAILURE if left else 0
     lock_note, lock_code = free_lockfile()
     summary = f"killed {len(targets)} process(es)" if targets else "nothing running"
     if left:
@@ -57,20 +56,20 @@ def free_lockfile():
     lock = os.path.expanduser(os.environ.get("PODRUNNER_LIBTPU_LOCKFILE", "/tmp/libtpu_lockfile"))
     users = procs.open_by(lock)
     if users:  # a live libtpu still holds it: the lock is not stale, and removing it would hurt
-        return f"kept {lock}: still open by pid {users}", 1
+        return f"kept {lock}: still open by pid {users}", EXIT_FAILURE
     try:
         os.remove(lock)
         return f"removed {lock}", 0
     except FileNotFoundError:
         return f"no {lock}", 0
     except OSError as e:
-        return f"could not remove {lock} ({e}); `sudo rm -f {lock}`", 1
+        return f"could not remove {lock} ({e}); `sudo rm -f {lock}`", EXIT_FAILURE
 
 
 def remove_secrets():
     """The secrets files of launches that never started (a run removes its own at once)."""
     removed = 0
-    for path in glob.glob(os.path.join(glob.escape(procs.HOME), SECRETS_GLOB)):
+    for path in glob.glob(os.path.join(glob.escape(procs.HOME), SECRETS_PREFIX + "*")):
         try:
             os.remove(path)
             removed += 1

@@ -16,7 +16,13 @@ import subprocess
 import sys
 from importlib import metadata
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: such a .venv does not fit (`project` says so)
+    tomllib = None
+
 from experiments.launcher.worker import VERSIONS_TAG
+from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
 COMPARED = ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")  # what the workers must agree on
 
@@ -37,8 +43,8 @@ def commit():
 
 def project(path="pyproject.toml"):
     """(pins {distribution: version}, minimum Python (major, minor)) from pyproject.toml."""
-    import tomllib  # Python >= 3.11: a .venv older than that has failed already
-
+    if tomllib is None:
+        raise ImportError("reading it needs Python >= 3.11 (tomllib)")
     with open(path, "rb") as f:
         data = tomllib.load(f).get("project", {})
     pins = {}
@@ -97,7 +103,7 @@ def main(argv):
     found = problems(importing)
     info.update(ok=not found, problem="; ".join(found)[:600] or None)
     print(VERSIONS_TAG + json.dumps(info), flush=True)
-    return 1 if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
+    return EXIT_FAILURE if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
 
 
 if __name__ == "__main__":

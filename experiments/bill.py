@@ -1,0 +1,346 @@
+"""The whole bill of a variant and of the programme, as `launch.py plan` prices it.
+
+Pod time is paid for every second a slice is READY (the ledger's pod-hours). The plan prices each
+variant's share of it in the vocabulary of Google's ml-goodput-measurement:
+
+  train_h     the train steps: steps x the estimated step time (experiments/plan.py)
+  eval_h      the evaluations the variant's protocol asks for: the eval step's estimated time x
+              batches per evaluation x evaluations (intermediate ones on `train.eval_subset`, the
+              last on the whole set, at `train.eval_batch_size`)
+  startup_h   what each start pays before and around its steps: the workers' setup check,
+              runtime start-up (TPU, jax.distributed), data loading, program start-up (the train
+              and eval steps' compiles, or a compilation-cache hit), the first save's blocking
+              part, the final save, and the idle READY time while the controller starts the
+              next variant
+  checkpoint_h  the blocking part of every other save
+  recovery_h  at one preemption every `mtbf` paid seconds: the steps replayed since the last
+              checkpoint (half the interval between saves, on average) plus one restart (a
+              fresh slice's setup, runtime start-up, data loading, compiles, restore)
+  total_h     their sum: what the variant costs (`pod_hours` in the CSV: the budget and the
+              ETA of `programme` read it)
+  goodput     (train_h + eval_h) / total_h: the share of the paid time that is kept steps or
+              evaluation the protocol asks for
+
+The per-phase figures (`FIGURES`) each carry their source: a measurement with its command, or a
+public figure with its address. `calibrate` replaces them with the medians a programme's ledger
+measured (`plan --calibrate-from <programme state dir>`).
+
+Pure arithmetic, no JAX: tests/test_plan.py checks every formula on small made-up inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from runtime.errors import UserError
+from runtime.goodput import (CHECKPOINT_RESTORE, CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, PROGRAM_STARTUP,
+                             RUNTIME_STARTUP, TRAIN)
+
+# Where paid time goes, in ml-goodput-measurement's vocabulary (runtime/goodput.py: the trainer's
+# own categories, which its `timing` events report) and the controller's (setup while READY,
+# idle READY time, steps replayed after a preemption), which the ledger adds.
+SETUP = "setup"  # provisioning and setup while READY: the workers' setup (check), a launch's ssh
+WASTED_PROGRESS = "wasted_progress"  # steps replayed after a disruption (WASTED_PROGRESS_FROM_DISRUPTION)
+IDLE = "idle"  # a slice READY with nothing running (between variants)
+CATEGORIES = (TRAIN, EVAL, SETUP, RUNTIME_STARTUP, DATA_LOADING, PROGRAM_STARTUP, CHECKPOINT_SAVE,
+              CHECKPOINT_RESTORE, WASTED_PROGRESS, IDLE, OTHER)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """Seconds one phase takes, when it is paid, and where the number comes from."""
+
+    seconds: float
+    category: str
+    paid: str  # when, in words
+    source: str  # "measured: <command>" or "public: <address> ..." or "ledger: ..."
+
+
+# Every start-up figure the plan uses that is not its own compile. See docs/OPERATIONS.md
+# ("Reading the bill") for how each was measured.
+FIGURES: dict[str, Figure] = {
+    "setup_check": Figure(
+        10.0, SETUP, "every launch on a slice that is set up: the supervisor asks every worker for its versions",
+        "TODO"),
+    "setup_fresh": Figure(
+        300.0, SETUP, "every launch on a fresh slice (its first, and after each preemption: a re-created slice "
+                      "has fresh disks): clone and setup_tpu.sh",
+        "TODO"),
+    "launch": Figure(10.0, SETUP, "every launch: the ssh that starts the trainer on every worker", "TODO"),
+    "runtime_init": Figure(
+        30.0, RUNTIME_STARTUP, "every launch: the process's start (Python's and jax's imports) to the TPU backend, "
+                               "jax.distributed and the start-up barrier", "TODO"),
+    "other": Figure(10.0, OTHER, "every launch: preflight, the run directory's lease, plan and build, W&B, the "
+                                 "manifest", "TODO"),
+    "data_load": Figure(10.0, DATA_LOADING, "every launch: the train and eval splits opened", "TODO"),
+    "compile_cache_hit": Figure(
+        2.0, PROGRAM_STARTUP, "each step a launch finds in the persistent compilation cache (run.compile_cache)",
+        "TODO"),
+    "restore": Figure(5.0, CHECKPOINT_RESTORE, "every launch that resumes: the checkpoint read back", "TODO"),
+    "save": Figure(1.0, CHECKPOINT_SAVE, "every save but the last: its blocking part (async: the state copied off "
+                                         "the chips)", "TODO"),
+    "final_save": Figure(10.0, CHECKPOINT_SAVE, "the last save of a variant, waited for until it is committed", "TODO"),
+    "between_variants": Figure(
+        15.0, IDLE, "every variant: the slice READY while the controller notices the end and launches the next",
+        "TODO"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the compiles and the config say about one variant (seconds; counts)."""
+
+    steps: int
+    step_s: float
+    evaluations: int  # the loop's: at every eval_every steps and at the last
+    eval_step_s: float | None = None  # one eval batch; None: not known (eval_h unknown)
+    eval_batches: int = 0  # of an intermediate evaluation (on train.eval_subset, or the whole set)
+    final_eval_batches: int = 0  # of the last evaluation (the whole set)
+    checkpoint_every: int = 0  # steps between saves (plan.checkpoint_every); 0 = only at the end
+    checkpoint_minutes: float | None = None  # train.checkpoint_every_minutes
+    compile_train_s: float = 0.0  # the plan's own compile of the train step
+    compile_eval_s: float = 0.0
+    compile_cache: bool = False  # run.compile_cache: a restart (and a same-program variant) loads, not compiles
+    train_cached: bool = False  # its train step's program ran before in the programme (a cache hit at its start)
+    eval_cached: bool = False
+    first_on_slice: bool = True  # the first variant of its slice: it pays the fresh slice's setup
+    # What-if (`plan --what-if long-lived-trainer`): it starts in the process that ran the variant
+    # before it on its slice: no setup check, launch, runtime start-up or idle time; its dataset
+    # already loaded when the same; a step that process already compiled costs nothing.
+    warm: bool = False
+    data_loaded: bool = False
+    train_in_process: bool = False
+    eval_in_process: bool = False
+
+    @property
+    def train_s(self) -> float:
+        return self.steps * self.step_s
+
+    @property
+    def eval_s(self) -> float | None:
+        if self.evaluations == 0:
+            return 0.0
+        if self.eval_step_s is None:
+            return None
+        return self.eval_step_s * ((self.evaluations - 1) * self.eval_batches + self.final_eval_batches)
+
+
+@dataclass(frozen=True)
+class Bill:
+    """One variant's priced seconds by category (`seconds`, summing to `total_s`) and by column."""
+
+    seconds: dict[str, float]  # category -> seconds
+    checkpoint_s: float  # the blocking part of the saves before the last
+    recovery_s: float  # what the expected preemptions add: replayed steps and restarts
+    preemptions: float  # expected
+    saves: int
+    checkpoint_interval_s: float  # wall time between saves (what a preemption replays half of)
+    young_interval_s: float | None  # Young's rule: sqrt(2 x blocking save x MTBF)
+    restart_s: float  # one preemption's start-up (not its replay)
+    eval_known: bool = True
+
+    @property
+    def train_s(self) -> float:
+        return self.seconds.get(TRAIN, 0.0)
+
+    @property
+    def eval_s(self) -> float:
+        return self.seconds.get(EVAL, 0.0)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def startup_s(self) -> float:
+        """The first start's fixed costs, its final save and the idle time before the next variant."""
+        return self.total_s - self.train_s - self.eval_s - self.checkpoint_s - self.recovery_s
+
+    @property
+    def goodput(self) -> float:
+        return (self.train_s + self.eval_s) / self.total_s if self.total_s else 0.0
+
+
+def _add(into: dict[str, float], category: str, seconds: float) -> None:
+    into[category] = into.get(category, 0.0) + seconds
+
+
+def save_count(v: Variant, figures: Mapping[str, Figure]) -> tuple[int, float]:
+    """(saves, wall seconds between saves) of the variant's uninterrupted run: a save every
+    `checkpoint_every` steps or `checkpoint_minutes`, whichever comes first, and one at the end."""
+    work = v.train_s + (v.eval_s or 0.0)
+    intervals = []
+    if v.checkpoint_every and v.checkpoint_every < v.steps:
+        intervals.append(work * v.checkpoint_every / v.steps)
+    if v.checkpoint_minutes:
+        intervals.append(60.0 * v.checkpoint_minutes)
+    interval = min(intervals) if intervals else work
+    interval = min(interval, work) if work else 0.0
+    saves = max(1, math.ceil(work / interval - 1e-9)) if interval else 1
+    return saves, interval
+
+
+def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | None = None) -> Bill:
+    """The variant's bill (see the module docstring). A preemption costs one restart plus half the
+    interval between saves replayed; the expected number is the paid time / `mtbf_s`, the paid
+    time including the recoveries themselves: total = base / (1 - cost per preemption / mtbf)."""
+    f = {k: fig.seconds for k, fig in figures.items()}
+    s: dict[str, float] = {}
+    _add(s, TRAIN, v.train_s)
+    eval_s = v.eval_s
+    _add(s, EVAL, eval_s or 0.0)
+    # the first start
+    cold = not v.warm
+    _add(s, SETUP, ((f["setup_fresh"] if v.first_on_slice else f["setup_check"]) + f["launch"]) * cold)
+    _add(s, RUNTIME_STARTUP, f["runtime_init"] * cold)
+    _add(s, DATA_LOADING, 0.0 if v.warm and v.data_loaded else f["data_load"])
+    _add(s, OTHER, f["other"])
+    hit = f["compile_cache_hit"]
+    train = 0.0 if v.warm and v.train_in_process else hit if v.compile_cache and v.train_cached else v.compile_train_s
+    evals = 0.0 if v.evaluations == 0 or (v.warm and v.eval_in_process) else \
+        hit if v.compile_cache and v.eval_cached else v.compile_eval_s
+    _add(s, PROGRAM_STARTUP, train + evals)
+    saves, interval = save_count(v, figures)
+    _add(s, CHECKPOINT_SAVE, f["final_save"])
+    _add(s, IDLE, f["between_variants"] * cold)
+    periodic = (saves - 1) * f["save"]
+    _add(s, CHECKPOINT_SAVE, periodic)
+    # a restart after a preemption: a fresh slice, the cache (or not), the checkpoint read back
+    fixed = {SETUP: f["setup_fresh"] + f["launch"], RUNTIME_STARTUP: f["runtime_init"], DATA_LOADING: f["data_load"],
+             OTHER: f["other"], CHECKPOINT_RESTORE: f["restore"],
+             PROGRAM_STARTUP: (hit if v.compile_cache else v.compile_train_s)
+             + (0.0 if v.evaluations == 0 else hit if v.compile_cache else v.compile_eval_s)}
+    restart = sum(fixed.values())
+    young = math.sqrt(2 * f["save"] * mtbf_s) if mtbf_s else None
+    preemptions = recovery = 0.0
+    if mtbf_s:
+        cost = restart + interval / 2
+        if cost >= mtbf_s:
+            raise UserError(f"one preemption costs {cost / 3600:.2f} h (a restart and half a checkpoint interval), "
+                            f"more than --mtbf {mtbf_s / 3600:g}h: no run would finish; save more often "
+                            "(train.checkpoint_every_minutes) or plan for a longer MTBF")
+        base = sum(s.values())
+        total = base / (1 - cost / mtbf_s)
+        preemptions = total / mtbf_s
+        for category, seconds in (fixed | {WASTED_PROGRESS: interval / 2}).items():
+            _add(s, category, preemptions * seconds)
+        recovery = preemptions * cost
+    return Bill(seconds=s, checkpoint_s=periodic, recovery_s=recovery, preemptions=preemptions, saves=saves,
+                checkpoint_interval_s=interval,
+                young_interval_s=young, restart_s=restart, eval_known=eval_s is not None)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def ledger_launches(ledger: Mapping) -> dict[str, list[dict[str, float]]]:
+    """{variant: [{category: seconds, and "saves", "hits", "misses" where known} per launch]}
+    from a programme's ledger.json: each launch's `timing`, either the trainer's `timing` event
+    (runtime/goodput.py: its `seconds` by category, `saves`, cache `hits` and `misses`) with what
+    the controller measured beside it, or a flat {category: seconds}. Launches without one are
+    skipped; a ledger of another shape gives {}."""
+    out: dict[str, list[dict[str, float]]] = {}
+    variants = ledger.get("variants") if isinstance(ledger, Mapping) else None
+    for name, record in (variants if isinstance(variants, Mapping) else {}).items():
+        supervision = record.get("supervision") if isinstance(record, Mapping) else None
+        launches = supervision.get("launches") if isinstance(supervision, Mapping) else None
+        timings = []
+        for launch in launches if isinstance(launches, list) else []:
+            timing = launch.get("timing") if isinstance(launch, Mapping) else None
+            if not isinstance(timing, Mapping):
+                continue
+            flat = dict(timing.get("seconds")) if isinstance(timing.get("seconds"), Mapping) else {}
+            flat |= {k: v for k, v in timing.items() if k != "seconds"}
+            flat = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if flat:
+                timings.append(flat)
+        if timings:
+            out[name] = timings
+    return out
+
+
+# figure -> the ledger category whose per-launch median replaces it (launches where it was > 0)
+CALIBRATED = {"setup_check": SETUP, "runtime_init": RUNTIME_STARTUP, "data_load": DATA_LOADING,
+              "restore": CHECKPOINT_RESTORE, "other": OTHER, "between_variants": IDLE}
+
+
+@dataclass
+class Calibration:
+    """What a ledger measured: figures replaced by medians, and each variant's own compiles."""
+
+    figures: dict[str, Figure]
+    program_startup: dict[str, float] = field(default_factory=dict)  # variant -> median compile seconds a start
+    launches: int = 0
+
+
+def _median(figure: Figure, values: list[float], what: str, path: Path) -> Figure:
+    return dataclasses.replace(figure, seconds=statistics.median(values),
+                               source=f"ledger: median of {len(values)} launches' {what} ({path})")
+
+
+def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calibration:
+    """The figures with the ledger's per-launch medians where it measured them: `CALIBRATED`;
+    `save`, the blocking seconds of a save (checkpoint_save / saves); `compile_cache_hit`, the
+    program start-up of a launch that only hit the cache, per hit; and each variant's median
+    program start-up (a launch that compiled). UserError for a directory without a readable ledger."""
+    path = Path(state_dir) / "ledger.json"
+    try:
+        ledger = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--calibrate-from {state_dir}: no ledger.json there; give a programme's state directory "
+                        "(outputs/programmes/<name>)") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"--calibrate-from {state_dir}: cannot read {path} ({e}); give a programme's state "
+                        "directory") from None
+    runs = ledger_launches(ledger)
+    out = dict(figures)
+    every = [t for timings in runs.values() for t in timings]
+    for name, category in CALIBRATED.items():
+        values = [t[category] for t in every if t.get(category, 0.0) > 0]
+        if values:
+            out[name] = _median(figures[name], values, category, path)
+    saves = [t[CHECKPOINT_SAVE] / t["saves"] for t in every if t.get("saves", 0) > 0 and CHECKPOINT_SAVE in t]
+    if saves:
+        out["save"] = _median(figures["save"], saves, "checkpoint_save per save", path)
+    hits = [t[PROGRAM_STARTUP] / t["hits"] for t in every
+            if t.get("hits", 0) > 0 and t.get("misses", 1) == 0 and PROGRAM_STARTUP in t]
+    if hits:
+        out["compile_cache_hit"] = _median(figures["compile_cache_hit"], hits, "program_startup per cache hit", path)
+    compiles = {v: statistics.median(x) for v, timings in runs.items()
+                if (x := [t[PROGRAM_STARTUP] for t in timings
+                          if t.get(PROGRAM_STARTUP, 0.0) > 0 and (t.get("misses", 1) > 0 or "hits" not in t)])}
+    return Calibration(out, compiles, len(every))
+
+
+# ----------------------------------------------------------------------------- the programme
+
+
+def parse_hours(text: str) -> float:
+    """Seconds of '8h', '30m', '2d' or a number of hours; UserError otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    value, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "h")
+    try:
+        seconds = float(value) * units[unit]
+    except ValueError:
+        seconds = -1.0
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise UserError(f"--mtbf {text} is not a duration; give e.g. 8h, 90m or 2d")
+    return seconds
+
+
+def schedule(hours: list[float], slices: int) -> list[int]:
+    """The slice each variant runs on, in order: each takes the slice that frees first (what
+    the programme's controller does, one thread per slice taking the next queued variant)."""
+    free = [0.0] * slices
+    out = []
+    for h in hours:
+        i = min(range(slices), key=lambda j: (free[j], j))
+        out.append(i)
+        free[i] += h
+    return out

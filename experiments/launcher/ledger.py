@@ -1,0 +1,465 @@
+"""The launcher's records, typed: a variant's states and how they change, a supervision's
+outcomes and statuses, and the dataclasses of `ledger.json` (the queue's,
+experiments/launcher/run_queue.py) and `supervision.json` (`launch.py supervise`,
+experiments/launcher/supervise.py).
+
+Vocabulary (each a `StrEnum`: the JSON holds the same strings as before):
+  VariantState   queued, running, completed, failed, skipped
+  Move           what changes a variant's state; `TRANSITIONS` lists every legal change (docs/
+                 OPERATIONS.md's state table says the same, and a test compares the two); `move`
+                 makes one, and any other change is a bug (`IllegalTransition`)
+  Outcome        how one launch ended: completed, preempted, fatal, backoff, restart
+  Status         a supervision's: running, completed, failed, gave-up, interrupted, released
+  ControllerStatus  the queue's controller: submitted, running, stopped, budget, done
+  Verb           a request for the controller: stop, skip, retry, budget
+Failure classes are the trainer's (runtime/events.py's `Failure`).
+
+Files. `ledger.json` is `Ledger` as JSON with `"schema": 2` (a ledger without it is version 1,
+written before the records were typed: the same keys, read as they are). `supervision.json`
+is `SupervisionRecord` with the same key. Loading is strict: a file that is not JSON, or whose
+shape differs (a key missing or unknown, a value of the wrong type), raises `RecordError`
+naming the file, the field and the problem, and where a good copy may be. A later schema adds
+fields with defaults (an older file reads as it is) and, where a field's meaning changes, a
+step in `MIGRATIONS` that rewrites the older layout.
+
+Writes: `to_text` serialises a record (take it under the lock its record is changed under: the
+text is a copy of one moment); `write_text` replaces a file whole (a local path through
+runtime/atomic.py's `write_atomic`, a remote object in one write). `Snapshot` is a mirror's
+state.json (the submission and the ledger). Event lines: `log_line` (`[programme] <UTC time>
+<event> key=value ...`, `[supervise] ...`).
+
+Strict reading and writing go through pydantic (a TypeAdapter over these standard dataclasses).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+import fsspec
+import pydantic
+from fsspec.implementations.local import LocalFileSystem
+
+from runtime.atomic import write_atomic
+from runtime.errors import UserError
+
+SCHEMA = 2
+
+
+# --- the vocabulary ------------------------------------------------------------------------------
+
+class VariantState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class Move(enum.StrEnum):
+    """What happens to a variant (docs/OPERATIONS.md, the state table)."""
+    START = "start"  # a slice takes it
+    COMPLETE = "complete"  # its run completed, or was found complete beside its checkpoints
+    FAIL = "fail"  # failed for good, or its supervision gave up
+    REQUEUE = "requeue"  # stopped before its end: the controller stopped or died, or its slice could not be had
+    SKIP = "skip"  # `programme skip` (a running one once it has stopped)
+    RETRY = "retry"  # `programme retry`
+
+
+# (from, move) -> to: every change of a variant's state there is.
+TRANSITIONS: dict[tuple[VariantState, Move], VariantState] = {
+    (VariantState.QUEUED, Move.START): VariantState.RUNNING,
+    (VariantState.RUNNING, Move.COMPLETE): VariantState.COMPLETED,
+    (VariantState.RUNNING, Move.FAIL): VariantState.FAILED,
+    (VariantState.RUNNING, Move.REQUEUE): VariantState.QUEUED,
+    (VariantState.RUNNING, Move.SKIP): VariantState.SKIPPED,
+    (VariantState.QUEUED, Move.SKIP): VariantState.SKIPPED,
+    (VariantState.FAILED, Move.SKIP): VariantState.SKIPPED,
+    (VariantState.FAILED, Move.RETRY): VariantState.QUEUED,
+    (VariantState.SKIPPED, Move.RETRY): VariantState.QUEUED,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A change of a variant's state that TRANSITIONS does not list: a bug in the controller."""
+
+
+def can_move(state: VariantState, how: Move) -> bool:
+    return (state, how) in TRANSITIONS
+
+
+def move(record: "VariantRecord", how: Move) -> VariantState:
+    """Change the variant's state as TRANSITIONS says (the only place that does)."""
+    to = TRANSITIONS.get((record.state, how))
+    if to is None:
+        raise IllegalTransition(f"a {record.state} variant cannot {how} (see ledger.TRANSITIONS)")
+    record.state = to
+    return to
+
+
+class Outcome(enum.StrEnum):
+    """How one launch ended (experiments/launcher/supervise.py's `classify`)."""
+    COMPLETED = "completed"
+    PREEMPTED = "preempted"  # back to making sure the slice is READY; not a restart
+    FATAL = "fatal"  # a permanent failure: the supervision fails
+    BACKOFF = "backoff"  # wait, then relaunch (a restart)
+    RESTART = "restart"  # stop stale processes, relaunch (a restart)
+
+
+class Status(enum.StrEnum):
+    """A supervision's status (and the event that ends it)."""
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    GAVE_UP = "gave-up"
+    INTERRUPTED = "interrupted"
+    RELEASED = "released"  # a programme's slice given back (its own record, never saved)
+
+
+class ControllerStatus(enum.StrEnum):
+    SUBMITTED = "submitted"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    BUDGET = "budget"
+    DONE = "done"
+
+
+class Verb(enum.StrEnum):
+    """A request for the running controller (`programme stop | skip | retry | budget`)."""
+    STOP = "stop"
+    SKIP = "skip"
+    RETRY = "retry"
+    BUDGET = "budget"
+
+
+# --- the records ---------------------------------------------------------------------------------
+
+class Strict:
+    """A record read strictly: an unknown key is a file of another shape (pydantic reads the config)."""
+    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+
+
+@dataclass
+class ReadyClock(Strict):
+    """How long a slice was READY (billed), and that times its hosts; a supervisor started again goes
+    on counting from `ready_since`. Changed under the lock of the record that holds it."""
+    ready_since: float | None = None
+    hosts: int = 0
+    ready_seconds: float = 0.0
+    host_seconds: float = 0.0
+
+    def ready(self, since: float, hosts: int) -> None:
+        if self.ready_since is None:
+            self.ready_since = since
+        self.hosts = hosts or self.hosts
+
+    def gone(self, at: float) -> None:
+        if self.ready_since is None:
+            return
+        seconds = max(0.0, at - self.ready_since)
+        self.ready_seconds += seconds
+        self.host_seconds += seconds * self.hosts
+        self.ready_since = None
+
+    def ready_total(self, now: float | None = None) -> float:
+        """READY seconds so far, the open stretch included."""
+        open_ = 0.0 if self.ready_since is None else max(0.0, (now or time.time()) - self.ready_since)
+        return self.ready_seconds + open_
+
+    def host_total(self, now: float | None = None) -> float:
+        """Host-seconds so far, the open stretch included."""
+        open_ = 0.0 if self.ready_since is None else max(0.0, (now or time.time()) - self.ready_since) * self.hosts
+        return self.host_seconds + open_
+
+
+@dataclass
+class Progress(Strict):
+    """What the running launch said last (its last checkpoint), for status pages."""
+    step: int | None = None
+    total: int | None = None
+    wandb_run_id: str | None = None
+
+
+@dataclass
+class LaunchRecord(Strict):
+    """One launch: when, its exit code, how it ended and why, where the run got to."""
+    started: float
+    ended: float
+    code: int
+    outcome: Outcome
+    cause: str  # a Failure's cause ("bad input"), "completed", "preempted" or "exit N ..."
+    line: str | None = None  # the trainer's one line of its failure
+    last_step: int | None = None
+    total: int | None = None
+    wandb_run_id: str | None = None
+    tpu_state_after: str | None = None  # as gcloud said it (None: not asked, the launch ended well)
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class End(Strict):
+    """How a supervision ended (the fields of its last event)."""
+    status: Status
+    code: int
+    line: str | None = None
+    cause: str | None = None
+    reason: str | None = None  # gave up: max-restarts or no-progress
+    last_step: int | None = None
+    max_restarts: int | None = None
+
+
+@dataclass
+class SupervisionRecord(Strict):
+    """One run's supervision (supervision.json, or a variant's `supervision` in the ledger)."""
+    run_id: str | None = None
+    tpu: str | None = None
+    zone: str | None = None
+    restarts: int = 0
+    preemptions: int = 0
+    status: Status = Status.RUNNING
+    launches: list[LaunchRecord] = field(default_factory=list)
+    slice: ReadyClock = field(default_factory=ReadyClock)  # `supervise`'s own slice (a variant's is the ledger's)
+    create_refusals: int = 0  # refused creates in a row
+    progress: Progress | None = None
+    in_flight: bool = False  # a launch runs (a supervisor killed meanwhile finds it so)
+    setup_pending: bool = False  # the last setup failed
+    commit: str | None = None  # the commit every worker first agreed on
+    end: End | None = None
+
+    def last_step(self) -> int | None:
+        return self.launches[-1].last_step if self.launches else None
+
+
+@dataclass
+class Mark(Strict):
+    """Where the slice's clock stood when a running variant started: it is charged what follows."""
+    ready: float = 0.0
+    host: float = 0.0
+
+
+@dataclass
+class VariantRecord(Strict):
+    state: VariantState = VariantState.QUEUED
+    order: int = 0
+    run_id: str = ""
+    attempts: int = 0
+    slice: str | None = None
+    supervision: SupervisionRecord = field(default_factory=SupervisionRecord)
+    ready_seconds: float = 0.0
+    host_seconds: float = 0.0
+    last_step: int | None = None
+    total: int | None = None
+    wandb_run_id: str | None = None
+    metrics: dict[str, Any] | None = None
+    line: str | None = None
+    failure: str | None = None  # the cause, in words ("bad input", "quota", ...)
+    started: float | None = None
+    ended: float | None = None
+    mark: Mark | None = None  # while running
+    skip: bool = False  # `programme skip` asked while it ran: skipped once it has stopped
+
+
+@dataclass
+class SliceRecord(Strict):
+    clock: ReadyClock = field(default_factory=ReadyClock)
+    variant: str | None = None  # the variant it runs (kept when the controller stops: it resumes there)
+
+
+@dataclass
+class Streak(Strict):
+    """The variants the same infrastructure failure ended, in a row."""
+    kind: str | None = None
+    variants: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ControllerRecord(Strict):
+    status: ControllerStatus = ControllerStatus.SUBMITTED
+    pid: int | None = None
+    started: float | None = None
+    streak: Streak = field(default_factory=Streak)
+    line: str | None = None
+    ended: float | None = None
+    applied: list[str] = field(default_factory=list)  # ids of the last commands applied (each once)
+
+
+@dataclass
+class Ledger(Strict):
+    """The queue's ledger (ledger.json). `seq` counts its saves: of two copies the higher is newer."""
+    schema: int = SCHEMA
+    seq: int = 0
+    variants: dict[str, VariantRecord] = field(default_factory=dict)
+    slices: dict[str, SliceRecord] = field(default_factory=dict)
+    history: list[tuple[float, float]] = field(default_factory=list)  # (time, pod-hours spent)
+    controller: ControllerRecord = field(default_factory=ControllerRecord)
+
+
+@dataclass
+class Snapshot(Strict):
+    """A mirror's state.json: the submission (programme.json) and the ledger of one moment; `seq`
+    is the ledger's (of two snapshots the higher is the newer)."""
+    schema: int
+    seq: int
+    submission: dict[str, Any]
+    ledger: Ledger
+
+
+@dataclass
+class Command(Strict):
+    """A request left for the controller (`<state dir>/commands/<id>.json`, and on the mirror)."""
+    id: str
+    verb: Verb
+    variant: str | None = None
+    value: float | None = None
+
+
+# --- reading and writing -------------------------------------------------------------------------
+
+class RecordError(UserError):
+    """A state file that cannot be read as its record (`what`: "ledger", "supervision record", ...):
+    the `file`, the `field` within it (None: the file as a whole), the `problem`, and `good_copy`,
+    where an intact copy may be (the mirror). One line (a UserError: exit 2)."""
+
+    def __init__(self, what: str, file: object, problem: str, *, field: str | None = None,
+                 good_copy: str | None = None, fresh: str = "start anew", garbled: bool = False) -> None:
+        self.what, self.file, self.field, self.problem, self.good_copy = what, str(file), field, problem, good_copy
+        wrong = (f"is truncated or garbled ({problem})" if garbled else
+                 f"is not a {what} this code reads ({field + ': ' if field else ''}{problem})")
+        copy = f"restore it from {good_copy}" if good_copy else "restore it from a copy"
+        super().__init__(f"the {what} {file} {wrong}; {copy}, or move it away to {fresh}")
+
+
+T = TypeVar("T")
+
+
+@functools.cache
+def _adapter(kind: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(kind)
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).isidentifier():
+            out += f".{part}" if out else str(part)
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out
+
+
+def _problem(error: Mapping[str, Any]) -> str:
+    if error["type"] == "missing":
+        return "missing"
+    if error["type"] == "unexpected_keyword_argument":
+        return "a field this version does not know"
+    value = json.dumps(error.get("input"))
+    return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value[:80]}"
+
+
+# Schema n -> n + 1, on the parsed JSON of a file of schema n. Version 2 only typed version 1's
+# records (the same keys, read as they are) and added fields with defaults: nothing to rewrite.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data}
+
+
+def decode(kind: type[T], data: Any, *, what: str, file: object, good_copy: str | None = None,
+           fresh: str = "start anew", prefix: tuple = ()) -> T:
+    """`data` (parsed JSON of the current schema) as a `kind` record, strictly, or RecordError."""
+    try:
+        return _adapter(kind).validate_json(json.dumps(data), strict=True)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        raise RecordError(what, file, _problem(first), field=_path(prefix + tuple(first["loc"])) or None,
+                          good_copy=good_copy, fresh=fresh) from None
+
+
+def parse_json(text: str | bytes, *, what: str, file: object, good_copy: str | None = None,
+               fresh: str = "start anew") -> dict:
+    """The JSON object of a state file, at the current schema (older ones migrated), or RecordError."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise RecordError(what, file, str(e), good_copy=good_copy, fresh=fresh, garbled=True) from None
+    return upgrade(data, what=what, file=file, good_copy=good_copy, fresh=fresh)
+
+
+def upgrade(data: Any, *, what: str, file: object, good_copy: str | None = None, fresh: str = "start anew",
+            prefix: tuple = ()) -> dict:
+    """A record's JSON object at the current schema: older schemas migrated, newer ones refused."""
+    if not isinstance(data, dict):
+        raise RecordError(what, file, f"a JSON {type(data).__name__}, not an object", field=_path(prefix) or None,
+                          good_copy=good_copy, fresh=fresh)
+    schema = data.get("schema", 1)
+    if not isinstance(schema, int) or not 1 <= schema <= SCHEMA:
+        raise RecordError(what, file, f"{schema!r}, where this code reads 1 to {SCHEMA} (a newer version wrote "
+                                      "it? run that one)", field=_path((*prefix, "schema")), good_copy=good_copy,
+                          fresh=fresh)
+    for version in range(schema, SCHEMA):
+        data = MIGRATIONS[version](data)
+    return {**data, "schema": SCHEMA}
+
+
+def load_snapshot(text: str | bytes, file: object) -> Snapshot:
+    """A mirror's state.json as a Snapshot, or RecordError."""
+    kw = dict(what="programme snapshot", file=file, fresh="take over from the directory's own files")
+    data = parse_json(text, **kw)
+    if "ledger" in data:
+        data["ledger"] = upgrade(data["ledger"], prefix=("ledger",), **kw)
+    return decode(Snapshot, data, **kw)
+
+
+def load_ledger(text: str | bytes, file: object, good_copy: str | None = None) -> Ledger:
+    """ledger.json's text as a Ledger (any schema this code reads), or RecordError."""
+    kw = dict(what="ledger", file=file, good_copy=good_copy, fresh="submit the programme again")
+    return decode(Ledger, parse_json(text, **kw), **kw)
+
+
+def load_supervision(text: str | bytes, file: object, good_copy: str | None = None) -> SupervisionRecord:
+    """supervision.json's text as a SupervisionRecord, or RecordError."""
+    kw = dict(what="supervision record", file=file, good_copy=good_copy,
+              fresh="start a new history for this run id")
+    data = parse_json(text, **kw)
+    data.pop("schema")
+    return decode(SupervisionRecord, data, **kw)
+
+
+def as_json(record: Any) -> Any:
+    """A record as plain JSON data (a copy)."""
+    return _adapter(type(record)).dump_python(record, mode="json")
+
+
+def to_text(record: Any) -> str:
+    """A record as the text of its file (take it under the lock its record is changed under)."""
+    return _adapter(type(record)).dump_json(record, indent=1).decode() + "\n"
+
+
+def supervision_text(record: SupervisionRecord) -> str:
+    """supervision.json's text: the record, with its schema first."""
+    return dumps({"schema": SCHEMA, **as_json(record)})
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, indent=1) + "\n"
+
+
+def write_text(uri: str | Path, text: str) -> None:
+    """Replace a state file whole: a local path through write_atomic, a remote object (gs://) in one
+    write (an object is replaced whole or not at all)."""
+    fs, path = fsspec.core.url_to_fs(str(uri))
+    if isinstance(fs, LocalFileSystem):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+    else:
+        fs.pipe_file(path, text.encode())
+
+
+def log_line(prefix: str, event: str, fields: Mapping[str, object], when: float | None = None) -> str:
+    """One event line of a controller or supervisor log: `<prefix> <UTC time> <event> key=value ...`."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
+    return " ".join([prefix, stamp, event, *(f"{k}={v}" for k, v in fields.items())])

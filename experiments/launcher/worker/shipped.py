@@ -1,0 +1,113 @@
+"""A shipped tree on a worker (`launch.py pod --ship`): the pack that `gcloud ... scp` copied into
+the home directory, unpacked once per tree into ~/podrunner-shipped/<tree hash> and run there
+with the repo's .venv (shipping installs nothing). Used by the launch guard (once.py), from the
+repo on the worker.
+
+`prepare` unpacks the pack into a temporary directory beside the tree's and renames it into
+place, so a half-unpacked tree is never used: an unpack cut short leaves no tree, and of two
+launches unpacking the same tree at once one rename wins and the other copy is removed. A tree
+that is there already is reused. Then the pack is removed and the tree's .venv links to the
+repo's.
+"""
+
+import contextlib
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import zlib
+
+from runtime.atomic import replacing  # standard library only, like this
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (a TPU VM's system python3): pins are compared as whole files
+    tomllib = None
+
+SHIP_DIR = "~/podrunner-shipped"  # + /<tree hash>: a shipped tree, unpacked once per worker
+PACK_PREFIX = ".podrunner-ship-"  # + the tree hash's first 16 digits + .tar.gz: the pack in the home directory
+# GNU tar's rules (no absolute paths, no links out of the tree) where this Python has extraction
+# filters (3.10.12, 3.11.4 and later); before them, tarfile's own behaviour.
+_FILTER = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+
+
+class ShipFailed(Exception):
+    """One line: what went wrong with the shipped tree on this worker."""
+
+
+def pack_name(tree_hash):
+    """The pack's name in each worker's home while it is copied there."""
+    return f"{PACK_PREFIX}{tree_hash[:16]}.tar.gz"
+
+
+def tree_dir(tree_hash):
+    """Where the tree is unpacked (`~` unexpanded: the launcher passes it to the worker's shell)."""
+    return f"{SHIP_DIR}/{tree_hash}"
+
+
+def unpack(pack, tree):
+    """Unpack the tar.gz `pack` into the directory `tree` unless it is there (module docstring)."""
+    if os.path.isdir(tree):
+        return
+    parent = os.path.dirname(os.path.abspath(tree))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(tree) + ".tmp-", dir=parent)
+    try:
+        with tarfile.open(pack, "r:gz") as tar:
+            tar.extractall(tmp, **_FILTER)
+        try:
+            os.rename(tmp, tree)
+        except OSError:
+            if not os.path.isdir(tree):  # else another launch's rename won: its tree is the same
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def link_venv(tree, venv):
+    """`tree`/.venv -> `venv`, replacing a link that is there (a new link renamed over it)."""
+    with replacing(os.path.join(tree, ".venv")) as tmp:
+        os.symlink(venv, tmp)
+
+
+def prepare(pack, tree, venv):
+    """The shipped tree at `tree`, ready to run with `venv`: unpacked from `pack` unless it is there,
+    the pack removed, the .venv linked. ShipFailed says which step failed."""
+    try:
+        unpack(pack, tree)
+    except (OSError, EOFError, tarfile.TarError, zlib.error) as e:  # EOFError, zlib.error: a pack cut short
+        raise ShipFailed(f"cannot unpack the shipped tree (gcloud scp): {e}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(pack)
+    try:
+        link_venv(tree, venv)
+    except OSError as e:
+        raise ShipFailed(f"cannot link the .venv of --repo-dir into the shipped tree: {e}") from None
+
+
+def _pins(path):
+    """What a pyproject.toml pins: its dependencies and build system (the whole file without tomllib)."""
+    with open(path, "rb") as f:
+        if tomllib is None:
+            return f.read()
+        data = tomllib.load(f)
+    project = data.get("project", {})
+    return project.get("dependencies"), project.get("optional-dependencies"), data.get("build-system")
+
+
+def same_pins(shipped, repo):
+    """Whether the shipped pyproject.toml pins what the repo's (whose .venv runs it) pins."""
+    try:
+        return _pins(shipped) == _pins(repo)
+    except (OSError, ValueError):
+        return False
+
+
+def warn_if_pins_differ(tree, repo, host):
+    """One line on stderr when the shipped tree pins other packages than the repo's .venv has."""
+    if not same_pins(os.path.join(tree, "pyproject.toml"), os.path.join(repo, "pyproject.toml")):
+        print(f"podrunner: {host}: WARNING: the shipped pyproject.toml pins other packages than the one in "
+              "--repo-dir; the run uses the .venv there (shipping installs nothing): run launch.py setup",
+              file=sys.stderr, flush=True)
