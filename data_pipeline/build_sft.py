@@ -27,6 +27,7 @@ import fsspec
 import numpy as np
 from tqdm import tqdm
 
+from data_pipeline.arithmetic import generate_records
 from data_pipeline.marker import claim, finish
 from data_pipeline.puzzle_format import DatasetError, builder_cli
 from data_pipeline.sft import (
@@ -35,7 +36,7 @@ from data_pipeline.sft import (
     read_jsonl,
     render_messages,
 )
-from data_pipeline.sft_format import SFTMetadata, write_sft_split
+from data_pipeline.sft_format import SFTMetadata, load_sft_metadata, write_sft_split
 from data_pipeline.tokenizer import Tokenizer, train_tokenizer
 from runtime.ranges import Rule, at_least, check_args
 from runtime.task import IGNORE_LABEL
@@ -194,8 +195,6 @@ def build_generated_arithmetic(output_dir: str | os.PathLike, num_train: int, nu
     """Synthetic arithmetic reasoning set (data_pipeline.arithmetic): writes train.jsonl, test.jsonl,
     tokenizer.model (trained on the problems unless `tokenizer` is given) and the train/test splits
     into output_dir (local). Deterministic in seed. rebuild: as build_sft_dataset's."""
-    from data_pipeline.arithmetic import generate_records
-
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"need num_train >= 1 and num_eval >= 1, got {num_train}, {num_eval}")
     root = str(output_dir).rstrip("/")
@@ -263,8 +262,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         build_sft_dataset(args.output_dir, args.jsonl, args.tokenizer, args.seq_len, eval_jsonl=args.eval_jsonl,
                           eval_fraction=args.eval_fraction, packing=args.packing, seed=args.seed, rebuild=args.rebuild)
-    from data_pipeline.sft_format import load_sft_metadata
-
     for split in ("train", "test"):
         m = load_sft_metadata(args.output_dir, split)
         print(f"{split}: {m.num_examples} examples in {m.num_rows} rows of {m.seq_len} "

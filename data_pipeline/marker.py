@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import fsspec
 
 from data_pipeline.puzzle_format import DatasetError
+from runtime.errors import UserError
 
 MARKER = ".podrunner-generated"
 # A run that builds its set (data.generate_if_missing) at a path that does not exist says so: the
@@ -99,8 +100,6 @@ def _own(base: str, inputs: Sequence[str | None]) -> set[str]:
 def run_build_target(root: str, builder: str, missing: str) -> str:
     """`build_target` for a run (data.generate_if_missing): a UserError (exit 2) when `root` is a
     folder a build must not write into."""
-    from runtime.errors import UserError
-
     try:
         return build_target(root, builder, missing)
     except DatasetError as e:
@@ -127,8 +126,6 @@ def check_generated(root: str, builder: str, wanted: Mapping[str, tuple[Any, str
     """For a run with data.generate_if_missing: whether the generated set at `root` must be built
     again because its marker's parameters differ from the run's (data.regenerate=true), else a
     UserError naming the first parameter that differs; False when they agree."""
-    from runtime.errors import UserError
-
     difference = generated_difference(root, builder, wanted)
     if difference is None:
         return False

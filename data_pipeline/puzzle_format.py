@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+from tqdm import tqdm
 
 from runtime.errors import EXIT_USER_ERROR, one_line
 from runtime.task import IGNORE_LABEL
@@ -60,8 +61,6 @@ def builder_cli(main: Callable[..., None]) -> Callable[..., None]:
 
 def end_progress_bars() -> None:
     """Close the tqdm bars still open (each ends its line): what is printed next starts a line."""
-    from tqdm import tqdm
-
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 
@@ -311,7 +310,7 @@ def _load_array(fs: fsspec.AbstractFileSystem, local: bool, path: str, shown: st
         with fs.open(path, "rb") as f:
             return np.load(io.BytesIO(f.read()))
     except (ValueError, EOFError, OSError) as e:  # a truncated file: short header or data
-        from data_pipeline.marker import rebuild_hint
+        from data_pipeline.marker import rebuild_hint  # a cycle: data_pipeline.marker imports this module
 
         raise DatasetError(f"{shown} is truncated or not a .npy array ({' '.join(str(e).split())[:120]}); "
                            f"{rebuild_hint(root)}") from e

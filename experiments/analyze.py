@@ -202,7 +202,7 @@ def collect_wandb(group: str, project: str, entity: str | None = None, *, api: A
     gives runs with `.name`, `.config`, `.state` and `.scan_history()` rows ({"_step",
     "_timestamp", metric keys...})."""
     if api is None:
-        import wandb
+        import wandb  # optional heavy (over 1 s to import): only W&B reads load it
 
         api = wandb.Api()
     path = f"{entity}/{project}" if entity else project
@@ -454,7 +454,7 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
             ax.set_xscale("log")
         ax.margins(x=0.08)
         if plot.log_x and plot.x != "params" and len(means) <= 12:  # config values over decades: a tick at each
-            from matplotlib.ticker import NullLocator
+            from matplotlib.ticker import NullLocator  # optional heavy, as in `make_figure`
 
             ax.set_xticks(sorted(means), [_g(x) for x in sorted(means)])
             ax.xaxis.set_minor_locator(NullLocator())
@@ -477,8 +477,9 @@ def _bars(ax, runs: list[Run], labels: list[str], y: str, is_base: dict[str, boo
 
 def make_figure(group: str, p: Plot, runs: Iterable[Run]):
     """The matplotlib Figure (Agg canvas, no pyplot) of plot `p` of `group` over `runs`."""
+    # matplotlib is optional heavy (1.8 s): only drawing loads it. No pyplot: no global backend state, no display
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure  # no pyplot: no global backend state, no display needed
+    from matplotlib.figure import Figure
 
     spec = GROUPS[group]
     runs = ordered(group, runs)

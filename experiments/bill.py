@@ -62,33 +62,50 @@ class Figure:
     source: str  # "measured: <command>" or "public: <address> ..." or "ledger: ..."
 
 
-# Every start-up figure the plan uses that is not its own compile. See docs/OPERATIONS.md
-# ("Reading the bill") for how each was measured.
+# Every start-up figure the plan uses that is not its own compile, each with its source. "bench"
+# is `python bench/startup_figures.py` (its --setup for setup_fresh), run on this repo's 2-core
+# machine on 2026-11-28: CPU figures of the real trainer and tools, so what only a TPU VM and GCS
+# add is named where it is missing. `plan --calibrate-from` replaces them with a ledger's medians.
+_BENCH = "measured: `python bench/startup_figures.py` (2026-11-28, this repo's 2-core machine)"
 FIGURES: dict[str, Figure] = {
     "setup_check": Figure(
-        10.0, SETUP, "every launch on a slice that is set up: the supervisor asks every worker for its versions",
-        "TODO"),
+        1.2, SETUP, "every launch on a slice that is set up: the supervisor asks every worker for its versions",
+        f"{_BENCH}: `gcloud version` (the CLI's start) + the workers' versions command; the ssh round trips to "
+        "the workers not included"),
     "setup_fresh": Figure(
-        300.0, SETUP, "every launch on a fresh slice (its first, and after each preemption: a re-created slice "
-                      "has fresh disks): clone and setup_tpu.sh",
-        "TODO"),
-    "launch": Figure(10.0, SETUP, "every launch: the ssh that starts the trainer on every worker", "TODO"),
+        198.0, SETUP, "every launch on a fresh slice (its first, and after each preemption: a re-created slice has "
+                      "fresh disks): setup_tpu.sh",
+        "measured: `python bench/startup_figures.py --setup` (2026-11-28): a fresh virtualenv with the project's "
+        "TPU stack, `python3 -m venv V && V/bin/python -m pip install -e .[tpu]`, from PyPI over this machine's "
+        "network; the clone and the TPU check not included"),
+    "launch": Figure(1.0, SETUP, "every launch: the ssh that starts the trainer on every worker",
+                     f"{_BENCH}: `gcloud version` (the CLI's start); the ssh round trips not included"),
     "runtime_init": Figure(
-        30.0, RUNTIME_STARTUP, "every launch: the process's start (Python's and jax's imports) to the TPU backend, "
-                               "jax.distributed and the start-up barrier", "TODO"),
-    "other": Figure(10.0, OTHER, "every launch: preflight, the run directory's lease, plan and build, W&B, the "
-                                 "manifest", "TODO"),
-    "data_load": Figure(10.0, DATA_LOADING, "every launch: the train and eval splits opened", "TODO"),
+        64.5, RUNTIME_STARTUP, "every launch: the process's start (Python's and jax's imports) to the TPU backend, "
+                               "jax.distributed and the start-up barrier",
+        f"4.5 s {_BENCH} (the trainer's runtime_startup on CPU: imports and the backend) + 60 s for the TPU backend "
+        "and jax.distributed, an upper bound: JAX warns when TPU backend initialization takes longer "
+        "(jax/_src/xla_bridge.py, tpu_client_timer_callback(timer_secs=60.0): "
+        "https://github.com/jax-ml/jax/blob/main/jax/_src/xla_bridge.py)"),
+    "other": Figure(0.3, OTHER, "every launch: preflight, the run directory's lease, plan and build, the manifest",
+                    f"{_BENCH}: the trainer's `other` (on CPU, the run directory local)"),
+    "data_load": Figure(
+        0.3, DATA_LOADING, "every launch: the train and eval splits read",
+        f"{_BENCH}: 244 MB of arrays of the baseline set's shapes (1,001,000 training rows, 423,168 test puzzles) "
+        "read whole and parsed as a gs:// dataset is; the transfer from GCS not included"),
     "compile_cache_hit": Figure(
         2.0, PROGRAM_STARTUP, "each step a launch finds in the persistent compilation cache (run.compile_cache)",
-        "TODO"),
-    "restore": Figure(5.0, CHECKPOINT_RESTORE, "every launch that resumes: the checkpoint read back", "TODO"),
-    "save": Figure(1.0, CHECKPOINT_SAVE, "every save but the last: its blocking part (async: the state copied off "
-                                         "the chips)", "TODO"),
-    "final_save": Figure(10.0, CHECKPOINT_SAVE, "the last save of a variant, waited for until it is committed", "TODO"),
+        f"{_BENCH}: the relaunched baseline run's program_startup / its 2 cache hits (a local cache, CPU programs)"),
+    "restore": Figure(0.5, CHECKPOINT_RESTORE, "every launch that resumes: the checkpoint read back",
+                      f"{_BENCH}: the relaunched baseline run's checkpoint_restore (local disk)"),
+    "save": Figure(0.4, CHECKPOINT_SAVE, "every save but the last: its blocking part (async: the state copied off "
+                                         "the chips)",
+                   f"{_BENCH}: the baseline run's checkpoint_save / its saves (local disk)"),
+    "final_save": Figure(0.4, CHECKPOINT_SAVE, "the last save of a variant, waited for until it is committed",
+                         f"{_BENCH}: as save (its saves include the last, waited for; the GCS commit not included)"),
     "between_variants": Figure(
-        15.0, IDLE, "every variant: the slice READY while the controller notices the end and launches the next",
-        "TODO"),
+        1.0, IDLE, "every variant: the slice READY while the controller describes it before the next launch",
+        f"{_BENCH}: `gcloud version` (the CLI's start); the API round trip not included"),
 }
 
 

@@ -16,6 +16,7 @@
     python experiments/launch.py programme submit NAME GROUP|all ... --slice S [--slice S2] --zone Z \
         --accelerator-type v4-64 --runtime-version V [--spot] [--budget H --plan CSV] [--run] -- overrides
     python experiments/launch.py programme run|status|stop NAME;  programme retry|skip NAME GROUP/VARIANT
+    python experiments/launch.py programme budget NAME HOURS;  programme repair NAME --mirror URI
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
@@ -40,11 +41,12 @@ from experiments.launcher import pod  # noqa: E402
 from experiments.launcher.local_pod import run_local_pod  # noqa: E402
 from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR, UserError  # noqa: E402
 from runtime.lease import LeaseHeld  # noqa: E402
-from runtime.ranges import Rule, above, at_least, check_args, within  # noqa: E402
+from runtime.ranges import Rule, above, at_least, check_args, name_error, name_problem, within  # noqa: E402
 
 # Ranges of every subcommand's numeric options (as runtime/config.py's _RULES for the Hydra
 # settings), checked before anything starts: `plan --jobs -1` would plan in-process and hang,
-# a negative grace would kill workers before they checkpoint.
+# a negative grace would kill workers before they checkpoint. (A budget's range is run_queue.BUDGET:
+# a budget request's value is checked against it too.)
 _RULES: dict[str, dict[str, Rule]] = {
     "local": {"--processes": (at_least(1), ""), "--devices-per-process": (at_least(1), ""),
               "--port": (within(1, 65534), "the start-up barrier listens on the port above it"),
@@ -56,8 +58,7 @@ _RULES: dict[str, dict[str, Rule]] = {
                   "--stop-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
     "plan": {"--jobs": (at_least(1), "compile processes"), "--slices": (at_least(1), "slices running the queue")},
     "sweep": {"--poll-seconds": (above(0), "")},
-    "programme": {"--budget": (at_least(0), "pod-hours"), "hours": (at_least(0), "pod-hours"),
-                  "--max-restarts": (at_least(0), "0 = stop at the first failure"), "--poll-seconds": (above(0), ""),
+    "programme": {"--max-restarts": (at_least(0), "0 = stop at the first failure"), "--poll-seconds": (above(0), ""),
                   "--backoff-seconds": (at_least(0), ""), "--stop-grace": (at_least(0), "0 = SIGKILL at once"),
                   "--create-attempts": (at_least(1), ""), "--infra-streak": (at_least(1), "")},
 }
@@ -144,7 +145,7 @@ def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argpars
             return func(args)
         except (pod.PodError, UserError) as e:
             print(f"error: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
+            return getattr(e, "exit_code", EXIT_USER_ERROR)  # a state file that cannot be written: 6
     return wrapped
 
 
@@ -609,22 +610,34 @@ def cmd_programme(args: argparse.Namespace) -> int:
     machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
     running variants checkpoint and the controller ends. retry / skip a variant. stop, retry, skip
     and budget are requests left for the controller, here and on the mirror: a controller on
-    another machine sees them there."""
+    another machine sees them there. repair: a state directory with a damaged file gets the
+    mirror's copy (what was in the way is kept beside it). A damaged state file is one `error:`
+    line naming it (exit 2), a state file that cannot be written one too (exit 6); nothing is
+    changed then."""
     from experiments.launcher import queue_status, run_queue  # here: JAX, Hydra take seconds to import
-    from experiments.launcher.ledger import Verb
+    from experiments.launcher.ledger import StateWriteError, Verb, write_text
 
-    directory = _programme_dir(args)
     try:
+        check_args(args, {"--budget": run_queue.BUDGET, "hours": run_queue.BUDGET}, UserError)
+        _check_programme_names(args)
+        directory = _programme_dir(args)
         if args.verb == "submit":
             return _programme_submit(args, directory)
         if args.verb == "run":
             return run_queue.run(directory, args.mirror)
+        if args.verb == "repair":
+            print(run_queue.repair(directory, args.mirror))
+            return 0
         state = run_queue.State(directory)
         state.load(args.mirror)
         if args.verb == "status":
             sys.stdout.write(queue_status.text(state.sub, state.ledger))
             page = Path(args.html) if args.html else directory / "status.html"
-            page.write_text(queue_status.page(state.sub, state.ledger))
+            try:
+                write_text(page, queue_status.page(state.sub, state.ledger), "status page")
+            except StateWriteError as e:
+                raise StateWriteError(page, e.error, "status page", also="or give --html a writable path (the "
+                                                                        "table is above)") from None
             print(f"(the picture: {page})")
             return 0
         if args.verb in (Verb.RETRY, Verb.SKIP) and args.variant not in state.ledger.variants:
@@ -640,17 +653,64 @@ def cmd_programme(args: argparse.Namespace) -> int:
         return EXIT_USER_ERROR
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return e.exit_code
+
+
+def _variant_problem(value: str, *, group: bool) -> str | None:
+    """Why `value` names no variant (GROUP/VARIANT, or with `group` False also VARIANT), or None."""
+    parts = value.split("/")
+    if len(parts) > 2 or (group and len(parts) != 2):
+        return "a variant is GROUP/VARIANT" + ("" if group else " or VARIANT")
+    return next((f"{part!r}: {name_problem(part)}" for part in parts if name_problem(part)), None)
+
+
+def _check_programme_names(args: argparse.Namespace) -> None:
+    """The programme's name, its slices and the variants named are safe folder names, by the rules
+    the trainer checks run.name with (runtime/ranges.py), before anything is read or written."""
+    problem = name_error("programme NAME", args.name)
+    if problem:
+        raise UserError(problem)
+    slices = getattr(args, "slice", None) or []
+    for name in slices:
+        problem = name_error("--slice", name)
+        if problem:
+            raise UserError(problem)
+    twice = sorted({name for name in slices if slices.count(name) > 1})
+    if twice:
+        raise UserError(f"--slice {twice[0]} is given twice: a slice runs one variant at a time, so give each slice "
+                        "once (several slices: --slice A --slice B)")
+    only = getattr(args, "variants", None)
+    if only is not None and not only.strip():
+        raise UserError(f"--variants {only!r} names no variant: give group/variant or variant names, comma-separated, "
+                        "or leave --variants out for every variant of the groups")
+    for item in only.split(",") if only else []:
+        problem = _variant_problem(item, group=False)
+        if problem:
+            raise UserError(f"--variants {only[:80]!r} holds {item[:80]!r}, which names no variant ({problem}); give "
+                            "group/variant or variant names, comma-separated")
+    variant = getattr(args, "variant", None)
+    if variant is not None:
+        problem = _variant_problem(variant, group=True)
+        if problem:
+            raise UserError(f"{variant[:80]!r} names no variant ({problem}); `programme status {args.name}` lists "
+                            "them")
 
 
 def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
     from experiments.launcher import run_queue  # here: JAX, Hydra take seconds to import
 
-    if (directory / "programme.json").exists():
-        raise pod.PodError(f"programme {args.name} exists at {directory}; `programme run {args.name}` carries it on "
-                           "(or submit under another name)")
+    state = run_queue.State(directory)
+    state.check_layout()
+    held = [name for name in ("programme.json", "ledger.json") if (directory / name).exists()]
+    if held:
+        raise pod.PodError(f"programme {args.name} exists at {directory} ({', '.join(held)}); `programme run "
+                           f"{args.name}` carries it on (or submit under another name)")
     if not args.slice:
         raise pod.PodError("give the slices to run on: --slice NAME (one or more)")
+    if args.mirror and run_queue.read_mirror(args.mirror):
+        raise UserError(f"the mirror {args.mirror} already holds a programme's state: `programme run {args.name} "
+                        f"--mirror {args.mirror}` takes it over, or give another --mirror")
+    state.check_writable()  # before the preflight, which composes every variant
     variants = run_queue.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
     planned = run_queue.read_plan(Path(args.plan)) if args.plan else {}
     if args.order == "cheapest":
@@ -662,14 +722,13 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
         forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
         max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
         stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
+    run_queue.check_run_ids(sub)
     problems = run_queue.preflight(sub)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return EXIT_USER_ERROR
-    state = run_queue.State(directory)
-    state.create(sub)
-    state.event("submitted", variants=len(variants), slices=",".join(sub.slices), state=directory)
+    state.create(sub)  # a write that fails: exit 6, nothing left half-submitted
     return run_queue.run(directory, args.mirror) if args.run else 0
 
 
@@ -721,6 +780,8 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
                        ("stop", "the running variants checkpoint, the controller ends")):
         common(verbs.add_parser(verb, help=text))
     verbs.choices["status"].add_argument("--html", default=None, help="the page (default: <state>/status.html)")
+    common(verbs.add_parser("repair", help="a state directory with a damaged file: restore it from the mirror "
+                                           "(--mirror, or programme.json's); what was in the way is kept beside it"))
     for verb, text in (("retry", "queue a failed or skipped variant again"), ("skip", "do not run a variant")):
         q = verbs.add_parser(verb, help=text)
         common(q)
@@ -731,8 +792,17 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_user_errors(cmd_programme))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake on the command line (an unknown option, a value that is not a number,
+    a missing argument) is one `error:` line, exit 2, as every other refusal; not usage plus a line."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {' '.join(message.split())} (`{self.prog} --help` shows the "
+                                   "usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
         epilog="Training-script overrides go after `--`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -52,9 +52,9 @@ from data_pipeline.sft_format import load_sft_metadata
 from experiments import bill
 from experiments.compose import compose
 from runtime import compile_only, hlo_cost, libtpu_flags
-from runtime.builder import plan_and_build
-from runtime.compile_only import (GiB, CompiledStep, compile_eval_step, compile_train_step, estimate_step,
-                                  parse_topology, topology_devices)
+from runtime.builder import eval_step_args, plan_and_build
+from runtime.compile_only import (GiB, CompiledStep, compile_step, compile_train_step, estimate_step, parse_topology,
+                                  topology_devices)
 from runtime.config import TrainConfig, cycles_at, resolve_compute_dtype, to_dict, validate
 from runtime.errors import UserError
 from runtime.perf import formula_flops_per_step
@@ -122,9 +122,8 @@ class Lowered:
     note: str = ""
     exact: str = ""  # `exact_key` of the train step: same program, same persistent-cache entry
     stages: int = 1  # train steps a run compiles (a curriculum's (H_cycles, L_cycles) stages)
-    eval_key: str = ""  # the eval step's `hlo_key` ("" with eval_note: not lowered)
+    eval_key: str = ""  # the eval step's `hlo_key` ("": not lowered)
     eval_exact: str = ""
-    eval_note: str = ""
     protocol: Protocol = Protocol()
     data: str = ""  # the dataset(s) it reads: a long-lived trainer that has them loaded reuses them
     run_key: str = ""  # the resolved config less the run's names: equal for two variants that train the same run
@@ -221,22 +220,6 @@ def _build(job: Job, topology: str):
     return config, plan, mesh, steps, batch, data
 
 
-def eval_batch_size(config, plan) -> int:
-    """Rows of one eval batch: the plan's (train.eval_batch_size, else the global batch)."""
-    return getattr(plan, "eval_batch_size", None) or getattr(config.train, "eval_batch_size", None) \
-        or plan.global_batch_size
-
-
-def abstract_eval_batch(config, plan, mesh, steps, data):
-    """The abstract eval batch at `eval_batch_size`; UserError for one the plan cannot build."""
-    rows = eval_batch_size(config, plan)
-    try:
-        shapes = task_batch_shapes(steps.task, rows, data.seq_len)
-    except ValueError as e:  # a mixture's task builds its sub-batch shapes at the global batch only
-        raise UserError(f"train.eval_batch_size={rows}: {e}") from None
-    return abstract_batch(mesh, rows, data.seq_len, steps.batch_fields, shapes)
-
-
 def eval_set_size(data) -> tuple[int | None, str]:
     """(examples, source) of the eval split: the built split's own rows where it is on this
     machine, else the size the data config states for it (data.generate_test_puzzles: what a
@@ -261,7 +244,7 @@ def protocol(config, plan) -> Protocol:
     """The variant's evaluations (how many, on how many batches) and checkpoint cadence."""
     total, every = plan.total_steps, max(1, plan.eval_every)
     evaluations = total // every + (1 if total % every else 0)
-    rows = eval_batch_size(config, plan)
+    rows = plan.eval_batch_size  # train.eval_batch_size, else the global batch
     subset = getattr(config.train, "eval_subset", None)
     if config.data.name == "multitask":
         tasks = task_data_configs(config.data)
@@ -294,14 +277,9 @@ def lower(job: Job, topology: str) -> Lowered:
         return Lowered(error=f"not planned on {topology}: {e}")
     text = steps.train.lower(steps.abstract_state, batch).as_text()
     key, exact = hlo_key(text, topology), exact_key(text, topology)
-    eval_key = eval_exact = eval_note = ""
-    try:
-        state = steps.abstract_state
-        eval_text = steps.eval.lower(state.params, state.ema_params,
-                                     abstract_eval_batch(config, plan, mesh, steps, data)).as_text()
-        eval_key, eval_exact = hlo_key(eval_text, topology), exact_key(eval_text, topology)
-    except UserError as e:
-        eval_note = f"eval step not planned: {e}"
+    eval_step, eval_args = eval_step_args(plan, mesh, steps, data.seq_len)
+    eval_text = eval_step.lower(*eval_args).as_text()
+    eval_key, eval_exact = hlo_key(eval_text, topology), exact_key(eval_text, topology)
     devices = plan.num_devices
     flops = formula_flops_per_step(steps.task, data.seq_len, plan.global_batch_size, devices)
     scale, stages, note = _curriculum_scale(config, plan.total_steps, steps, data.seq_len)
@@ -314,7 +292,7 @@ def lower(job: Job, topology: str) -> Lowered:
                    global_batch=plan.global_batch_size, per_device_batch=plan.per_device_batch_size,
                    remat=remat if isinstance(remat, bool) else None,
                    fsdp_over_all=plan.mesh_shape["fsdp"] == devices, note=note, exact=exact, stages=stages,
-                   eval_key=eval_key, eval_exact=eval_exact, eval_note=eval_note, protocol=protocol(config, plan),
+                   eval_key=eval_key, eval_exact=eval_exact, protocol=protocol(config, plan),
                    data=data_identity(config), run_key=run_identity(config))
 
 
@@ -367,8 +345,7 @@ def cache_dir(root: Path) -> Path:
     except importlib.metadata.PackageNotFoundError:
         libtpu = "none"
     c = compile_only
-    recorder = [c.CompiledStep, c.compile_step, c.compile_train_step, c.compile_eval_step, c.cost_figures, c._xla_oom,
-                hlo_cost]  # hlo_cost: the whole module
+    recorder = [c.CompiledStep, c.compile_step, c.cost_figures, c._xla_oom, hlo_cost]  # hlo_cost: the whole module
     flags = libtpu_flags.with_defaults(os.environ.get("LIBTPU_INIT_ARGS", ""))  # what the compiles start libtpu with
     digest = hashlib.sha256(("".join(inspect.getsource(f) for f in recorder) + flags).encode()).hexdigest()[:8]
     return root / f"jax-{jax.__version__}_libtpu-{libtpu}_{digest}"
@@ -404,7 +381,7 @@ def compile_job(job: Job, topology: str, kind: str = TRAIN) -> CompiledStep:
     config, plan, mesh, steps, batch, data = _build(job, topology)
     gen = _topology(topology)[0]
     if kind == EVAL:
-        return compile_eval_step(steps, abstract_eval_batch(config, plan, mesh, steps, data), gen)
+        return compile_step(*eval_step_args(plan, mesh, steps, data.seq_len), gen)
     return compile_train_step(steps, batch, gen)
 
 
@@ -591,8 +568,7 @@ class Planner:
             estimate = dataclasses.replace(estimate, compute_s=estimate.compute_s * used.compute_scale)
         row.estimate, row.steps = estimate, used.steps or None
         row.compile_s = compile_seconds(used_compiled) * used.stages
-        row.lowered = dataclasses.replace(used, eval_key=low.eval_key, eval_exact=low.eval_exact,
-                                          eval_note=low.eval_note)
+        row.lowered = dataclasses.replace(used, eval_key=low.eval_key, eval_exact=low.eval_exact)
         notes = [row.note, used.note] + ([f"no step time: {estimate.compute_from}"] if estimate.total_s is None else [])
         if estimate.kernel_s or estimate.undeclared_kernels:  # the part the compiler did not model
             notes.append(f"{100 * estimate.kernel_share:.0f}% of the step from kernels' declared cost"
@@ -605,7 +581,6 @@ class Planner:
         """The eval step's estimate on the row, or why there is none (`eval_note`)."""
         low = self.lowered[job]
         if not low.eval_key:
-            row.eval_note = low.eval_note
             return
         if low.eval_key in self.errors:
             row.eval_note = f"eval step: {self.errors[low.eval_key]}"
@@ -812,7 +787,7 @@ def _evals(row: Row) -> str:
 
 def _total_line(label: str, t: Total, what: str) -> str:
     g = t.goodput
-    return (f"| **{label}** | | | | | | | " + " | ".join(f"**{t.hours.get(c, 0.0):.2f}**" for c in COLUMNS)
+    return (f"| **{label}** | | | | | | | " + " | ".join(f"**{t.hours.get(c, 0.0):.3f}**" for c in COLUMNS)
             + f" | **{_cell(None if g is None else 100 * g, '.1f')}%** | {t.counted} {what}"
             + (f", {t.missing} without a figure" if t.missing else "") + " |")
 
@@ -833,7 +808,7 @@ def markdown(programme: Programme, topology: str, command: str) -> str:
         "Hours are pod-hours (the whole slice held: wall-clock hours of a slice): train_h = steps x step time; "
         "eval_h = eval step x batches (evals: intermediate evaluations x their batches + the last one's, on the "
         "whole set); startup_h = each start's fixed costs (this plan's compiles and the figures below); "
-        "checkpoint_h = the other saves' blocking part; recovery_h = replayed steps and restarts at "
+        "checkpoint_h = the blocking part of the saves before the last; recovery_h = replayed steps and restarts at "
         f"{mtbf}; total_h = their sum (the CSV's pod_hours); goodput = (train_h + eval_h) / total_h "
         "(experiments/bill.py). * = with the change that makes it fit.",
         *([""] + [f"**What-if, not what runs today**: {name}: {WHAT_IF[name]}." for name in sorted(programme.what_if)]
@@ -857,7 +832,9 @@ def markdown(programme: Programme, topology: str, command: str) -> str:
                                      f"the run of {row.same_as} (dedupe)" if row.same_as else "",
                                      row.note, row.eval_note) if n)
         hours = row_hours(row.bill) if row.bill else {}
-        cells = " | ".join(_cell(hours.get(c), ".2f") + (star if c == "train_h" and hours else "") for c in COLUMNS)
+        if row.bill is not None and not row.bill.eval_known:
+            hours["eval_h"] = None  # not priced (see the note), not zero
+        cells = " | ".join(_cell(hours.get(c), ".3f") + (star if c == "train_h" and hours else "") for c in COLUMNS)
         goodput = None if row.bill is None or not row.bill.total_s else 100 * row.bill.goodput
         lines.append(f"| {row.group}/{row.variant} | {fits} | {_seconds(getattr(row.estimate, 'total_s', None))}{star} | "
                      f"{_cell(None if mfu is None else 100 * mfu, '.0f')}{'%' if mfu is not None else ''} | "
@@ -899,8 +876,8 @@ def summary(programme: Programme, everything: Total) -> str:
         out.append(f"| {name} | {f.seconds:g} | {f.paid} | {f.source} |")
     out.append("| compiles | per variant (the CSV's compile_s, eval_compile_s) | every launch that misses the "
                "compilation cache | " + ("the ledger's median program start-up where a variant ran, else " if
-                                         programme.calibrated else "") + "this plan's own compiles (wall seconds on "
-               "this machine) |")
+                                         programme.calibrated else "") + "this plan's own compiles for the topology: each one's "
+               "CPU seconds on this machine, or its wall seconds where less |")
     return "\n".join(out)
 
 
@@ -937,6 +914,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
             if b is not None:
                 hours = row_hours(b)
                 line |= {c: _g(hours[c]) for c in COLUMNS} | {f"{c}_h": _g(hours[c]) for c in bill.CATEGORIES}
+                if not b.eval_known:
+                    line["eval_h"] = ""  # not priced (see the note), not zero
                 eval_step = getattr(row.eval_estimate, "total_s", None)
                 line["whole_set_eval_h"] = _g(None if eval_step is None or p.examples is None
                                               else eval_step * p.evaluations * p.final_batches / 3600)

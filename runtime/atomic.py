@@ -5,7 +5,8 @@ worker tools import it under a TPU VM's system python3).
 over `path`. A reader sees the old file or the new one, never a torn one; a write that fails (a full
 disk, no permission, a process killed mid-write) leaves the old file byte-identical and no
 temporary behind. `replacing(path)` is the same for a writer that needs a path to write to (a
-download, a library's own writer).
+download, a library's own writer). `append_atomic(path, data)` adds to a log: the whole of `data`
+or, when the write fails, the file cut back to its length before (a log is never rewritten whole).
 """
 
 from __future__ import annotations
@@ -28,6 +29,26 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int | None
             os.fsync(fd)  # on disk before the rename: a crash leaves the old file or the new one
         finally:
             os.close(fd)
+
+
+def append_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Append `data` (str: UTF-8) to `path` (created if missing): all of it, or, when the write fails
+    part-way (a full disk), nothing: the file is cut back to the length it had."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

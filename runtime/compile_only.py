@@ -187,13 +187,6 @@ def compile_train_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
     return compile_step(steps.train, (steps.abstract_state, batch), gen)
 
 
-def compile_eval_step(steps, batch, gen: TpuGeneration) -> CompiledStep:
-    """Compile `steps.eval` (one eval batch: the task's forward with the EMA weights where EMA is
-    on, e.g. TRM's halt_max_steps ACT steps) for the topology its mesh is on, like the train step."""
-    state = steps.abstract_state
-    return compile_step(steps.eval, (state.params, state.ema_params, batch), gen)
-
-
 def compile_step(step, args: tuple, gen: TpuGeneration) -> CompiledStep:
     """Compile the jitted `step` for abstract `args` (sharded on the topology's devices); out of
     HBM is a result (`CompiledStep.stopped`), not an error."""

@@ -28,6 +28,9 @@ import glob
 import os
 import sys
 
+# jax is imported in the functions: this module is standard library only, as tests/conftest.py
+# imports it (through helpers.py) before it sets JAX_PLATFORMS, which jax reads when imported
+
 # mallopt(3) parameters (malloc.h); -1 is SIZE_MAX to glibc, whose parameter is a size_t: never trim
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 YNN_DOTS_ONLY = "--xla_cpu_experimental_ynn_fusion_type=individual_dot"

@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import fsspec
+import orbax.checkpoint as ocp
+
 
 def orbax_dir(out_dir: str) -> str:
     return out_dir.rstrip("/") if "://" in out_dir else os.path.abspath(out_dir)  # Orbax wants absolute local paths
@@ -21,16 +24,11 @@ def orbax_dir(out_dir: str) -> str:
 def load_imported_params(out_dir: str, abstract_params: Any = None) -> dict:
     """The params of an imported directory. `abstract_params` (ShapeDtypeStructs with
     shardings) places the arrays."""
-    import orbax.checkpoint as ocp
-
     return ocp.StandardCheckpointer().restore(f"{orbax_dir(out_dir)}/params", abstract_params)
 
 
 def load_imported_states(out_dir: str) -> dict | None:
     """The named init-state vectors of an imported directory, or None when it has none."""
-    import fsspec
-    import orbax.checkpoint as ocp
-
     fs, base = fsspec.core.url_to_fs(out_dir)
     if not fs.exists(f"{base.rstrip('/')}/init_states"):
         return None

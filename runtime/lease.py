@@ -221,6 +221,8 @@ def _remove(path: str) -> None:
 class GcsStore:
     """The record as a GCS object; `version` is its generation (a precondition of every write)."""
 
+    # google.* is imported in the methods: optional heavy (0.8 s), needed only for gs:// leases
+
     def __init__(self, url: str, timeout_s: float = GCS_TIMEOUT_S):
         self.where = url
         self.bucket_name, prefix = split_gs(url)

@@ -169,7 +169,7 @@ class MetricsSinks:
             self._bar = _progress_bar(total_steps, start_step)
 
     def _start_wandb(self, init: dict[str, Any], settings: dict[str, Any]) -> None:
-        import wandb
+        import wandb  # optional heavy (over 1 s to import): only runs that log to W&B load it
 
         try:
             with _output_faults(f"W&B files under {self.output_dir / 'wandb'}"):
@@ -396,7 +396,7 @@ def _output_faults(what: str) -> Iterator[None]:
 def _forget_wandb(wait_s: float = 5.0) -> None:
     """Drop W&B's connection to its dead service (and its exit hook, which would print a traceback),
     in a thread that is not waited for beyond `wait_s`: a service that hangs must not hold the run."""
-    import wandb
+    import wandb  # optional heavy, as in `_start_wandb`
 
     def teardown() -> None:
         try:

@@ -60,6 +60,7 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
                         f"supported; change {ckpt_setting}")
     else:
         check_local_writable(checkpoint_dir, "checkpoint directory", ckpt_setting)
+    # here, not at the top: the launcher imports this module (via runtime.lease), and the registry brings jax
     from runtime.registry import dataset_kind
 
     dataset_kind(config.data.name).preflight(config.data, gcs)
@@ -69,7 +70,7 @@ def preflight(config: Any, *, checkpoint_dir: str, output_dir: str, is_primary: 
 
 def check_init_params(path: str) -> None:
     """train.init_params_from must hold an imported parameter checkpoint (params/)."""
-    import fsspec
+    import fsspec  # here, not at the top: the launcher imports this module (via runtime.lease)
 
     try:
         fs, base = fsspec.core.url_to_fs(path)
@@ -120,7 +121,7 @@ def check_wandb_key_shape(key: str) -> None:
     if not key:
         return  # an identity token file or ~/.netrc entry: W&B checks those
     try:
-        from wandb.sdk.lib.wbauth.validation import check_api_key
+        from wandb.sdk.lib.wbauth.validation import check_api_key  # optional heavy (wandb: over 1 s to import)
     except ImportError:  # another wandb version: only the whitespace check below
         def check_api_key(k: str) -> str | None:
             return None
@@ -270,6 +271,8 @@ def principal_in(error: BaseException) -> Optional[str]:
 
 class _Gcs:
     """google-cloud-storage with bounded timeouts and retries, one client per preflight."""
+
+    # google.* is imported in the methods: optional heavy (0.8 s), needed only for gs:// paths
 
     def __init__(self, timeout_s: float):
         self.timeout_s = float(timeout_s)

@@ -8,9 +8,10 @@ builders, runtime/export.py, experiments/examples.py) and checks it with `check_
 parsing, so a nonsense number (an infinite float included) is one line rather than a hang, a
 crash or a silently odd result.
 
-Names that become one component of a path (run.group, run.name, a split's folder) are checked
-by `check_name`: a bad one would write outside its root, beside another run, or break a gs://
-URL or a shell command line.
+Names that become one component of a path (run.group, run.name, a split's folder; a programme's
+name, its slices and variants in experiments/launch.py) are checked by `name_problem`, and
+`name_error` says it in the one line every tool uses: a bad one would write outside its root,
+beside another run, past what a folder name can hold, or break a gs:// URL or a shell command line.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def check_args(args: argparse.Namespace, rules: Mapping[str, Rule], error: type[
 # One path component: letters, digits and _ . = , + - (what a sweep job's name is made of), not
 # starting with '-' (an option to a shell command) and not '.' or '..'.
 NAME = re.compile(r"[A-Za-z0-9_.=,+][A-Za-z0-9_.=,+-]*")
+MAX_NAME = 255  # bytes in one folder name on common file systems (NAME_MAX); NAME's characters are one byte each
 
 
 def name_problem(value: str) -> str | None:
-    """What makes `value` unusable as one path component (empty, '/', '..', other characters), or None."""
+    """What makes `value` unusable as one path component (empty, '/', '..', other characters, too
+    long), or None."""
     if not value:
         return "it is empty"
     if "/" in value or value in (".", ".."):
@@ -79,4 +82,16 @@ def name_problem(value: str) -> str | None:
     if not NAME.fullmatch(value):
         return ("it may hold only letters, digits and _ . = , + - (not first), so that it stays one folder under "
                 "its root and works in gs:// URLs and shell commands")
+    if len(value) > MAX_NAME:
+        return f"it is {len(value)} characters long, and a folder name holds at most {MAX_NAME}"
     return None
+
+
+def name_error(what: str, value: str) -> str | None:
+    """"<what>='<value>' cannot name a folder: <why>; choose another <what>" when `value` is no safe
+    folder name (name_problem), else None (a long value is shown shortened)."""
+    problem = name_problem(value)
+    if problem is None:
+        return None
+    shown = value if len(value) <= 60 else value[:40] + "..."
+    return f"{what}={shown!r} cannot name a folder: {problem}; choose another {what}"

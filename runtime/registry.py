@@ -8,10 +8,12 @@ register more at any time before the config is validated.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from runtime.data_feed import BatchFeeder
 from runtime.errors import UserError
 from runtime.task import DataShape, Evaluator, Task
 
@@ -58,8 +60,6 @@ class DatasetKind:
         """Checks that need the plan (batch splits over the mesh); raise `UserError`."""
 
     def make_feeder(self, split: Any, sharding: Any, global_batch: int, seed: int, prefetch: bool = True) -> Any:
-        from runtime.data_feed import BatchFeeder
-
         return BatchFeeder(split, sharding, global_batch, seed, prefetch=prefetch)
 
     def evaluators(self, data: Any, context: Any) -> list[Evaluator]:
@@ -138,8 +138,6 @@ def family_of_saved(arch: Any) -> ModelFamily:
     """The family of an arch config saved as plain data (a checkpoint's config snapshot): the
     one whose schema has all its keys and the fewest others (a preset's `name` need not be the
     family's; a checkpoint written before a field was added lacks that field)."""
-    import dataclasses
-
     load_plugins()
     keys = set(arch)
     fields = {name: {f.name for f in dataclasses.fields(f.schema)} for name, f in MODEL_FAMILIES.items()}

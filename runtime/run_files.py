@@ -17,6 +17,8 @@ import logging
 import os
 import threading
 
+import fsspec
+
 from runtime.errors import one_line, storage_fault
 from runtime.events import FILE as EVENTS_FILE
 from runtime.metrics_sinks import JSONL_NAME
@@ -42,8 +44,6 @@ class RunFiles:
     """Copies the output directory's run files beside the checkpoints (process 0's job)."""
 
     def __init__(self, output_dir: str, checkpoint_dir: str):
-        import fsspec
-
         self.output_dir, self.target = output_dir, synced_dir(checkpoint_dir)
         self.fs, self.root = fsspec.core.url_to_fs(self.target)
         self.off = _same(output_dir, checkpoint_dir)  # checkpoints inside the output directory: nothing to gain

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Callable, Iterator
 
+from runtime.errors import OutputDirError
+
 # Loggers of the libraries that write checkpoints and manifests (absl carries Orbax's
 # messages; asyncio reports Orbax's failed write tasks; gcsfs logs a traceback when its
 # retries run out; google-cloud-storage and urllib3 log retries).
@@ -61,8 +63,6 @@ class _QuietFileHandler(logging.handlers.WatchedFileHandler):
 
 def _in_the_way(path: str, when: str = "") -> None:
     if os.path.lexists(path) and not os.path.isfile(path):  # a folder (or dangling link) of that name: not ours
-        from runtime.errors import OutputDirError
-
         raise OutputDirError(f"cannot write {path}{' ' + when if when else ''} (a folder stands where a file goes); "
                              "move what is in the way out of the output directory and relaunch the same command to "
                              "resume")

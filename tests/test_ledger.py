@@ -83,7 +83,7 @@ def test_a_ledger_written_before_is_read_shown_and_carried_on(tmp_path, monkeypa
     assert run_queue.Controller(state, alert=lambda title, text: None, sleep_s=0.01).run() == 0
 
     now = json.loads((states / NAME / "ledger.json").read_text())
-    assert now["schema"] == 2 and now["controller"]["status"] == "done"
+    assert now["schema"] == ledger.SCHEMA and now["controller"]["status"] == "done"
     assert {v: r["state"] for v, r in now["variants"].items()} == {DONE: "completed", QUEUED: "completed"}
     assert holds(now["variants"][DONE], v1["variants"][DONE])  # nothing the old ledger held is lost or changed
     assert now["slices"]["s1"]["clock"] == v1["slices"]["s1"]["clock"] and now["history"][:3] == v1["history"]
@@ -128,7 +128,7 @@ def test_a_ledger_of_the_wrong_shape_is_one_line_naming_the_file_the_field_and_a
         "wrong type": ('variants["exp08/off"].attempts', lambda: data["variants"][QUEUED].update(attempts="1")),
         "unknown key": ('variants["exp08/ema0.99"].supervision.launches[0].exit', lambda: launch_0.update(exit=0)),
         "missing key": ('variants["exp08/ema0.99"].supervision.launches[0].code', lambda: launch_0.pop("code")),
-        "newer schema": ("schema", lambda: data.update(schema=3)),
+        "newer schema": ("schema", lambda: data.update(schema=ledger.SCHEMA + 1)),
         "garbled": (None, None),
     }[damage]
     if text:

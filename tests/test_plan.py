@@ -161,7 +161,9 @@ def test_group_plan_table_and_csv(tiny_group):
     total = sum(float(r["pod_hours"]) for r in variants)
     assert float(group["pod_hours"]) == pytest.approx(total)
     assert float(next(r for r in rows if r["group"] == "ALL")["pod_hours"]) == pytest.approx(total)
-    assert f"| **total_h** |" not in out and f"**{total:.2f}** | **" in out and "**Programme: " in out
+    line = next(x for x in out.splitlines() if x.startswith("| **exp08 total** |"))
+    assert f"| **{total:.3f}** | **{100 * float(group['goodput']):.1f}%** |" in line
+    assert f"**Programme: {total:.2f} pod-hours all in" in out
 
 
 @pytest.mark.slow
@@ -520,3 +522,23 @@ def test_what_if_levers_the_code_does_not_have():
     assert rows[1].bill.total_s == 0 and rows[1].same_as == "g/a" and rows[0].bill.total_s > 0
     with pytest.raises(UserError, match="--what-if faster is not a lever"):
         plan.price_programme(rows, f, what_if=frozenset({"faster"}))
+
+
+def test_an_eval_step_that_does_not_fit_is_its_rows_note(tmp_path, monkeypatch):
+    """The train step fits, the eval step (at its eval batch) does not: the row says so and how to
+    fix it, and its eval_h is not priced (no figure rather than a wrong one)."""
+    def lower(job, topology):
+        return plan.Lowered(key="t", eval_key="e", exact="t", eval_exact="e", steps=100, global_batch=8,
+                            per_device_batch=1, protocol=plan.Protocol(evaluations=2, eval_batch=4096, batches=1,
+                                                                        final_batches=2, examples=5000))
+
+    def compile_job(job, topology, kind=plan.TRAIN):
+        return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=(40 if kind == plan.EVAL else 1) * 2**30, optimal_s=0.1)
+
+    monkeypatch.setattr(plan, "lower", lower)
+    monkeypatch.setattr(plan, "compile_job", compile_job)
+    (row,) = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None).plan([plan.Job("g", "v")])
+    assert row.fits and row.eval_estimate is None
+    assert "the eval step does not fit at 4096 rows (40.00 GiB per chip): lower train.eval_batch_size" in row.eval_note
+    plan.price_programme([row], figures())
+    assert not row.bill.eval_known and row.bill.eval_s == 0 and row.bill.train_s == pytest.approx(10)

@@ -2,7 +2,8 @@
 
 Most tests run a stub trainer (PROGRAMME_STUB: the events of a run of 10 steps, a bad-input failure
 for the variants in STUB_BAD, a wait for the file STUB_GATE); the end-to-end test runs the real
-trainer on 2 single-host slices (1 CPU device each) through preemptions and a killed controller.
+trainer on 2 single-host slices (1 CPU device each) through preemptions, a killed trainer and a
+killed controller, and checks where the paid time went (experiments/launcher/account.py).
 A programme's launches on multi-host slices are the stub tests' (2 workers a slice); the real
 trainer as a 2-worker pod through VM shutdowns and a dead worker is test_supervise.py's, through
 the same Supervisor the controller runs for each variant.
@@ -10,6 +11,7 @@ the same Supervisor the controller runs for each variant.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ import pytest
 
 from experiments import plan
 from experiments.launcher import queue_status, run_queue, supervise
+from experiments.launcher.account import programme_account
 from experiments.launcher.ledger import (LaunchRecord, Mark, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
                                          load_ledger)
 from experiments.launcher.run_queue import live_ready_seconds
@@ -245,14 +249,15 @@ E2E_STEPS = 16
 
 def e2e_overrides(bucket: Path) -> list[str]:
     """Every variant scaled down to the tests' tiny model; metrics on the workers' own disks (lost
-    with a VM), checkpoints in the shared bucket, one directory per experiment."""
+    with a VM), checkpoints in the shared bucket, one directory per experiment; a compilation cache
+    of their own in the bucket (the test session's would let a first start hit)."""
     return ["arch=tiny_transformer", "arch.hidden=32", "arch.heads=2", "train.global_batch_size=16",
             f"train.steps={E2E_STEPS}", "train.epochs=null", "train.eval_every_epochs=null",
             "train.checkpoint_every_epochs=null", "train.log_every=1", "train.checkpoint_every=4",
             f"train.eval_every={E2E_STEPS}", "optim.warmup_steps=2", "data.generate_if_missing=false",
             "run.progress_bar=false", "run.wandb.mode=disabled", "run.root=outputs", "mesh=fsdp",
             f"run.checkpoint.dir={bucket}/${{hydra:runtime.choices.experiment}}",
-            "distributed.initialization_timeout_s=60"]
+            f"run.compile_cache={bucket}/compile_cache", "distributed.initialization_timeout_s=60"]
 
 
 @pytest.mark.devices(1)  # this process trains only the uninterrupted reference
@@ -301,10 +306,49 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
         wait_for(saving_on_s2, timeout=300, what=f"a checkpoint save on s2 {seed_note}", procs=[controller],
                  every=0.01)
         assert fake_tpu.preempt(programme.root, "s2"), "no trainer on s2"
-        # 4. the controller killed at a random point of a run, then started again
-        kill_at = rng.randint(1, E2E_STEPS - 2)
-        wait_for(lambda: any(running_on(s) and step_on(s) >= kill_at for s in ("s1", "s2")), timeout=300,
-                 what=f"a run at step {kill_at} {seed_note}", procs=[controller])
+        # 4. a trainer killed (SIGKILL: its slice stays READY, the relaunch runs again the steps since its
+        # last checkpoint, on the same disk) at a random step of a run; once the controller has recorded
+        # that launch, the controller killed too (a launch of the other slice, or the relaunch, left in
+        # flight), then started again
+        kill_at = rng.randint(1, E2E_STEPS // 2)
+
+        def launches_of(variant: str) -> list[dict]:
+            return programme.ledger()["variants"][variant]["supervision"]["launches"]
+
+        def kill_trainer_at_a_logged_step(slice_name: str) -> tuple[str, int] | None:
+            """The trainer stopped (SIGSTOP) and looked at: at a step it has logged and accounted for
+            (its metrics row and `timing` event), past the step it started from, before the last and
+            not a checkpoint's (so steps are lost), it is killed; else it goes on. (variant, launches
+            recorded before), or None."""
+            with fake_tpu.control(programme.root) as state:  # the trainer of the slice's latest launch (a
+                tpu = state["tpus"].get(slice_name, {})  # preempted VM's may still be saving at the same home)
+                groups = tpu.get("workers") if tpu.get("state") == "READY" else None
+            variant, home = running_on(slice_name), programme.root / slice_name / "worker-0"
+            pids = [pid for pid, cmd in fake_tpu.group_members(groups[0]) if fake_tpu.is_trainer(cmd)] if groups else []
+            if not variant or len(pids) != 1 or step_on(slice_name) < kill_at:
+                return None
+            out, recorded = home / "repo" / "outputs" / variant, len(launches_of(variant))
+            os.kill(pids[0], signal.SIGSTOP)
+            try:
+                rows = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if any(k.startswith("train/") for k in r)]
+                said = read_jsonl(out / events.FILE)
+                started = [e["step"] for e in said if e["event"] == "started"]
+                timed = [e["step"] for e in said if e["event"] == "timing"]
+                if rows and timed and started and started[-1] < rows[-1] == timed[-1] < E2E_STEPS and rows[-1] % 4:
+                    os.kill(pids[0], signal.SIGKILL)
+                    return variant, recorded
+            except (OSError, ValueError):  # a file not there yet
+                pass
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pids[0], signal.SIGCONT)
+            return None
+
+        killed, recorded = wait_for(lambda: kill_trainer_at_a_logged_step("s2") or kill_trainer_at_a_logged_step("s1"),
+                                    timeout=300, what=f"a trainer at step {kill_at} or later {seed_note}",
+                                    procs=[controller], every=0.02)
+        wait_for(lambda: len(launches_of(killed)) > recorded, timeout=300, what=f"{killed}'s launch recorded {seed_note}",
+                 procs=[controller])
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait()
         restarted = programme.start()
@@ -338,6 +382,37 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     assert counted == pytest.approx(billed, rel=0.01), (counted, billed)
     assert sum(r["host_seconds"] for r in ledger["variants"].values()) <= counted * 1.0001
     assert sum(r["supervision"].get("preemptions", 0) for r in ledger["variants"].values()) >= 2
+    # Where the paid time went: each variant's categories add up to its READY time, the measured ones
+    # within it; the variants' and the slices' idle time add up to the slices' READY time.
+    book = load_ledger(json.dumps(ledger), "ledger.json")
+    accounts = programme_account(book)
+    assert accounts.total.paid == pytest.approx(billed, rel=0.01)  # 1 host a slice
+    assert abs(accounts.unattributed) <= 0.01 * accounts.total.paid, accounts.unattributed
+    for variant, spent in accounts.variants.items():
+        measured = sum(v for c, v in spent.seconds.items() if c != "other")
+        assert sum(spent.seconds.values()) == pytest.approx(spent.paid, rel=0.01), (variant, spent)
+        assert min(spent.seconds.values()) >= -0.01 * spent.paid and measured <= spent.paid * 1.01, (variant, spent)
+        assert spent.measured is (spent.seconds["train"] > 0) is (variant != BAD), (variant, spent)  # BAD: no account
+        # The steps replayed it counted are those its runs logged more than once (every step is logged).
+        rows = bucket / variant / "run_files" / "metrics.jsonl"
+        steps = Counter(r["step"] for r in read_jsonl(rows) if any(k.startswith("train/") for k in r)) if (
+            rows.exists()) else Counter()
+        assert spent.replayed == sum(n - 1 for n in steps.values()), (variant, steps, seed_note)
+    assert accounts.variants[killed].replayed >= 1, (killed, seed_note)  # the trainer killed past its checkpoint
+    # The first compile in the programme missed the (empty) cache; a restart of its variant read it:
+    # hits, and its program start-up fell.
+    compiled = [(launch.started, variant, launch) for variant, record in book.variants.items()
+                for launch in record.supervision.launches
+                if launch.timing and launch.timing.hits + launch.timing.misses]
+    started = sorted(compiled, key=lambda item: item[:2])
+    assert started[0][2].timing.misses > 0, started[0]
+    for variant, record in book.variants.items():
+        ran = [launch.timing for launch in record.supervision.launches if launch.timing and launch.timing.steps_run]
+        assert all(t.hits > 0 for t in ran[1:]), (variant, ran)  # every restart that ran steps read the cache
+    cold = started[0][1]
+    ran = [launch.timing for launch in book.variants[cold].supervision.launches
+           if launch.timing and launch.timing.steps_run]
+    assert len(ran) > 1 and ran[-1].seconds["program_startup"] < ran[0].seconds["program_startup"], (cold, ran)
 
 
 def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
@@ -469,7 +544,8 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
 def test_status_table_totals_eta_and_page(tmp_path):
     """`programme status` from a ledger: a row per variant, totals per group and for the programme,
     the ETA (a running variant at its own measured pace; a queued one at its plan, scaled by how
-    the measured variants compare with theirs; shared over the slices), failures' lines, the page."""
+    the measured variants compare with theirs; shared over the slices), failures' lines, the page.
+    (Goodput from the launches' accounts: tests/test_account.py; these have none.)"""
     done, running, queued, bad = "exp08/ema0.99", "exp08/off", "exp08/ema0.995", "exp04a/puzzles100"
     sub = run_queue.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
                                    accelerator_type="v4-8", runtime_version="v",
@@ -482,19 +558,20 @@ def test_status_table_totals_eta_and_page(tmp_path):
     primary = queue_status.primary_of("exp08")
     v[done].__dict__.update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
                             metrics={primary: 0.75}, wandb_run_id="w1")
-    v[running].__dict__.update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark=Mark(0.0, 0.0),
+    v[running].__dict__.update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark=Mark(3600.0, 3600.0),
                                supervision=SupervisionRecord(preemptions=1, restarts=0,
                                                              progress=Progress(step=50, total=100)))
-    state.ledger.slices["s1"].__dict__.update(variant=running, clock=ReadyClock(ready_since=now - 1800, hosts=1))
+    state.ledger.slices["s1"].__dict__.update(variant=running, clock=ReadyClock(  # done ran there first
+        ready_since=now - 1800, hosts=1, ready_seconds=3600.0, host_seconds=3600.0))
     v[bad].__dict__.update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
 
     out = queue_status.text(sub, state.ledger, now=now)
     cells = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()) if len(c) > 2}
-    assert cells[done] == ["completed", "1", "0", "0", "1.000/0.500", "100/100", f"{primary}=0.75", "w1"]
-    assert cells[running] == ["running", "2", "1", "0", "0.500/1.000", "50/100", f"{primary}=-", "-"]
-    assert cells[queued] == ["queued", "0", "0", "0", "0.000/2.000", "-/100", f"{primary}=-", "-"]
-    assert cells["exp08 total"] == ["1 completed, 1 running, 1 queued", "1.500/3.500"]
-    assert cells["programme total"] == ["1 completed, 1 running, 1 queued, 1 failed", "1.500/3.750"]
+    assert cells[done] == ["completed", "1", "0", "0", "1.000/0.500", "100/100", "-", "-", f"{primary}=0.75", "w1"]
+    assert cells[running] == ["running", "2", "1", "0", "0.500/1.000", "50/100", "-", "-", f"{primary}=-", "-"]
+    assert cells[queued] == ["queued", "0", "0", "0", "0.000/2.000", "-/100", "-", "-", f"{primary}=-", "-"]
+    assert cells["exp08 total"] == ["1 completed, 1 running, 1 queued", "1.500/3.500", "-", "-"]
+    assert cells["programme total"] == ["1 completed, 1 running, 1 queued, 1 failed", "1.500/3.750", "-", "-"]
     # ETA: running 0.5 h more at its pace (0.5 h for 50 steps); queued 2.0 h x 1.5 (measured 1.5 h
     # where the plans said 1.0 for the same work); over 2 slices
     assert "ETA 1.75 h" in out, out
@@ -502,4 +579,5 @@ def test_status_table_totals_eta_and_page(tmp_path):
     del sub.planned[queued]
     assert "ETA unknown" in queue_status.text(sub, state.ledger, now=now)
     page = queue_status.page(sub, state.ledger)
-    assert page.count("<tr class='completed'>") == 1 and "<img alt=" in page and "dataset not found" not in page
+    assert page.count("<tr class='completed'>") == 1 and page.count("<img alt=") == 2
+    assert "<li>exp04a/puzzles100: exp04a/puzzles100: dataset not found</li>" in page

@@ -214,18 +214,21 @@ def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
     result = stub_plane.supervise(stub_env={"STUB_CODES": "7,0,0"})
     assert result.returncode == 0, result.stdout + result.stderr
     record = stub_plane.record()
-    assert [launch["cause"] for launch in record["launches"]] == ["worker lost", "completed"]
-    assert record["restarts"] == 1 and "resumed=True" in result.stdout
+    # the launch left running is stopped and recorded (`unwatched`), as no preemption nor restart
+    assert [launch["cause"] for launch in record["launches"]] == ["worker lost", "stopped: its supervisor had died",
+                                                                  "completed"]
+    assert [launch["unwatched"] for launch in record["launches"]] == [False, True, False]
+    assert record["restarts"] == 1 and record["preemptions"] == 0 and "resumed=True" in result.stdout
     events = stub_plane.events()
     assert events.count("start") == 2 and events[events.index("tpu-ready", events.index("start", 1)) + 1] == \
         "stopped-stale-processes"  # the orphaned launch was stopped (else it waits for ~/go forever)
     status = subprocess.run([sys.executable, str(LAUNCH), "supervise", "--status", "--run-id", RUN_ID,
                              "--log-dir", str(stub_plane.log_dir)], capture_output=True, text=True)
-    assert status.returncode == 0 and "completed; 2 launches, 1 restarts, 0 preemptions" in status.stdout
+    assert status.returncode == 0 and "completed; 3 launches, 1 restarts, 0 preemptions" in status.stdout
     assert "worker lost" in status.stdout and "host-hours" in status.stdout
     pod_status = subprocess.run([sys.executable, str(LAUNCH), "status", "--tpu", TPU, "--zone", ZONE, "--run-id", RUN_ID,
                                  "--log-dir", str(stub_plane.log_dir)], env=stub_plane.env, capture_output=True, text=True)
-    assert "completed; 2 launches, 1 restarts" in pod_status.stdout, pod_status.stdout + pod_status.stderr
+    assert "completed; 3 launches, 1 restarts" in pod_status.stdout, pod_status.stdout + pod_status.stderr
 
 
 def test_a_preemption_no_supervisor_saw_end_is_counted(stub_plane):
@@ -241,7 +244,9 @@ def test_a_preemption_no_supervisor_saw_end_is_counted(stub_plane):
     result = stub_plane.supervise()
     assert result.returncode == 0, result.stdout + result.stderr
     record = stub_plane.record()
-    assert record["preemptions"] == 1 and [launch["outcome"] for launch in record["launches"]] == ["completed"]
+    assert record["preemptions"] == 1  # the launch left in flight, recorded as it ended: preempted
+    assert [(launch["outcome"], launch["unwatched"]) for launch in record["launches"]] == [("preempted", True),
+                                                                                         ("completed", False)]
     events = stub_plane.events()
     assert "preempted-unwatched" in events and "stopped-stale-processes" not in events, events
 

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from data_pipeline import maze
+from data_pipeline.build_maze import build_maze_dataset
 from data_pipeline.kinds.puzzle import PuzzleKind
 from runtime.registry import register_dataset_kind
 from runtime.task import DataShape
@@ -20,8 +21,6 @@ class MazeKind(PuzzleKind):
     mixable = True
 
     def build(self, data: Any) -> None:
-        from data_pipeline.build_maze import build_maze_dataset
-
         side = data.generate_grid_size or maze.DEFAULT_SIZE
         if data.generate_num_aug not in (0, 7):
             log.warning("maze augmentation adds the 7 other dihedral images of each maze (generate_num_aug=7); "

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from data_pipeline.build_sft import BUILDER, DEFAULT_VOCAB_SIZE
+from data_pipeline.build_sft import BUILDER, DEFAULT_VOCAB_SIZE, build_generated_arithmetic
 from data_pipeline.marker import build_note, check_generated, remove_generated, run_build_target
 from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata, load_sft_split
@@ -56,8 +56,6 @@ class SFTKind(DatasetKind):
             remove_generated(data.path, BUILDER)
         if self.is_built(data):
             return
-        from data_pipeline.build_sft import build_generated_arithmetic
-
         reason = self.build_target(data)
         log.info("data.path=%s %s: building a generated arithmetic reasoning set there (data.generate_if_missing=true)%s",
                  data.path, reason, build_note(reason))

@@ -14,17 +14,22 @@ Vocabulary (each a `StrEnum`: the JSON holds the same strings as before):
   Verb           a request for the controller: stop, skip, retry, budget
 Failure classes are the trainer's (runtime/events.py's `Failure`).
 
-Files. `ledger.json` is `Ledger` as JSON with `"schema": 2` (a ledger without it is version 1,
-written before the records were typed: the same keys, read as they are). `supervision.json`
+Files. `ledger.json` is `Ledger` as JSON with `"schema": 3` (a ledger without it is version 1,
+written before the records were typed: the same keys, read as they are; version 2 had no time
+accounts: its launches read without `timing`, its slices without idle time). `supervision.json`
 is `SupervisionRecord` with the same key. Loading is strict: a file that is not JSON, or whose
-shape differs (a key missing or unknown, a value of the wrong type), raises `RecordError`
-naming the file, the field and the problem, and where a good copy may be. A later schema adds
+shape differs (a key missing or unknown, a value of the wrong type, a number no float holds), or
+that cannot be read at all (a folder in its place, no permission), raises `RecordError` naming the
+file, the field and the problem, and where a good copy may be (`read_state` reads one). A later schema adds
 fields with defaults (an older file reads as it is) and, where a field's meaning changes, a
 step in `MIGRATIONS` that rewrites the older layout.
 
 Writes: `to_text` serialises a record (take it under the lock its record is changed under: the
 text is a copy of one moment); `write_text` replaces a file whole (a local path through
-runtime/atomic.py's `write_atomic`, a remote object in one write). `Snapshot` is a mirror's
+runtime/atomic.py's `write_atomic`, a remote object in one write), `append_text` adds a log's
+line the same way. A local write that fails (a full disk, a read-only or unwritable folder, a
+file where a folder goes) raises `StateWriteError`, one line naming the file and the fix (exit 6),
+and leaves the file as it was. `Snapshot` is a mirror's
 state.json (the submission and the ledger). Event lines: `log_line` (`[programme] <UTC time>
 <event> key=value ...`, `[supervise] ...`).
 
@@ -45,10 +50,10 @@ import fsspec
 import pydantic
 from fsspec.implementations.local import LocalFileSystem
 
-from runtime.atomic import write_atomic
-from runtime.errors import UserError
+from runtime.atomic import append_atomic, write_atomic
+from runtime.errors import EXIT_STORAGE, UserError, storage_fault, storage_fix
 
-SCHEMA = 2
+SCHEMA = 3
 
 
 # --- the vocabulary ------------------------------------------------------------------------------
@@ -140,8 +145,9 @@ class Verb(enum.StrEnum):
 # --- the records ---------------------------------------------------------------------------------
 
 class Strict:
-    """A record read strictly: an unknown key is a file of another shape (pydantic reads the config)."""
-    __pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+    """A record read strictly: an unknown key is a file of another shape, and a float field holds a
+    finite number (pydantic reads the config)."""
+    __pydantic_config__ = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 @dataclass
@@ -186,6 +192,28 @@ class Progress(Strict):
 
 
 @dataclass
+class LaunchTiming(Strict):
+    """Where one launch's time went (experiments/launcher/account.py adds it up): the trainer's last
+    `timing` event (runtime/goodput.py: `seconds` by category since its process started, the last
+    `step` completed, `steps_run`, `saves`, the compilation cache's `hits` and `misses`, the `time`
+    it was said) and what the supervisor measured beside it: `setup`, the READY seconds before the
+    launch (the versions check, setup, stale processes stopped), and `unpaid`, the part of
+    `seconds` after the slice stopped being billed (a preempted trainer's last save), by category.
+    `seconds` is empty when the trainer said nothing (it failed first, or older code ran)."""
+    setup: float = 0.0
+    setup_ran: bool = False  # the workers were set up (a fresh slice's disks, versions that differed), not only checked
+    seconds: dict[str, float] = field(default_factory=dict)
+    step: int | None = None
+    steps_run: int = 0
+    saves: int = 0
+    hits: int = 0
+    misses: int = 0
+    wall: float = 0.0
+    time: float | None = None
+    unpaid: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class LaunchRecord(Strict):
     """One launch: when, its exit code, how it ended and why, where the run got to."""
     started: float
@@ -199,6 +227,20 @@ class LaunchRecord(Strict):
     wandb_run_id: str | None = None
     tpu_state_after: str | None = None  # as gcloud said it (None: not asked, the launch ended well)
     metrics: dict[str, Any] | None = None
+    first_step: int | None = None  # where it started (its `started` event's step): a resume point
+    timing: LaunchTiming | None = None
+    unwatched: bool = False  # it ran while no supervisor watched: recorded later, from the run's events
+
+
+@dataclass
+class InFlight(Strict):
+    """The launch under way, as far as the supervisor knows it: a supervisor killed meanwhile leaves it,
+    and the next one records that launch from it and from the run's events."""
+    started: float
+    setup: float = 0.0
+    first_step: int | None = None
+    last_step: int | None = None
+    timing: dict[str, Any] | None = None  # the trainer's last `timing` event seen at a started or checkpoint event
 
 
 @dataclass
@@ -227,6 +269,7 @@ class SupervisionRecord(Strict):
     create_refusals: int = 0  # refused creates in a row
     progress: Progress | None = None
     in_flight: bool = False  # a launch runs (a supervisor killed meanwhile finds it so)
+    launch: InFlight | None = None  # that launch, while it runs
     setup_pending: bool = False  # the last setup failed
     commit: str | None = None  # the commit every worker first agreed on
     end: End | None = None
@@ -266,8 +309,14 @@ class VariantRecord(Strict):
 
 @dataclass
 class SliceRecord(Strict):
+    """A slice: its READY clock, the variant it runs, and its idle time (READY with no variant: between
+    variants, while the controller is stopped, before it is deleted), the programme's own."""
     clock: ReadyClock = field(default_factory=ReadyClock)
     variant: str | None = None  # the variant it runs (kept when the controller stops: it resumes there)
+    free: Mark | None = None  # where its clock stood when it last held no variant (idle since)
+    idle_seconds: float = 0.0
+    idle_host_seconds: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # each idle stretch that ended with a variant taking it
 
 
 @dataclass
@@ -326,12 +375,45 @@ class RecordError(UserError):
     where an intact copy may be (the mirror). One line (a UserError: exit 2)."""
 
     def __init__(self, what: str, file: object, problem: str, *, field: str | None = None,
-                 good_copy: str | None = None, fresh: str = "start anew", garbled: bool = False) -> None:
+                 good_copy: str | None = None, fresh: str = "start anew", garbled: bool = False,
+                 wrong: str | None = None) -> None:
         self.what, self.file, self.field, self.problem, self.good_copy = what, str(file), field, problem, good_copy
-        wrong = (f"is truncated or garbled ({problem})" if garbled else
-                 f"is not a {what} this code reads ({field + ': ' if field else ''}{problem})")
+        wrong = wrong or (f"is truncated or garbled ({problem})" if garbled else
+                          f"is not a {what} this code reads ({field + ': ' if field else ''}{problem})")
         copy = f"restore it from {good_copy}" if good_copy else "restore it from a copy"
         super().__init__(f"the {what} {file} {wrong}; {copy}, or move it away to {fresh}")
+
+
+class StateWriteError(UserError):
+    """A state file that could not be written (a full disk, a read-only or unwritable folder, a file
+    where a folder goes): one line naming it and the fix; the file is as it was (exit 6)."""
+
+    exit_code = EXIT_STORAGE
+
+    def __init__(self, file: object, error: OSError, what: str = "state file", also: str = "") -> None:
+        self.file, self.error = str(file), error
+        folder = str(Path(str(file)).parent)
+        fault = storage_fault(error) or ("a file stands where a folder goes" if isinstance(error, FileExistsError)
+                                         else error.strerror or type(error).__name__)
+        fix = storage_fix(fault, folder) + (f", {also}" if also else "")
+        super().__init__(f"cannot write the {what} {file} ({fault}); {fix}, then run the same command again (the "
+                         f"{what} on disk is as it was)")
+
+
+def read_state(path: Path, what: str, *, good_copy: str | None = None, fresh: str = "start anew") -> bytes:
+    """A local state file's bytes; FileNotFoundError when there is none, RecordError when it cannot be
+    read (a folder in its place, no permission)."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise RecordError(what, path, "a folder", good_copy=good_copy, fresh=fresh,
+                          wrong="is a folder where its file should be") from None
+    except OSError as e:
+        problem = storage_fault(e) or e.strerror or type(e).__name__
+        raise RecordError(what, path, problem, good_copy=good_copy, fresh=fresh,
+                          wrong=f"cannot be read ({problem})") from None
 
 
 T = TypeVar("T")
@@ -365,7 +447,10 @@ def _problem(error: Mapping[str, Any]) -> str:
 
 # Schema n -> n + 1, on the parsed JSON of a file of schema n. Version 2 only typed version 1's
 # records (the same keys, read as they are) and added fields with defaults: nothing to rewrite.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data}
+# Version 3 added the time accounts, fields with defaults: a version-2 launch has no `timing` (its
+# time is `other`), a slice no idle time (what its clock counted before is the programme's
+# unattributed time, experiments/launcher/account.py).
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data, 2: lambda data: data}
 
 
 def decode(kind: type[T], data: Any, *, what: str, file: object, good_copy: str | None = None,
@@ -448,15 +533,29 @@ def dumps(data: Any) -> str:
     return json.dumps(data, indent=1) + "\n"
 
 
-def write_text(uri: str | Path, text: str) -> None:
-    """Replace a state file whole: a local path through write_atomic, a remote object (gs://) in one
-    write (an object is replaced whole or not at all)."""
+def write_text(uri: str | Path, text: str | bytes, what: str = "state file") -> None:
+    """Replace a state file whole: a local path through write_atomic (StateWriteError when that
+    fails, the file as it was), a remote object (gs://) in one write (an object is replaced whole or
+    not at all)."""
     fs, path = fsspec.core.url_to_fs(str(uri))
     if isinstance(fs, LocalFileSystem):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, text)
+        except OSError as e:
+            raise StateWriteError(path, e, what) from None
     else:
-        fs.pipe_file(path, text.encode())
+        fs.pipe_file(path, text.encode() if isinstance(text, str) else text)
+
+
+def append_text(path: Path, text: str, what: str = "log") -> None:
+    """Add `text` to the end of a local log (runtime/atomic.py's `append_atomic`): a write that fails
+    (StateWriteError) leaves the log as it was, never a torn line."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        append_atomic(path, text)
+    except OSError as e:  # a full disk, a read-only one, a folder in its place
+        raise StateWriteError(path, e, what) from None
 
 
 def log_line(prefix: str, event: str, fields: Mapping[str, object], when: float | None = None) -> str:

@@ -1,10 +1,14 @@
 """`launch.py programme status`: the programme at a glance, from its ledger (experiments/launcher/run_queue.py).
 
 A table, one row per variant: state, attempts, preemptions, restarts, pod-hours spent against the
-plan's estimate, last step of the total, the group's primary metric (its group.yaml), the W&B run
-id; then totals per group and for the programme, and an ETA. The same table goes into a static
-HTML page (`status.html` in the programme's directory) with one picture: pod-hours spent against
-planned over time, and the primary metric of each variant, group by group.
+plan's estimate, last step of the total, goodput and the three largest badput categories (shares
+of its paid time; experiments/launcher/account.py), the group's primary metric (its group.yaml),
+the W&B run id; then totals per group and for the programme (its paid time: every slice's READY
+time, the slices' idle time included), each slice's idle time, the controller and an ETA, and the
+failed variants' lines. The same goes into a static HTML page (`status.html` in the programme's
+directory) with two pictures: where each variant's paid time went (a stacked bar per variant,
+and one for the slices' idle time); pod-hours spent against planned over time, and the primary
+metric of each variant, group by group.
 
 ETA: each unfinished variant's remaining steps at its own measured pace (READY seconds per step
 so far), or, not yet measured, its planned pod-hours scaled by how the measured variants compare
@@ -19,8 +23,10 @@ import io
 import time
 from dataclasses import dataclass
 
+from experiments.bill import CATEGORIES, IDLE
+from experiments.launcher.account import Account, Programme, badput_text, goodput_text, programme_account
 from experiments.launcher.ledger import Ledger, Progress, VariantState
-from experiments.launcher.run_queue import Submission, live_ready_seconds
+from experiments.launcher.run_queue import Submission
 from experiments.programme import GROUPS, PRIMARY
 
 UNFINISHED = (VariantState.QUEUED, VariantState.RUNNING)
@@ -43,6 +49,7 @@ class Row:
     metric: float | None
     wandb: str | None
     line: str | None
+    account: Account  # where its paid time went
 
 
 def primary_of(group: str) -> str:
@@ -52,7 +59,8 @@ def primary_of(group: str) -> str:
         return PRIMARY
 
 
-def rows(sub: Submission, ledger: Ledger, now: float | None = None) -> list[Row]:
+def rows(sub: Submission, ledger: Ledger, now: float | None = None, accounts: Programme | None = None) -> list[Row]:
+    accounts = accounts or programme_account(ledger, now)
     out = []
     for variant, r in sorted(ledger.variants.items(), key=lambda item: item[1].order):
         sup = r.supervision
@@ -61,10 +69,12 @@ def rows(sub: Submission, ledger: Ledger, now: float | None = None) -> list[Row]
         steps = [s for s in (r.last_step, live.step) if isinstance(s, int)]
         name = primary_of(variant.split("/", 1)[0])
         value = (r.metrics or {}).get(name)
-        out.append(Row(variant, r.state, r.attempts, sup.preemptions, sup.restarts,
-                       live_ready_seconds(ledger, r, now) / 3600, sub.planned_hours(variant), max(steps, default=None),
+        account = accounts.variants[variant]
+        out.append(Row(variant, r.state, r.attempts, sup.preemptions, sup.restarts, account.paid / 3600,
+                       sub.planned_hours(variant), max(steps, default=None),
                        r.total or live.total or (sub.planned.get(variant) or {}).get("steps"), name,
-                       value if isinstance(value, (int, float)) else None, r.wandb_run_id or live.wandb_run_id, r.line))
+                       value if isinstance(value, (int, float)) else None, r.wandb_run_id or live.wandb_run_id, r.line,
+                       account))
     return out
 
 
@@ -93,15 +103,17 @@ def _cell(value, fmt: str = "") -> str:
 def columns(r: Row) -> list[str]:
     return [r.variant, r.state, str(r.attempts), str(r.preemptions), str(r.restarts),
             f"{r.spent:.3f}/{_cell(r.planned, '.3f')}", f"{_cell(r.step)}/{_cell(r.total)}",
-            f"{r.metric_name}={_cell(r.metric, '.4g')}", r.wandb or "-"]
+            goodput_text(r.account), badput_text(r.account), f"{r.metric_name}={_cell(r.metric, '.4g')}",
+            r.wandb or "-"]
 
 
-HEADER = ["variant", "state", "attempts", "preempted", "restarts", "pod-hours/planned", "step/total", "primary",
-          "W&B run"]
+HEADER = ["variant", "state", "attempts", "preempted", "restarts", "pod-hours/planned", "step/total", "goodput",
+          "badput (top 3)", "primary", "W&B run"]
 
 
-def totals(table: list[Row]) -> list[list[str]]:
-    """One line per group and one for the programme: states, pod-hours spent/planned."""
+def totals(table: list[Row], accounts: Programme) -> list[list[str]]:
+    """One line per group and one for the programme: states, pod-hours spent/planned, goodput and
+    badput (the programme's paid time is every slice's READY time: its idle time too)."""
     groups: dict[str, list[Row]] = {}
     for r in table:
         groups.setdefault(r.variant.split("/", 1)[0], []).append(r)
@@ -110,35 +122,105 @@ def totals(table: list[Row]) -> list[list[str]]:
         counts = ", ".join(f"{sum(r.state == s for r in members)} {s}" for s in STATES_SHOWN
                            if any(r.state == s for r in members))
         planned = sum(r.planned or 0.0 for r in members)
-        out.append([f"{name} total", counts, "", "", "", f"{sum(r.spent for r in members):.3f}/{planned:.3f}", "", "",
-                    ""])
+        account = accounts.total if name == "programme" else sum((r.account for r in members), Account())
+        out.append([f"{name} total", counts, "", "", "", f"{account.paid / 3600:.3f}/{planned:.3f}", "",
+                    goodput_text(account), badput_text(account), "", ""])
     return out
 
 
-def text(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
-    table = rows(sub, ledger, now)
-    lines = [HEADER, *(columns(r) for r in table), *totals(table)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
-    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+def summary(sub: Submission, ledger: Ledger, table: list[Row], accounts: Programme) -> list[str]:
+    """The lines under the table: each slice's idle time, the controller, the ETA and the budget."""
     controller = ledger.controller
     eta = eta_hours(sub, table)
-    out.append(f"controller: {controller.status}" + (f" ({controller.line})" if controller.line else "")
-               + f"; ETA {'unknown' if eta is None else f'{eta:.2f} h'}"
-               + (f"; budget {sub.budget:g} pod-hours" if sub.budget is not None else ""))
-    for r in table:
-        if r.state == VariantState.FAILED and r.line:
-            out.append(f"{r.variant}: {r.line}")
+    idle = ", ".join(f"{name} {seconds / 3600:.3f}" for name, seconds in accounts.idle.items())
+    return [f"idle READY time (pod-hours): {idle or '-'}",
+            f"controller: {controller.status}" + (f" ({controller.line})" if controller.line else "")
+            + f"; ETA {'unknown' if eta is None else f'{eta:.2f} h'}"
+            + (f"; budget {sub.budget:g} pod-hours" if sub.budget is not None else "")]
+
+
+def failures(table: list[Row]) -> list[str]:
+    return [f"{r.variant}: {r.line}" for r in table if r.state == VariantState.FAILED and r.line]
+
+
+def text(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
+    accounts = programme_account(ledger, now)
+    table = rows(sub, ledger, now, accounts)
+    lines = [HEADER, *(columns(r) for r in table), *totals(table, accounts)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out += summary(sub, ledger, table, accounts)
+    out += failures(table)
     return "\n".join(out) + "\n"
 
 
-def picture(sub: Submission, ledger: Ledger) -> bytes:
-    """PNG: pod-hours spent and planned over time; each variant's primary metric, group by group."""
-    import matplotlib  # heavy: only for the page
+# The categories' colours: productive in greens, the rest apart (greys: idle and the remainder).
+COLOURS = {"train": "#2ca02c", "eval": "#98df8a", "setup": "#1f77b4", "runtime_startup": "#aec7e8",
+           "data_loading": "#9467bd", "program_startup": "#ff7f0e", "checkpoint_save": "#8c564b",
+           "checkpoint_restore": "#c49c94", "wasted_progress": "#d62728", "idle": "#7f7f7f", "other": "#c7c7c7"}
+
+
+def _pyplot():
+    import matplotlib  # heavy and optional: only for the page
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = rows(sub, ledger)
+    return plt
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    fig.clf()
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def goodput_picture(table: list[Row], accounts: Programme) -> bytes:
+    """PNG: a stacked bar per variant that was paid for (its paid time by category, its goodput at the
+    end), and one for the slices' idle time (with what the ledger did not attribute, as `other`)."""
+    plt = _pyplot()
+    bars = [(r.variant, r.account.seconds, r.account) for r in table if r.account.paid > 0]
+    idle = sum(accounts.idle.values())
+    if idle > 0 or accounts.unattributed > 0:
+        bars.append(("idle READY time (slices)", {IDLE: idle, "other": max(0.0, accounts.unattributed)}, None))
+    hours = max((sum(max(0.0, v) for v in seconds.values()) for _, seconds, _ in bars), default=0.0) >= 3600
+    unit, scale = ("pod-hours", 3600) if hours else ("pod-minutes", 60)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(1, len(bars))))
+    shown = set()
+    for y, (_, seconds, _) in enumerate(bars):
+        left = 0.0
+        for name in CATEGORIES:
+            width = max(0.0, seconds.get(name, 0.0)) / scale
+            if width <= 0:
+                continue
+            ax.barh(y, width, left=left, color=COLOURS[name], label=None if name in shown else name, height=0.7)
+            shown.add(name)
+            left += width
+    for y, (_, seconds, account) in enumerate(bars):
+        note = "" if account is None else (f" goodput {goodput_text(account)}" if account.measured else " not measured")
+        ax.text(sum(max(0.0, v) for v in seconds.values()) / scale, y, note, va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), [name for name, _, _ in bars], fontsize=8)
+    ax.invert_yaxis()  # the table's order, top down
+    ax.set_xlim(right=ax.get_xlim()[1] * 1.15)  # room for the goodput notes
+    total = accounts.total
+    ax.set(xlabel=f"paid time ({unit}: READY time of the slice)",
+           title=f"the programme: goodput {goodput_text(total)} of {total.paid / 3600:.3f} pod-hours paid")
+    if shown:
+        handles, labels = ax.get_legend_handles_labels()
+        order = sorted(range(len(labels)), key=lambda i: CATEGORIES.index(labels[i]))
+        ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), fontsize=8, title="category")
+    else:
+        ax.text(0.5, 0.5, "nothing paid for yet", transform=ax.transAxes, ha="center", va="center")
+    return _png(fig)
+
+
+def picture(sub: Submission, ledger: Ledger, table: list[Row]) -> bytes:
+    """PNG: pod-hours spent and planned over time; each variant's primary metric, group by group."""
+    plt = _pyplot()
     fig, (spent_ax, metric_ax) = plt.subplots(1, 2, figsize=(12, 4))
     history = ledger.history
     if history:
@@ -164,25 +246,40 @@ def picture(sub: Submission, ledger: Ledger) -> bytes:
                          for r in scored])
     metric_ax.set_xticks(range(len(scored)), [r.variant for r in scored], rotation=45, ha="right", fontsize=7)
     metric_ax.set(title="primary metric per variant (colour: group)")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
-def page(sub: Submission, ledger: Ledger) -> str:
-    """The static HTML page: the table, then the picture."""
-    table = rows(sub, ledger)
-    cells = lambda line, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in line)  # noqa: E731
+def page(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
+    """The static HTML page: the summary, the table, the failed variants' lines, then the pictures."""
+    accounts = programme_account(ledger, now)
+    table = rows(sub, ledger, now, accounts)
+    listed = HEADER.index("badput (top 3)")  # its items wrap between them, never inside one
+
+    def cells(line: list[str], tag: str) -> str:
+        def cell(i: int, c: str) -> str:
+            if i != listed or tag != "td":
+                return html.escape(c)
+            return ", ".join(f"<span class='item'>{html.escape(item)}</span>" for item in c.split(", "))
+        return "".join(f"<{tag}>{cell(i, c)}</{tag}>" for i, c in enumerate(line))
+
     body = "".join(f"<tr class='{html.escape(r.state)}'>{cells(columns(r), 'td')}</tr>" for r in table)
-    body += "".join(f"<tr class='total'>{cells(line, 'td')}</tr>" for line in totals(table))
-    image = base64.b64encode(picture(sub, ledger)).decode()
-    summary = html.escape(text(sub, ledger).splitlines()[len(table) + len(totals(table)) + 1])
+    body += "".join(f"<tr class='total'>{cells(line, 'td')}</tr>" for line in totals(table, accounts))
+    said = "".join(f"<p>{html.escape(line)}</p>" for line in summary(sub, ledger, table, accounts))
+    failed = failures(table)
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in failed)
+    failed_html = f"<h2>failed variants</h2><ul class='failed'>{items}</ul>" if failed else ""
+    bars = base64.b64encode(goodput_picture(table, accounts)).decode()
+    image = base64.b64encode(picture(sub, ledger, table)).decode()
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>programme {html.escape(sub.name)}</title>"
-            "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}.failed{color:#b00}"
-            ".completed{color:#070}.total{font-weight:bold}</style></head><body>"
-            f"<h1>programme {html.escape(sub.name)}</h1><p>{summary}</p><p>as of "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}</p>"
-            f"<table><tr>{cells(HEADER, 'th')}</tr>{body}</table>"
-            f"<img alt='pod-hours and primary metrics' src='data:image/png;base64,{image}'></body></html>\n")
+            "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}.item{white-space:nowrap}"
+            ".failed{color:#b00}"
+            ".completed{color:#070}.total{font-weight:bold}img{display:block;max-width:100%}</style></head><body>"
+            f"<h1>programme {html.escape(sub.name)}</h1>{said}<p>as of "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now))}; goodput: kept train steps and the "
+            "evaluations the protocol asks for, over the paid (READY) time; badput: the largest other categories, "
+            "in shares of it (docs/OPERATIONS.md, Reading the bill)</p>"
+            f"<table><tr>{cells(HEADER, 'th')}</tr>{body}</table>{failed_html}"
+            f"<h2>where the paid time went</h2><img alt='paid time by category, per variant' "
+            f"src='data:image/png;base64,{bars}'>"
+            f"<h2>spent and results</h2><img alt='pod-hours and primary metrics' src='data:image/png;base64,{image}'>"
+            "</body></html>\n")

@@ -5,9 +5,9 @@ slices, each variant supervised, with a ledger of pod-hours, results and status
 State: one directory per programme (default outputs/programmes/<name>/):
   programme.json  what was submitted (variants in order, slices, budget, overrides); only the budget changes
   ledger.json     every variant's state, attempts, supervision record (experiments/launcher/supervise.py),
-                  pod time, last step, result; every slice's READY clock; pod-hours over time; the
-                  records are typed and versioned in experiments/launcher/ledger.py (`"schema": 2`;
-                  a ledger written before, without it, is read as it is)
+                  pod time, last step, result, each launch's time by category; every slice's READY
+                  clock and idle time; pod-hours over time; the records are typed and versioned in
+                  experiments/launcher/ledger.py (`"schema": 3`; a ledger written before is read as it is)
   controller.log  one `[programme] <UTC time> <event> key=value ...` line per event
   commands/       stop / retry / skip / budget requests, each with an id, applied once by the controller
   logs/           each variant's launch output; launch-logs/: each launch's (pod.launch_pod)
@@ -48,18 +48,33 @@ would exceed --budget; the controller says so in one line and lets the running o
 
 Pod-hours are the slices' READY hours (what GCP bills; the plan's unit, the whole slice held);
 host-hours are that times the hosts. A variant is charged the READY time of its slice while it
-held it.
+held it (from the slice taking it to its run there ending; a controller that died in between
+leaves the mark, and the next one charges it); a slice's READY time while it holds no variant is
+its idle time, the programme's. Where each one's time went: experiments/launcher/account.py.
+
+Damage and faults (`State.load`, `repair`): every file is read through one loader that checks it
+against its typed record (programme.json, ledger.json, the mirror's state.json; the directory's
+files and folders where they belong) before anything is written: a damaged one is one line
+(ledger.RecordError) naming it and the good copy, and `programme repair` restores the state from
+the mirror's. Every write of the state goes through runtime/atomic.py (ledger.write_text,
+append_text): one that fails is ledger.StateWriteError (exit 6), its file as it was. Names follow
+the trainer's rules (runtime/ranges.py); a request file that cannot be applied is said once
+(`command-ignored`) and dropped.
 
 Exit codes of `run`: 0 nothing left to run (every variant completed, failed or skipped), the
 budget reached, or stopped by `programme stop`; 1 stopped on a repeated infrastructure failure;
-2 bad input (preflight), a held lease, no credentials, a refused request; 130 interrupted.
+2 bad input (preflight), a damaged state file, a held lease, no credentials, a refused request;
+6 a state file that cannot be written; 130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import io
 import json
+import math
 import os
 import secrets
 import shlex
@@ -76,26 +91,33 @@ import fsspec
 from experiments.compose import variants as group_variants
 from experiments.launcher import pod, supervise
 from experiments.launcher.gcloud import Target
-from experiments.launcher.ledger import (SCHEMA, Command, ControllerStatus, Ledger, Mark, Move, ReadyClock, RecordError,
-                                         SliceRecord, Snapshot, Status, Streak, SupervisionRecord, VariantRecord,
-                                         VariantState, Verb, can_move, decode, dumps, load_ledger, load_snapshot,
-                                         log_line, move, parse_json, to_text, write_text)
+from experiments.launcher.account import charge, idle_from, idle_until, live_ready_seconds, mark
+from experiments.launcher.ledger import (SCHEMA, Command, ControllerStatus, Ledger, Move, ReadyClock, RecordError,
+                                         SliceRecord, Snapshot, StateWriteError, Status, Streak, Strict,
+                                         SupervisionRecord, VariantRecord, VariantState, Verb, append_text, can_move,
+                                         decode, dumps, load_ledger, load_snapshot, log_line, move, parse_json,
+                                         read_state, to_text, write_text)
 from experiments.programme import GROUPS
 from runtime import events, hydra_compose
 from runtime.config import run_dirs
-from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError
+from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError, one_line
 from runtime.events import Kind
-from runtime.lease import Lease
+from runtime.lease import LEASE_FILE, Lease, LeaseHeld
+from runtime.ranges import Rule, at_least, name_problem, range_problem
 
 SNAPSHOT = "state.json"  # the mirror's copy of the state: one object
 COMMANDS = "commands"  # requests for the controller, in the directory and on the mirror
 MIRROR_POLL_S = 10.0  # how often a controller looks for requests on the mirror
 KEEP_APPLIED = 200  # ids of the last requests applied, kept in the ledger (a request is applied once)
+BUDGET: Rule = (at_least(0), "pod-hours")  # --budget, `programme budget HOURS` and a budget request's value
+FILES = {"programme.json": "submission", "ledger.json": "ledger", "controller.log": "controller log"}
+FOLDERS = {COMMANDS: "the controller's requests", "logs": "each variant's output",
+           "launch-logs": "each launch's output"}
 
 
 @dataclass
-class Submission:
-    """What `programme submit` was asked (programme.json)."""
+class Submission(Strict):
+    """What `programme submit` was asked (programme.json, read strictly as the ledger's records)."""
     name: str
     variants: list[str]  # "group/variant", in the order they run
     slices: list[str]
@@ -156,17 +178,36 @@ class Submission:
 # --- preflight -------------------------------------------------------------------------------------
 
 def read_plan(path: Path) -> dict[str, dict]:
-    """{group/variant: {"pod_hours", "steps", "step_s"}} from a CSV of `launch.py plan`."""
+    """{group/variant: {"pod_hours", "steps", "step_s"}} from a CSV of `launch.py plan`; one that cannot
+    be read as such (missing, another CSV, a number that is not one) is one line (UserError)."""
     planned = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["variant"] == "TOTAL" or row["group"] == "ALL":
-                continue
-            planned[f"{row['group']}/{row['variant']}"] = {
-                "pod_hours": float(row["pod_hours"]) if row["pod_hours"] else None,
-                "steps": int(row["steps"]) if row["steps"] else None,
-                "step_s": float(row["step_s"]) if row["step_s"] else None}
+    try:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row["variant"] == "TOTAL" or row["group"] == "ALL":
+                    continue
+                hours = float(row["pod_hours"]) if row["pod_hours"] else None
+                if hours is not None and (not math.isfinite(hours) or range_problem(hours, BUDGET)):
+                    raise ValueError(f"pod_hours {hours} of {row['group']}/{row['variant']}")
+                planned[f"{row['group']}/{row['variant']}"] = {
+                    "pod_hours": hours, "steps": int(row["steps"]) if row["steps"] else None,
+                    "step_s": float(row["step_s"]) if row["step_s"] else None}
+    except (OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, csv.Error) as e:
+        detail = f"no column {e}" if isinstance(e, KeyError) else getattr(e, "strerror", None) or str(e)
+        raise UserError(f"--plan {path} cannot be read as the CSV of `launch.py plan` ({detail}); give the file that "
+                        "`launch.py plan GROUP ... --csv PATH` wrote") from None
     return planned
+
+
+def check_run_ids(sub: Submission) -> None:
+    """Each variant's run id is its own (they are cut at 64 characters: a long programme name would
+    give two variants one id, and one would resume the other's checkpoint)."""
+    seen: dict[str, str] = {}
+    for variant in sub.variants:
+        other = seen.setdefault(sub.run_id(variant), variant)
+        if other != variant:
+            raise UserError(f"{other} and {variant} would share the run id {sub.run_id(variant)!r} (run ids are "
+                            "<programme>-<group>-<variant>, cut at 64 characters): choose a shorter programme NAME")
 
 
 def choose_variants(groups: list[str], only: list[str]) -> list[str]:
@@ -241,53 +282,120 @@ class State:
         self.ledger = Ledger()
         self.written = -1  # the seq of the ledger on disk
         self.mirror_failed = self.mirror_unread = False  # said once until the mirror answers again
+        self.ignored: set[str] = set()  # requests said to be unusable (each said once)
 
     @property
     def name(self) -> str:
         return self.dir.name
 
     def create(self, sub: Submission) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """A new programme's files: the submission, its `submitted` event, the ledger (and the mirror's
+        snapshot). A write that fails (StateWriteError) removes what this call wrote: nothing is left
+        half-submitted, and what was there before is as it was."""
+        made = [p for p in (self.dir, *(self.dir / name for name in FILES)) if not p.exists()]
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StateWriteError(self.dir, e, "programme's folder") from None
         self.sub = sub
         self.ledger = Ledger(variants={v: VariantRecord(order=i, run_id=sub.run_id(v))
                                        for i, v in enumerate(sub.variants)},
                              slices={s: SliceRecord() for s in sub.slices})
-        self.save_submission()
-        self.save()
+        try:
+            self.save_submission()
+            self.event("submitted", variants=len(sub.variants), slices=",".join(sub.slices), state=self.dir)
+            self.save()  # the ledger, then the mirror's snapshot: last, once the rest is here
+        except StateWriteError:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    path.rmdir() if path == self.dir else path.unlink()
+            raise
+
+    def good_copy(self, mirror: str | None) -> str | None:
+        """Where an intact copy of the state is and how to restore it (the mirror's snapshot), or None."""
+        if not mirror:
+            return None
+        return (f"{mirror}/{SNAPSHOT} (`launch.py programme repair {self.name} --state-dir {self.dir.parent} "
+                f"--mirror {mirror}`)")
 
     def load(self, mirror: str | None = None) -> None:
-        """From the directory, or (a controller on another machine) first from the mirror. A file of
-        the wrong shape is one line (ledger.RecordError) naming the mirror's copy."""
-        if not (self.dir / "programme.json").exists() and mirror:
+        """From the directory, or (a controller on another machine) first from the mirror. Every file is
+        checked against its record before anything is written: a damaged one (not JSON, of another
+        shape, a folder in its place, unreadable, or a ledger that does not fit its submission) is one
+        line (ledger.RecordError, or a UserError for the folders) naming it, what is wrong and the
+        good copy (the mirror's)."""
+        good_copy = self.good_copy(mirror)
+        self.check_layout()
+        paths = {name: self.dir / name for name in FILES}
+        if mirror and not paths["programme.json"].exists() and not paths["ledger.json"].exists():
             self.fetch(mirror)
-        good_copy = f"{mirror}/{SNAPSHOT}" if mirror else None
-        try:
-            sub_text = (self.dir / "programme.json").read_text()
-            ledger_text = (self.dir / "ledger.json").read_text()
-        except FileNotFoundError:
+        raw: dict[str, bytes | None] = {}
+        for name in ("programme.json", "ledger.json"):
+            try:
+                raw[name] = read_state(paths[name], FILES[name], good_copy=good_copy,
+                                       fresh="submit the programme again")
+            except FileNotFoundError:
+                raw[name] = None
+        if raw["programme.json"] is None and raw["ledger.json"] is None:
             raise UserError(f"no programme at {self.dir}" + (f" nor at {mirror}" if mirror else "") +
-                            "; submit it first (launch.py programme submit)") from None
-        self.sub = submission_of(parse_json(sub_text, what="submission", file=self.dir / "programme.json",
-                                            good_copy=good_copy), self.dir / "programme.json", good_copy)
-        good_copy = good_copy or (f"{self.sub.mirror}/{SNAPSHOT}" if self.sub.mirror else None)
-        self.ledger = load_ledger(ledger_text, self.dir / "ledger.json", good_copy)
+                            "; submit it first (launch.py programme submit)")
+        for name, other in (("programme.json", "ledger.json"), ("ledger.json", "programme.json")):
+            if raw[name] is None:
+                raise RecordError(FILES[name], paths[name], "missing", good_copy=good_copy,
+                                  fresh="submit the programme again", wrong=f"is missing beside its {other}")
+        sub = submission_of(parse_json(raw["programme.json"], what="submission", file=paths["programme.json"],
+                                       good_copy=good_copy, fresh="submit the programme again"),
+                            paths["programme.json"], good_copy)
+        good_copy = good_copy or self.good_copy(sub.mirror)
+        ledger = load_ledger(raw["ledger.json"], paths["ledger.json"], good_copy)
+        check_fits(sub, ledger, paths["programme.json"], paths["ledger.json"], good_copy)
+        self.sub, self.ledger = sub, ledger
+
+    def check_writable(self) -> None:
+        """The directory can be made and written (a read-only file system, no permission, a file on
+        its path: StateWriteError before a submit's preflight; a full disk shows at the first write)."""
+        here = self.dir
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        if not here.is_dir():
+            raise StateWriteError(self.dir, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)),
+                                  "programme's folder")
+        read_only = os.statvfs(here).f_flag & os.ST_RDONLY
+        if read_only or not os.access(here, os.W_OK):
+            code = errno.EROFS if read_only else errno.EACCES
+            raise StateWriteError(self.dir, OSError(code, os.strerror(code)), "programme's folder")
+
+    def check_layout(self) -> None:
+        """The directory, its files and its folders are what they should be (before anything is read
+        or written): a file where a folder goes, or a folder where a file goes, is one line."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise UserError(f"the programme's state {self.dir} is a file, where its folder should be; move it away "
+                            "(or give another --state-dir) and run the same command again")
+        for name, what in FILES.items():
+            path = self.dir / name
+            if path.exists() and not path.is_file():  # a folder, or a pipe that reading would wait on forever
+                kind = "a folder" if path.is_dir() else "no regular file"
+                raise UserError(f"the {what} {path} is {kind}, where its file should be; move it away and run the "
+                                "same command again")
+        for name, what in FOLDERS.items():
+            path = self.dir / name
+            if path.exists() and not path.is_dir():
+                raise UserError(f"{path} is a file, where the folder of {what} should be; move it away and run the "
+                                "same command again")
 
     def fetch(self, mirror: str) -> None:
-        """The mirror's state into the directory: its snapshot (state.json), or the three files a
-        mirror written before the snapshot holds."""
-        fs, root = fsspec.core.url_to_fs(mirror)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if fs.exists(f"{root}/{SNAPSHOT}"):
-            where = f"{mirror}/{SNAPSHOT}"
-            snapshot = load_snapshot(fs.cat_file(f"{root}/{SNAPSHOT}"), where)
-            write_text(self.dir / "programme.json", dumps(asdict(submission_of(snapshot.submission, where, None))))
-            write_text(self.dir / "ledger.json", to_text(snapshot.ledger))
-            names: tuple[str, ...] = ("controller.log",)
-        else:
-            names = ("programme.json", "ledger.json", "controller.log")
-        for name in names:
-            if fs.exists(f"{root}/{name}"):
-                write_text(self.dir / name, fs.cat_file(f"{root}/{name}").decode())
+        """The mirror's state into the directory (read_mirror: all of it read and checked first),
+        programme.json last; a write that fails removes what this call wrote."""
+        made = []
+        try:
+            for name, text in read_mirror(mirror).items():
+                if not (self.dir / name).exists():
+                    made.append(self.dir / name)
+                write_text(self.dir / name, text, FILES[name])
+        except StateWriteError:
+            for path in made:
+                path.unlink(missing_ok=True)
+            raise
 
     def save(self) -> None:
         """Write the ledger (its text taken under the lock), then the mirror's snapshot."""
@@ -299,7 +407,7 @@ class State:
         with self.write_lock:
             if seq <= self.written:  # a later copy is on disk already
                 return
-            write_text(self.dir / "ledger.json", text)
+            write_text(self.dir / "ledger.json", text, "ledger")  # StateWriteError: the ledger on disk as it was
             self.written = seq
             if snapshot is not None:
                 self.push(snapshot)
@@ -322,8 +430,7 @@ class State:
     def event(self, name: str, **fields) -> None:
         line = log_line("[programme]", name, fields)
         with self.log_lock:
-            with open(self.dir / "controller.log", "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            append_text(self.dir / "controller.log", line + "\n", "controller log")
             self.stream.write(line + "\n")
             self.stream.flush()
 
@@ -333,7 +440,7 @@ class State:
         reads it there); it applies it once, now or when it next starts."""
         command = Command(id=f"{time.time_ns()}-{secrets.token_hex(3)}", verb=verb, variant=variant, value=value)
         text = to_text(command)
-        write_text(self.dir / COMMANDS / f"{command.id}.json", text)
+        write_text(self.dir / COMMANDS / f"{command.id}.json", text, "request")
         mirror = mirror or (self.sub.mirror if self.sub else None)
         if mirror:
             try:
@@ -346,21 +453,38 @@ class State:
     def save_submission(self) -> None:
         with self.lock:
             text = dumps(asdict(self.sub))
-        write_text(self.dir / "programme.json", text)
+        write_text(self.dir / "programme.json", text, "submission")
 
     def commands(self, mirror: bool = False) -> list[Command]:
         """The requests left since the last call (each file taken once read), in the order they were
-        made: the directory's, and with `mirror` the mirror's too. A file that is not a request is
-        said and dropped."""
+        made: the directory's, and with `mirror` the mirror's too. A file that is no usable request
+        (not JSON, fields of the wrong type or missing, a budget that is no number of pod-hours, a
+        folder) is said once in one `command-ignored` line, its copies here and on the mirror one
+        request, and dropped."""
         found: dict[str, Command] = {}
-        for path in sorted((self.dir / COMMANDS).glob("*.json")):
-            self._take_command(path.read_bytes(), path, found)
-            path.unlink(missing_ok=True)
+        folder = self.dir / COMMANDS
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                raw = path.read_bytes()
+            except OSError as e:  # a folder named like a request: said once, left where it is
+                self._ignore(path.stem, path, str(e.strerror or e))
+                continue
+            self._take_command(raw, path, found)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:  # the directory turned read-only: as any state write
+                raise StateWriteError(path, e, "request") from None
         if mirror and self.sub.mirror:
             try:
                 fs, root = fsspec.core.url_to_fs(self.sub.mirror)
                 for path in sorted(fs.glob(f"{root}/{COMMANDS}/*.json")):
-                    self._take_command(fs.cat_file(path), f"{self.sub.mirror}/{COMMANDS}/{Path(path).name}", found)
+                    where = f"{self.sub.mirror}/{COMMANDS}/{Path(path).name}"
+                    try:
+                        raw = fs.cat_file(path)
+                    except OSError as e:  # a folder named like a request: said once, left where it is
+                        self._ignore(Path(path).stem, where, str(e.strerror or e))
+                        continue
+                    self._take_command(raw, where, found)
                     fs.rm_file(path)
                 self.mirror_unread = False
             except Exception as e:  # noqa: BLE001 - the mirror out of reach: the next poll tries again
@@ -371,25 +495,108 @@ class State:
         return [found[key] for key in sorted(found)]
 
     def _take_command(self, raw: bytes, where: object, found: dict[str, Command]) -> None:
+        stem = Path(str(where)).stem
         try:
             data = json.loads(raw)
-            if isinstance(data, dict):  # a request left before requests had ids: its file's name
-                data.setdefault("id", Path(str(where)).stem)
+        except ValueError as e:
+            return self._ignore(stem, where, f"not JSON ({e})")
+        if isinstance(data, dict):  # a request left before requests had ids: its file's name
+            data.setdefault("id", stem)
+        key = data["id"] if isinstance(data, dict) and isinstance(data["id"], str) else stem
+        try:
             command = decode(Command, data, what="request", file=where)
-        except (ValueError, RecordError) as e:
-            self.event("command-ignored", reason=shlex.quote(" ".join(str(e).split())[:300]))
-            return
+        except RecordError as e:
+            return self._ignore(key, where, f"{e.field}: {e.problem}" if e.field else e.problem)
+        problem = command_problem(command)
+        if problem:
+            return self._ignore(key, where, problem)
         found[command.id] = command
+
+    def _ignore(self, key: str, where: object, reason: str) -> None:
+        """A request that cannot be applied: one `command-ignored` line, once (by its id, or its file's
+        name: the copy here and the one on the mirror are one request)."""
+        if key in self.ignored:
+            return
+        self.ignored.add(key)
+        self.event("command-ignored", id=shlex.quote(key), file=shlex.quote(str(where)),
+                   reason=shlex.quote(" ".join(reason.split())[:300]))
+
+
+def read_mirror(mirror: str) -> dict[str, str]:
+    """The state files the mirror holds, checked as a local state is ({} when it holds none): from its
+    snapshot (state.json), or the three files a mirror written before the snapshot holds; in the
+    order they are written, programme.json last (a programme is there once it is)."""
+    try:
+        fs, root = fsspec.core.url_to_fs(mirror)
+        files: dict[str, str] = {}
+        if fs.exists(f"{root}/{SNAPSHOT}"):
+            where = f"{mirror}/{SNAPSHOT}"
+            snapshot = load_snapshot(fs.cat_file(f"{root}/{SNAPSHOT}"), where)
+            sub = decode(Submission, snapshot.submission, what="programme snapshot", file=where,
+                         fresh="take over from the directory's own files", prefix=("submission",))
+            check_fits(sub, snapshot.ledger, where, where, None)
+            files = {"ledger.json": to_text(snapshot.ledger), "programme.json": dumps(asdict(sub))}
+        elif fs.exists(f"{root}/programme.json") and fs.exists(f"{root}/ledger.json"):
+            text = {name: fs.cat_file(f"{root}/{name}") for name in ("programme.json", "ledger.json")}
+            sub = submission_of(parse_json(text["programme.json"], what="submission", file=f"{mirror}/programme.json"),
+                                f"{mirror}/programme.json", None)
+            ledger = load_ledger(text["ledger.json"], f"{mirror}/ledger.json")
+            check_fits(sub, ledger, f"{mirror}/programme.json", f"{mirror}/ledger.json", None)
+            files = {"ledger.json": to_text(ledger), "programme.json": dumps(asdict(sub))}
+        if files and fs.exists(f"{root}/controller.log"):
+            files = {"controller.log": fs.cat_file(f"{root}/controller.log").decode(errors="replace"), **files}
+        return files
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - out of reach, no credentials: said in one line
+        raise UserError(f"cannot read the programme's mirror {mirror} ({one_line(e)[:200]}); check the URI and "
+                        "access to it, then run the same command again") from None
+
+
+def command_problem(command: Command) -> str | None:
+    """What makes a request of the right types unusable, or None: a budget needs its value (pod-hours,
+    as `programme budget` checks it); skip and retry need a variant."""
+    if command.verb == Verb.BUDGET:
+        if command.value is None:
+            return "value: missing (a budget request holds the pod-hours)"
+        problem = range_problem(command.value, BUDGET)
+        return f"value: {command.value:g} is out of range: {problem}" if problem else None
+    if command.verb in (Verb.SKIP, Verb.RETRY) and not command.variant:
+        return f"variant: missing (a {command.verb} request names its variant)"
+    return None
+
+
+def check_fits(sub: Submission, ledger: Ledger, sub_file: object, file: object, good_copy: str | None) -> None:
+    """The ledger (`file`) is the one of this submission (`sub_file`): the same variants and slices
+    (each submitted once), and each slice's own variant one of them; else RecordError naming the field."""
+    names = [("name", sub.name), *(("slices", n) for n in sub.slices),
+             *(("variants", part) for v in sub.variants for part in v.split("/", 1))]
+    unsafe = next(((f, n) for f, n in names if name_problem(n)), None)  # checked as `programme submit` does
+    problems = [("variants", "names a variant twice", len(set(sub.variants)) < len(sub.variants)),
+                ("slices", "names a slice twice", len(set(sub.slices)) < len(sub.slices)),
+                ("slices", "names no slice", not sub.slices)]
+    if unsafe:
+        problems.append((unsafe[0], f"{unsafe[1][:60]!r} is no safe name: {name_problem(unsafe[1])}", True))
+    for field_, problem, bad in problems:
+        if bad:
+            raise RecordError("submission", sub_file, problem, field=field_, good_copy=good_copy,
+                              fresh="submit the programme again")
+    for field_, held, submitted in (("variants", ledger.variants, sub.variants), ("slices", ledger.slices, sub.slices)):
+        if set(held) != set(submitted):
+            raise RecordError("ledger", file, f"{sorted(held)} where programme.json has {sorted(submitted)}",
+                              field=field_, good_copy=good_copy, fresh="submit the programme again")
+    for name, record in ledger.slices.items():
+        if record.variant is not None and record.variant not in ledger.variants:
+            raise RecordError("ledger", file, f"{record.variant!r} is no variant of the programme",
+                              field=f'slices["{name}"].variant', good_copy=good_copy,
+                              fresh="submit the programme again")
 
 
 def submission_of(data: dict, file: object, good_copy: str | None) -> Submission:
-    """programme.json's data as a Submission, or RecordError."""
+    """programme.json's data as a Submission (strictly, as the ledger's records), or RecordError."""
     data = {k: v for k, v in data.items() if k != "schema"}
-    try:
-        return Submission(**data)
-    except TypeError as e:  # a key missing or unknown
-        raise RecordError("submission", file, str(e).replace("__init__() ", ""), good_copy=good_copy,
-                          fresh="submit the programme again") from None
+    return decode(Submission, data, what="submission", file=file, good_copy=good_copy,
+                  fresh="submit the programme again")
 
 
 class VariantSupervision(supervise.Supervision):
@@ -407,9 +614,12 @@ class VariantSupervision(supervise.Supervision):
             self.record.run_id = self.record.run_id or held.run_id
             self.record.zone = self.record.zone or state.sub.zone
             self.record.tpu = slice_name
-        logs = state.dir / "logs"
-        logs.mkdir(exist_ok=True)
-        self.stream = open(logs / f"{variant.replace('/', '__')}.log", "a", encoding="utf-8")
+        self.log_path = state.dir / "logs" / f"{variant.replace('/', '__')}.log"
+        try:
+            self.log_path.parent.mkdir(exist_ok=True)
+            self.stream = open(self.log_path, "a", encoding="utf-8")
+        except OSError as e:
+            raise StateWriteError(self.log_path, e, "variant's log") from None
         self.path = state.dir / "ledger.json"
 
     def save(self) -> None:
@@ -417,8 +627,11 @@ class VariantSupervision(supervise.Supervision):
 
     def event(self, name: str, **fields) -> None:
         self.state.event(name, variant=self.variant, slice=self.slice, **fields)
-        self.stream.write(log_line(self.prefix, name, fields) + "\n")
-        self.stream.flush()
+        try:
+            self.stream.write(log_line(self.prefix, name, fields) + "\n")
+            self.stream.flush()
+        except OSError as e:
+            raise StateWriteError(self.log_path, e, "variant's log") from None
 
 
 # --- the controller ------------------------------------------------------------------------------
@@ -429,15 +642,6 @@ class Stop(Exception):
     def __init__(self, line: str, code: int) -> None:
         super().__init__(line)
         self.line, self.code = line, code
-
-
-def live_ready_seconds(ledger: Ledger, record: VariantRecord, now: float | None = None) -> float:
-    """A variant's READY seconds, with those of the launch under way on its slice (a running
-    variant's record is settled only when its launch ends)."""
-    seconds, mark = record.ready_seconds, record.mark
-    if record.state == VariantState.RUNNING and mark and record.slice in ledger.slices:
-        seconds += max(0.0, ledger.slices[record.slice].clock.ready_total(now) - mark.ready)
-    return seconds
 
 
 class Controller:
@@ -518,10 +722,11 @@ class Controller:
         with self.lock:
             record = self.ledger.variants[variant]
             move(record, Move.START)
+            charge(record, self.ledger.slices)  # the slice it held when a controller died: its own time
             record.slice, record.started = slice_name, record.started or time.time()
             record.attempts += 1
-            clock = self.clock(slice_name)
-            record.mark = Mark(ready=clock.ready_total(), host=clock.host_total())
+            idle_until(self.ledger.slices[slice_name], taken=True)
+            record.mark = mark(self.clock(slice_name))
             self.ledger.slices[slice_name].variant = variant
         self.state.save()
         return variant
@@ -558,12 +763,30 @@ class Controller:
 
     # -- one variant on one slice
 
+    def record_left_in_flight(self, variant: str, slice_name: str) -> None:
+        """The launch a controller that died left in flight, its run since found complete: recorded from
+        the run's events beside its checkpoints (where its time went, its steps)."""
+        with self.lock:
+            if not self.ledger.variants[variant].supervision.in_flight:
+                return
+        sup = VariantSupervision(self.state, variant, slice_name)
+        try:
+            supervise.Supervisor(self.sub.spec(variant, slice_name, self.state.dir), sup, self.clock(slice_name),
+                                 owns_slice=False, report=lambda line: None).record_unwatched(down=False)
+        finally:
+            sup.stream.close()
+
     def run_variant(self, variant: str, slice_name: str) -> None:
         done = self.already_complete(variant)
         if done is not None:
+            self.record_left_in_flight(variant, slice_name)
             self.state.event("skipped-complete", variant=variant, step=done.get("step"),
                              seen=done.get("from", "completed-event"))
-            self.end(variant, slice_name, Move.COMPLETE, metrics=done.get("metrics"), last_step=done.get("step"))
+            with self.lock:
+                launches = self.ledger.variants[variant].supervision.launches
+                total = launches[-1].total if launches else None
+            self.end(variant, slice_name, Move.COMPLETE, metrics=done.get("metrics"), last_step=done.get("step"),
+                     total=total)
             return
         sup = VariantSupervision(self.state, variant, slice_name)
         supervisor = supervise.Supervisor(self.sub.spec(variant, slice_name, self.state.dir), sup,
@@ -616,10 +839,7 @@ class Controller:
         there, record what it got to, and move it (`how`)."""
         with self.lock:
             record = self.ledger.variants[variant]
-            mark, record.mark = record.mark or Mark(), None
-            clock = self.clock(slice_name)
-            record.ready_seconds += max(0.0, clock.ready_total() - mark.ready)
-            record.host_seconds += max(0.0, clock.host_total() - mark.host)
+            charge(record, self.ledger.slices)
             for name, value in (("line", line), ("failure", failure), ("last_step", last_step), ("total", total)):
                 if value is not None:
                     setattr(record, name, value)
@@ -634,6 +854,8 @@ class Controller:
                 record.order = max(r.order for r in self.ledger.variants.values()) + 1
             if self.ledger.slices[slice_name].variant == variant:
                 self.ledger.slices[slice_name].variant = None
+            if self.ledger.slices[slice_name].variant is None:
+                idle_from(self.ledger.slices[slice_name])
             self.note_spending()
         self.state.save()
         self.state.event("variant-" + state, variant=variant, slice=slice_name,
@@ -674,6 +896,8 @@ class Controller:
             self.halt(e)
         except supervise.GiveUp as e:
             self.halt(Stop(str(e), EXIT_USER_ERROR))
+        except UserError as e:  # a state file could not be written (StateWriteError): all stop, in its line
+            self.halt(Stop(str(e), e.exit_code))
         except Exception as e:  # noqa: BLE001 - a bug: stop the others too, with its line
             self.halt(Stop(f"controller thread of {slice_name} crashed: {type(e).__name__}: {e}", EXIT_FAILURE))
             raise
@@ -689,6 +913,7 @@ class Controller:
         else:
             supervisor.gone(time.time())
         with self.lock:
+            idle_until(self.ledger.slices[slice_name], taken=False)
             self.note_spending()
         self.state.save()
 
@@ -773,7 +998,11 @@ class Controller:
             w.start()
         while any(w.is_alive() for w in workers):
             try:
-                self.apply_commands()
+                try:
+                    self.apply_commands()
+                except UserError as e:  # a state file could not be written (StateWriteError): all stop, in its line
+                    if not self.stop.is_set():
+                        self.halt(Stop(str(e), e.exit_code))
                 time.sleep(self.sleep_s)  # how often requests are looked for
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`run` turns it into this)
                 self.halt(Stop("interrupted: the running variants checkpointed; run it again to carry on",
@@ -878,14 +1107,21 @@ class Alerts:
 def hold_lease(state: State):
     """The programme's lease (state directory and mirror): a second controller is refused in one line."""
     targets = [(str(state.dir), f"programme {state.name}", "--state-dir")]
-    if state.sub.mirror:
+    if state.sub and state.sub.mirror:
         targets.append((state.sub.mirror, f"programme {state.name} (mirror)", "--mirror"))
 
     def lost(error) -> None:  # another controller took over: this one must not launch anything more
         print(f"error: {error}", file=sys.stderr, flush=True)
         os._exit(EXIT_STORAGE)
 
-    return Lease(targets, run=f"programme/{state.name}", on_lost=lost).acquire()
+    try:
+        return Lease(targets, run=f"programme/{state.name}", on_lost=lost).acquire()
+    except LeaseHeld:
+        raise
+    except UserError as e:
+        if isinstance(e.__cause__, OSError):  # the state directory cannot be written: as any state write
+            raise StateWriteError(state.dir / LEASE_FILE, e.__cause__, "controller's lease") from None
+        raise
 
 
 def run(state_dir: Path, mirror: str | None = None, *, stream: TextIO | None = None,
@@ -904,6 +1140,77 @@ def run(state_dir: Path, mirror: str | None = None, *, stream: TextIO | None = N
         lease.release()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def repair(state_dir: Path, mirror: str | None) -> str:
+    """`programme repair`: a state directory whose programme.json or ledger.json is damaged or missing,
+    or with a file or folder where one of its folders or files goes, gets the mirror's state (read
+    and checked whole first): what was in the way is moved into damaged-<UTC time>/ inside it, the
+    mirror's files are written (the directory's own controller.log is kept). Refused in one line,
+    nothing changed, when the directory's state reads, when the mirror holds no good copy, or while
+    a controller runs (the lease). Returns the line to print."""
+    state = State(state_dir, io.StringIO())
+    try:
+        state.load()
+    except UserError:
+        pass  # the damage this repairs
+    else:
+        raise UserError(f"nothing to repair: the programme's state at {state.dir} reads (ledger save "
+                        f"{state.ledger.seq}); `programme status {state.name}` shows it")
+    if state.dir.exists() and not state.dir.is_dir():
+        state.check_layout()  # its line: move the file away
+    mirror = mirror or submitted_mirror(state.dir / "programme.json")
+    if not mirror:
+        raise UserError(f"give the mirror to restore {state.dir} from: `programme repair {state.name} --mirror URI` "
+                        "(its programme.json names none, or cannot be read)")
+    files = read_mirror(mirror)
+    if not files:
+        raise UserError(f"the mirror {mirror} holds no programme ({SNAPSHOT}) to restore {state.dir} from; restore "
+                        "its files from another copy, or move the directory away and submit the programme again")
+    try:
+        state.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StateWriteError(state.dir, e, "programme's folder") from None
+    lease = hold_lease(state)
+    aside = state.dir / f"damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    moved: list[Path] = []
+    try:
+        in_the_way = [state.dir / name for name in ("programme.json", "ledger.json") if (state.dir / name).exists()]
+        in_the_way += [state.dir / name for name in ("controller.log", *FOLDERS)
+                       if (state.dir / name).exists() and (state.dir / name).is_dir() != (name in FOLDERS)]
+        try:
+            if in_the_way:
+                aside.mkdir()
+            for path in in_the_way:
+                path.rename(aside / path.name)
+                moved.append(path)
+            for name, text in files.items():
+                if not (name == "controller.log" and (state.dir / name).exists()):
+                    write_text(state.dir / name, text, FILES[name])
+        except (OSError, StateWriteError) as e:  # put back what was there: the directory as it was
+            for name in ("programme.json", "ledger.json"):
+                if state.dir / name not in moved:
+                    (state.dir / name).unlink(missing_ok=True)
+            for path in moved:
+                (aside / path.name).rename(path)
+            with contextlib.suppress(OSError):
+                aside.rmdir()
+            raise e if isinstance(e, StateWriteError) else StateWriteError(aside, e, "damaged files' folder") from None
+    finally:
+        lease.release()
+    seq = json.loads(files["ledger.json"])["seq"]
+    kept = f"; what was in the way is in {aside}" if moved else ""
+    return (f"restored {state.dir} from the mirror {mirror} (ledger save {seq}){kept}; "
+            f"`programme run {state.name}` carries on")
+
+
+def submitted_mirror(path: Path) -> str | None:
+    """The mirror a programme.json names, or None (none, or the file cannot be read)."""
+    try:
+        return submission_of(parse_json(read_state(path, "submission"), what="submission", file=path), path,
+                             None).mirror
+    except (OSError, UserError):
+        return None
 
 
 def _interrupt(_sig, _frame) -> None:

@@ -38,7 +38,12 @@ appended to <log dir>/<run id>/supervise.log.
 Pod time is what GCP bills: the time the TPU was READY (`ReadyClock`), from the describe that
 first showed it READY to the delete we issue, the preemption the trainer acted on (its
 `preempted` event) or the first describe that no longer shows it READY; host-hours are that
-times its number of workers (hosts; chips = hosts x chips per host).
+times its number of workers (hosts; chips = hosts x chips per host). Each launch records where
+its time went (`LaunchRecord.timing`, experiments/launcher/account.py adds it up): the trainer's
+last `timing` event, the setup before it (from the describe that found the TPU READY to the
+launch: the versions check, setup, stale processes stopped) and the trainer's seconds after the
+TPU stopped being billed. A launch that ran while no supervisor watched (it was killed) is recorded
+by the next one, from the run's events beside the checkpoints (`unwatched`).
 
 The programme runner (experiments/launcher/run_queue.py) runs each variant through a Supervisor of
 its own, with a record, a clock per slice and a stop signal of its own.
@@ -56,6 +61,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TextIO
@@ -63,9 +69,11 @@ from typing import Callable, Iterator, Sequence, TextIO
 import fsspec
 
 from experiments.launcher import gcloud, pod
+from experiments.launcher.account import launch_timing
 from experiments.launcher.gcloud import Runner, Shape, run_quiet
-from experiments.launcher.ledger import (End, LaunchRecord, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
-                                         load_supervision, log_line, supervision_text, write_text)
+from experiments.launcher.ledger import (End, InFlight, LaunchRecord, Outcome, Progress, ReadyClock, Status,
+                                         SupervisionRecord, append_text, load_supervision, log_line, read_state,
+                                         supervision_text, write_text)
 from runtime import events, hydra_compose
 from runtime.config import run_dirs
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
@@ -153,8 +161,7 @@ class Supervision:
         with self.write_lock:
             with self.lock:
                 text = supervision_text(self.record)  # a copy taken under the lock
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_text(self.path, text)  # a supervisor killed mid-write leaves the previous record
+            write_text(self.path, text, "supervision record")  # killed or failing mid-write: the previous record stays
             if self.mirror:
                 try:
                     write_text(self.mirror, text)
@@ -174,24 +181,21 @@ class Supervision:
 
     def event(self, name: str, **fields) -> None:
         line = log_line(self.prefix, name, fields)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        append_text(self.log_path, line + "\n", "supervisor's log")  # StateWriteError: the log as it was
         self.stream.write(line + "\n")
         self.stream.flush()
 
 
 def load(path: Path, mirror: str | None = None) -> SupervisionRecord | None:
-    """The record at `path`, None when there is none; one that cannot be read is one line
-    (ledger.RecordError, naming `mirror` as the good copy): it is the run's history, so it is never
-    replaced silently."""
+    """The record at `path`, None when there is none; one that cannot be read (not JSON, of another
+    shape, a folder in its place, unreadable) is one line (ledger.RecordError, naming `mirror` as
+    the good copy): it is the run's history, so it is never replaced silently."""
+    good_copy = mirror or "a copy beside the checkpoints, when they are on gs://"
     try:
-        text = Path(path).read_text()
+        text = read_state(path, "supervision record", good_copy=good_copy, fresh="start a new history for this run id")
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as e:  # a folder by that name, no permission
-        raise pod.PodError(f"cannot read the supervision record {path} ({e.strerror or e}); fix or move it") from e
-    return load_supervision(text, path, mirror or "a copy beside the checkpoints, when they are on gs://")
+    return load_supervision(text, path, good_copy)
 
 
 # --- what went wrong for good -------------------------------------------------------------------
@@ -261,6 +265,10 @@ class Supervisor:
         self.report = report or (lambda line: print(f"error: {line}", file=sys.stderr, flush=True))
         self.gcloud_proc: subprocess.Popen | None = None
         self.seen_down = False  # the TPU was seen gone, missing or being created since this supervisor started
+        self.setup_from: float | None = None  # when the READY time before the next launch began (its setup)
+        self.setup_carry = 0.0  # setup seconds of rounds whose setup failed: the next launch's
+        self.setup_ran = False  # setup ran (not only the versions check) since the last launch
+        self.billing_stopped: float | None = None  # when the clock last stopped (a preempted trainer goes on past it)
 
     def act(self, argv: list[str], event: str) -> bool:
         code, out = self.run_gcloud(argv)
@@ -295,6 +303,8 @@ class Supervisor:
 
     def gone(self, at: float) -> None:
         with self.sup.changing():
+            if self.clock.ready_since is not None:
+                self.billing_stopped = at
             self.clock.gone(at)
 
     def went(self, seen: float) -> float:
@@ -375,6 +385,7 @@ class Supervisor:
         else:
             why = problem or "versions differ"
         git_ref = sup.record.commit
+        self.setup_ran = True
         sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned",
                   reason=shlex.quote(str(why)[:200]))
         rows = []
@@ -404,38 +415,104 @@ class Supervisor:
                 was = record.progress or Progress()
                 record.progress = Progress(step=seen.last_step, total=seen.total or was.total,
                                            wandb_run_id=seen.run_id or was.wandb_run_id)
+                if record.launch is not None:
+                    record.launch.first_step, record.launch.last_step = seen.first_step, seen.last_step
+                    record.launch.timing = seen.timings[-1] if seen.timings else None
 
         seen = LaunchEvents(on_progress)
         started = time.time()
+        setup = self.setup_carry + (max(0.0, started - self.setup_from) if self.setup_from is not None else 0.0)
+        setup_ran, self.setup_carry, self.setup_from, self.setup_ran = self.setup_ran, 0.0, None, False
         sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1)
         with sup.changing() as record:
             record.progress = record.progress or Progress()
             record.in_flight = True
+            record.launch = InFlight(started=started, setup=round(setup, 3))
         code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                               log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
                               interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=sup.stream,
                               on_line=seen.line, on_gcloud=self._gcloud_started)
         self.gcloud_proc = None
-        state_after = None
+        state_after = billed_until = None
         if code != 0 or seen.stopped_at() is not None:  # the TPU may have gone, even under a run that completed
             looked = time.time()
             state_after = tpu_state(spec, self.run_gcloud)[0]
             if state_after not in (TpuState.READY, TpuState.UNKNOWN):  # it went when a worker was told to stop
-                self.gone(min(looked, seen.stopped_at() or looked))
+                billed_until = min(looked, seen.stopped_at() or looked)
+                self.gone(billed_until)
         outcome = classify(code, seen, state_after)
-        why = cause(code, outcome, seen)
-        launch = LaunchRecord(started=started, ended=time.time(), code=code, outcome=outcome, cause=why,
-                              line=seen.line_of_failure(), last_step=seen.last_step, total=seen.total,
-                              wandb_run_id=seen.run_id, tpu_state_after=state_after,
-                              metrics=(seen.completed or {}).get("metrics"))
-        with sup.changing() as record:  # one change: a kill cannot record the launch without its preemption
-            record.launches.append(launch)
-            if outcome == Outcome.PREEMPTED:
-                record.preemptions += 1
-            record.in_flight = False
-        sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(why), last_step=seen.last_step,
+        launch = LaunchRecord(started=started, ended=time.time(), code=code, outcome=outcome,
+                              cause=cause(code, outcome, seen), line=seen.line_of_failure(), last_step=seen.last_step,
+                              total=seen.total, wandb_run_id=seen.run_id, tpu_state_after=state_after,
+                              metrics=(seen.completed or {}).get("metrics"), first_step=seen.first_step,
+                              timing=launch_timing(list(seen.timings), setup=setup, setup_ran=setup_ran,
+                                                   billed_until=billed_until))
+        self.end_launch(launch)
+        sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(launch.cause), last_step=seen.last_step,
                   tpu_state=state_after or TpuState.READY)
         return outcome, code, seen
+
+    def end_launch(self, launch: LaunchRecord, preempted: bool | None = None) -> None:
+        """Record a launch that ended, in one change (a kill cannot record it without its preemption);
+        `preempted`: it counts as a preemption (default: its outcome says so)."""
+        with self.sup.changing() as record:
+            record.launches.append(launch)
+            if launch.outcome == Outcome.PREEMPTED if preempted is None else preempted:
+                record.preemptions += 1
+            record.in_flight, record.launch = False, None
+
+    def progress_step(self) -> int | None:
+        with self.sup.lock:
+            return self.sup.record.progress.step if self.sup.record.progress else None
+
+    def record_unwatched(self, *, down: bool) -> LaunchRecord | None:
+        """The launch a supervisor killed meanwhile left in flight has ended (`down`: its slice went
+        down under it, a preemption; else this supervisor stopped it, not one, or its run is complete):
+        record it from what that supervisor knew and the run's events beside the checkpoints (those said
+        since it started). The record; None for a supervision record of older code, which did not keep
+        the launch."""
+        with self.sup.lock:
+            was = self.sup.record.launch
+        if was is None:  # only the preemption
+            with self.sup.changing() as record:
+                record.preemptions += 1 if down else 0
+                record.in_flight = False
+            return None
+        said = self.run_events(since=was.started)
+        newest = max((e["time"] for e in said if e.get("event") == Kind.TIMING), default=None)
+        if was.timing and (newest is None or newest < (was.timing.get("time") or 0)):  # the file is behind (or unread)
+            said.append({**was.timing, "event": Kind.TIMING})
+        seen = LaunchEvents()
+        for event in said:
+            seen.event(event)
+        seen.first_step = seen.first_step if seen.first_step is not None else was.first_step
+        seen.last_step = max((s for s in (seen.last_step, was.last_step) if s is not None), default=None)
+        said_code = (seen.failure() or {}).get("exit_code")
+        code = (0 if seen.completed else EXIT_PREEMPTED if seen.preempted or not seen.failures
+                else said_code if isinstance(said_code, int) and not isinstance(said_code, bool) else EXIT_FAILURE)
+        state_after = TpuState.PREEMPTED if down else None
+        outcome = classify(code, seen, state_after)
+        billed_until = self.billing_stopped if down and (self.billing_stopped or 0) > was.started else None
+        ended = max([was.started, *(t for e in said if isinstance(t := e.get("time"), (int, float)))])
+        stopped = not down and outcome == Outcome.PREEMPTED  # by this supervisor: its run checkpointed
+        launch = LaunchRecord(
+            started=was.started, ended=ended, code=code, outcome=outcome,
+            cause="stopped: its supervisor had died" if stopped else cause(code, outcome, seen),
+            line=seen.line_of_failure(), last_step=seen.last_step, total=seen.total, wandb_run_id=seen.run_id,
+            tpu_state_after=state_after, metrics=(seen.completed or {}).get("metrics"), first_step=seen.first_step,
+            timing=launch_timing(list(seen.timings), setup=was.setup, billed_until=billed_until), unwatched=True)
+        self.end_launch(launch, preempted=down)
+        return launch
+
+    def run_events(self, since: float) -> list[dict]:
+        """The run's events beside its checkpoints said at or after `since` ([] when they cannot be read)."""
+        if not self.spec.events_file:
+            return []
+        try:
+            said = events.read(self.spec.events_file)
+        except Exception:  # noqa: BLE001 - storage out of reach: what the supervisor knew stands
+            return []
+        return [e for e in said if isinstance(e.get("time"), (int, float)) and e["time"] >= since]
 
     def _gcloud_started(self, proc: subprocess.Popen) -> None:
         self.gcloud_proc = proc
@@ -492,6 +569,7 @@ class Supervisor:
                   launches=launches, state=sup.path, mirror=spec.state_mirror or "none",
                   shipped_tree=spec.ship.tree_hash[:16] if spec.ship else "none")
         while True:
+            round_started = time.time()
             try:
                 hosts = self.ensure_ready()
             except NoCredentials as e:
@@ -503,18 +581,23 @@ class Supervisor:
                 return self.finish(Status.FAILED, EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
             if self.stop.is_set():
                 return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
+            ready_at = max(round_started, self.clock.ready_since or round_started)
+            unwatched = None
             if orphaned and self.seen_down:  # the slice went down under the launch left in flight:
                 orphaned = False  # a preemption no supervisor saw end, counted here (once)
-                with sup.changing() as record:
-                    record.preemptions += 1
-                    record.in_flight = False
-                    step = record.progress.step if record.progress else None
-                sup.event("preempted-unwatched", last_step=step)
+                unwatched = self.record_unwatched(down=True)
+                sup.event("preempted-unwatched", last_step=unwatched.last_step if unwatched else self.progress_step())
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
                 orphaned = False
                 code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
                 sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
+                unwatched = self.record_unwatched(down=False)
+                ready_at = time.time()  # the time until now was that launch's
+            if unwatched is not None and unwatched.outcome == Outcome.COMPLETED:  # it ran to the end meanwhile
+                return self.finish(Status.COMPLETED, 0, last_step=unwatched.last_step)
+            self.setup_from = ready_at
             if self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
+                self.setup_carry += max(0.0, time.time() - ready_at)
                 outcome, code = Outcome.BACKOFF, EXIT_FAILURE
             else:
                 outcome, code, _ = self.launch_once(hosts)
@@ -549,23 +632,31 @@ class Supervisor:
 class LaunchEvents:
     """What the trainer said during one launch: its events, from every worker's output."""
 
+    KEEP_TIMINGS = 32  # the last `timing` events kept: enough to tell what came after a preemption
+
     def __init__(self, on_progress: Callable[["LaunchEvents"], None] | None = None) -> None:
         self.on_progress = on_progress  # called after a `started` or `checkpoint` event
-        self.run_id = self.total = self.last_step = None
+        self.run_id = self.total = self.last_step = self.first_step = None
         self.completed: dict | None = None
         self.preempted: dict | None = None
         self.failures: list[dict] = []
+        self.timings: deque[dict] = deque(maxlen=self.KEEP_TIMINGS)  # the trainer's account, the last one its whole
         self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/launcher/worker/once.py)
 
     def line(self, line: str) -> None:
         event = events.parse(line)
-        if event is None:
-            return
+        if event is not None:
+            self.event(event)
+
+    def event(self, event: dict) -> None:
         kind, step = event["event"], event.get("step")
         if isinstance(step, int):
             self.last_step = max(step, self.last_step if self.last_step is not None else step)
         if kind == Kind.STARTED:
             self.run_id, self.total = event.get("run_id"), event.get("total")
+            self.first_step = step if isinstance(step, int) else None
+        elif kind == Kind.TIMING:
+            self.timings.append(event)
         elif kind == Kind.COMPLETED:
             self.completed = event
         elif kind == Kind.PREEMPTED:

@@ -25,14 +25,13 @@ from typing import Any
 
 from models.gemma.config import GemmaConfig
 from models.gemma.hf_config import HF_FIELDS, WeightsError, arch_from_hf, max_positions
+from models.gemma.weights import _KaggleSource, check_hf_tensors, locate
 
 _DEFAULTS = GemmaConfig()
 
 
 def read_checkpoint_arch(path: str, fmt: str = "auto") -> tuple[str, dict[str, Any]]:
     """(kind, the GemmaConfig fields the checkpoint determines)."""
-    from models.gemma.weights import check_hf_tensors, locate
-
     kind, fs, files = locate(path, fmt)
     if kind == "kaggle":
         return kind, _kaggle_fields(path, files[0])
@@ -62,8 +61,6 @@ def read_checkpoint_arch(path: str, fmt: str = "auto") -> tuple[str, dict[str, A
 
 def _kaggle_fields(path: str, folder: str) -> dict[str, Any]:
     """Shape fields from the Orbax metadata of a Kaggle checkpoint (no tensor is read)."""
-    from models.gemma.weights import _KaggleSource
-
     try:
         src = _KaggleSource(folder)
     except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many kinds

@@ -16,17 +16,27 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from data_pipeline.sft import score
 from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
+from data_pipeline.tokenizer import Tokenizer, TokenizerError
 from models.flops import attention_core, frozen, matmul, trained
 from models.gemma.config import CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
-from models.gemma.lora import is_lora_path
+from models.gemma.hf_config import GEMMA_TOKEN_IDS
+from models.gemma.lora import is_lora_path, merge_lora
 from models.gemma.loss import cross_entropy
 from models.gemma.model import Gemma, check_token_ids
+from models.gemma.sampling import generate
 from models.layers import check_at_least, check_dtype_names, dtype_from_name
 from runtime.errors import UserError
+from runtime.grad_accum import batch_shards
 from runtime.registry import ModelFamily, register_model_family
+from runtime.sharding import batch_sharding
 from runtime.task import IGNORE_LABEL, DataShape, EvalContext, Evaluator, Task
+
+# models.gemma.weights and .checkpoint_arch (which imports it) are imported where a checkpoint is read or
+# written: they bring Orbax, TensorStore and safetensors (0.8 s), and every config check registers this family.
 
 PACKED_FIELDS = dict.fromkeys(PACKED_ARRAYS, 2)  # what SFTSplit.rows returns: [batch, seq_len] each
 PADDED_FIELDS = {"inputs": 2, "labels": 2}
@@ -35,8 +45,6 @@ PADDED_FIELDS = {"inputs": 2, "labels": 2}
 def traced_batch_shards() -> int:
     """Devices the batch is split over in the step being traced (its mesh, set by the train
     step's activation rules); 1 outside one."""
-    from runtime.grad_accum import batch_shards
-
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else batch_shards(mesh)
 
@@ -89,7 +97,7 @@ class GemmaTask(Task):
     def load_pretrained(self, abstract_params: Any, rng: jax.Array) -> Any:
         """Parameters from `arch.checkpoint` (HF safetensors or Kaggle Orbax), placed with the
         shardings of `abstract_params`; LoRA adapters fresh (A random, B zero). None without one."""
-        from models.gemma.weights import load_params
+        from models.gemma.weights import load_params  # Orbax: see the imports
 
         cfg = self.cfg
         if not cfg.checkpoint:
@@ -108,8 +116,7 @@ class GemmaTask(Task):
         """Hugging Face safetensors + config.json + generation_config.json, LoRA adapters merged
         into the base weights; the special token ids from `tokenizer` (default: the run's, from
         `data`, its data config). Returns the files written."""
-        from models.gemma.lora import merge_lora
-        from models.gemma.weights import export_hf
+        from models.gemma.weights import export_hf  # Orbax: see the imports
 
         return export_hf(params, self.cfg, out_dir, dtype=dtype, vocab_size=vocab_size,
                          merge=merge_lora if self.cfg.lora_rank > 0 else None,
@@ -121,8 +128,6 @@ class GemmaTask(Task):
         examples = getattr(data, "eval_generate_examples", 0)
         if examples <= 0 or not hasattr(context.eval_split, "prompts"):
             return []
-        from data_pipeline.tokenizer import Tokenizer, TokenizerError
-
         path = data.tokenizer or f"{data.path.rstrip('/')}/tokenizer.model"
         try:
             tokenizer = Tokenizer(path)
@@ -137,9 +142,6 @@ def export_token_ids(tokenizer: str | None, data: Any) -> dict[str, Any]:
     """pad/eos/bos_token_id for an export: from `tokenizer`, else the run's tokenizer (an SFT run's
     data.tokenizer or <data.path>/tokenizer.model), its <end_of_turn> a second stop id. A given
     tokenizer that cannot be read is an error; the run's, a warning and transformers' Gemma ids."""
-    from data_pipeline.tokenizer import Tokenizer, TokenizerError
-    from models.gemma.hf_config import GEMMA_TOKEN_IDS
-
     path = tokenizer
     if path is None and getattr(data, "name", None) == "sft":
         path = data.tokenizer or f"{str(data.path).rstrip('/')}/tokenizer.model"
@@ -185,12 +187,6 @@ def generation_eval(task: GemmaTask, split: Any, tokenizer: Any, mesh: Any, *, e
 
     Prompts, answers and the jitted generator are prepared once; every batch has the same shape
     (prompts padded to the longest of the `examples`), so one compile serves all evaluations."""
-    from jax.experimental import multihost_utils
-
-    from data_pipeline.sft import score
-    from models.gemma.sampling import generate
-    from runtime.sharding import batch_sharding
-
     n = min(examples, len(split))
     rows = -(-n // batch_size) * batch_size
     tokens, lengths = split.prompts(np.arange(rows) % n)  # the last batch wraps around; extra rows are dropped
@@ -259,7 +255,7 @@ def validate(arch: GemmaConfig) -> None:
     """Checks the arch; with arch.checkpoint, first sets the fields the checkpoint determines
     (in place, before the config is frozen: models/gemma/checkpoint_arch.py)."""
     if arch.checkpoint:
-        from models.gemma.checkpoint_arch import resolve_arch
+        from models.gemma.checkpoint_arch import resolve_arch  # Orbax: see the imports
 
         resolve_arch(arch)
     check_at_least(arch, 1, "num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim",

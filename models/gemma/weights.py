@@ -35,17 +35,23 @@ import os
 import posixpath
 import re
 import struct
+import time
 from typing import Any, Callable, Optional
 
+import fsspec
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; safetensors needs it)
 import numpy as np
-
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 from flax.traverse_util import unflatten_dict
+from jax.experimental import multihost_utils
+from safetensors import safe_open
 
 from models.gemma.config import CHECKPOINT_FORMATS, GemmaConfig
-from models.gemma.hf_config import GEMMA_TOKEN_IDS, WeightsError, generation_config, hf_config
+from models.gemma.hf_config import GEMMA_TOKEN_IDS, WeightsError, arch_from_hf, generation_config, hf_config
 from models.layers import dtype_from_name
 from runtime.atomic import replacing
 
@@ -114,8 +120,6 @@ class _HFSource:
     """Memory-mapped safetensors files; reads return numpy slices."""
 
     def __init__(self, files: list[str], stack: contextlib.ExitStack):
-        from safetensors import safe_open
-
         self._file: dict[str, Any] = {}
         for f in files:
             h = stack.enter_context(safe_open(f, framework="np"))
@@ -138,11 +142,6 @@ class _KaggleSource:
     """An Orbax PyTree checkpoint read leaf-slice by leaf-slice with TensorStore."""
 
     def __init__(self, path: str):
-        import time
-
-        import orbax.checkpoint as ocp
-        from etils import epath
-
         for attempt in range(METADATA_READS):
             meta = ocp.PyTreeCheckpointer().metadata(path)
             meta = getattr(meta, "item_metadata", meta)
@@ -178,9 +177,6 @@ class _KaggleSource:
         return tuple(self._meta[name].shape)
 
     def read(self, name: str, idx: tuple) -> np.ndarray:
-        import orbax.checkpoint as ocp
-        import tensorstore as ts
-
         if name not in self._open:
             info = ocp.type_handlers.ParamInfo(name=self._meta[name].name, parent_dir=self._dir,
                                                use_zarr3=self._zarr3, ts_context=self._ctx)
@@ -359,8 +355,6 @@ def _check(path: str, src, expect: dict, layer_re: str, cfg: GemmaConfig, descri
 def described_arch(fs, first_file: str) -> Optional[dict]:
     """The arch fields the config.json beside an HF checkpoint's files gives (None without a
     readable one): what the error hints compare the config with."""
-    from models.gemma.hf_config import arch_from_hf
-
     try:
         with fs.open(posixpath.join(posixpath.dirname(first_file), "config.json")) as f:
             return arch_from_hf(json.load(f), "config.json")
@@ -429,8 +423,6 @@ def check_hf_tensors(fs, files: list[str], vocab_size: int, where: str) -> None:
 def locate(path: str, fmt: str) -> tuple[str, Any, list[str]]:
     """-> ("hf", fs, [safetensors files]) or ("kaggle", fs, [folder]); nothing is copied.
     Kaggle folders are local absolute paths or the URL (Orbax/TensorStore read gs:// directly)."""
-    import fsspec
-
     if fmt not in FORMATS:
         raise WeightsError(f"checkpoint_format={fmt!r} is not one of {FORMATS}; set arch.checkpoint_format=auto")
     try:
@@ -593,8 +585,6 @@ def _cast(a, dtype):
 
 def _host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
@@ -654,8 +644,6 @@ def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfl
     first; `token_ids`: pad/eos/bos_token_id (the tokenizer's; default transformers' Gemma ids).
     Returns the files written (on process 0).
     """
-    import fsspec
-
     if dtype not in _ST_DTYPES:
         raise WeightsError(f"export dtype {dtype!r} is not one of {sorted(_ST_DTYPES)}")
     vocab = vocab_size or cfg.vocab_in_use  # padding rows are not part of the model
@@ -709,8 +697,6 @@ def export_hf(params: dict, cfg: GemmaConfig, out_dir: str, *, dtype: str = "bfl
         with fs.open(posixpath.join(root, "generation_config.json"), "w") as f:
             json.dump(generation_config(token_ids), f, indent=2)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("gemma_export_hf")
     return names + ([_HF_INDEX] if len(groups) > 1 else []) + ["config.json", "generation_config.json"] if writer else []
 
@@ -738,8 +724,6 @@ def write_kaggle(params: dict, cfg: GemmaConfig, out_dir: str) -> None:
     """Writes params in the Kaggle Flax/Orbax layout (bf16; qkv_einsum when K == H; gating
     [2, F, D] for Gemma 3, [2, D, F] before). Holds a bf16 per-layer copy on device while saving.
     Every process must call it. out_dir must not exist yet."""
-    import orbax.checkpoint as ocp
-
     _check_base(params, cfg)
     tree = jax.jit(functools.partial(_to_kaggle, cfg=cfg))(params)
     ocp.PyTreeCheckpointer().save(out_dir, tree)

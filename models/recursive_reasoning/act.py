@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from models.recursive_reasoning.layers import stop_gradient_tree
-from models.recursive_reasoning.trm import InnerCarry
+from models.recursive_reasoning.trm import InnerCarry, dummy_batch
 
 
 @flax.struct.dataclass
@@ -133,8 +133,6 @@ def compile_seconds(model: nn.Module, batch_size: int, training: bool = True, gr
     loops traced once). Also reports the lowered program's size in lines, a noise-free proxy.
     Nothing is executed.
     """
-    from models.recursive_reasoning.trm import dummy_batch
-
     batch = dummy_batch(batch_size, model.seq_len)
     params = jax.eval_shape(lambda: nn.meta.unbox(init_params(model, jax.random.key(0), batch)))
     carry = jax.eval_shape(lambda: initial_carry(model, batch))

@@ -57,11 +57,21 @@ import shlex
 import sys
 from typing import Any, Mapping, Sequence
 
+import flax.linen as nn
+import fsspec
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from flax.traverse_util import unflatten_dict
 
+from models.recursive_reasoning import HRM, TRM, dummy_batch, init_params
+from models.recursive_reasoning.layers import rope_cos_sin
 from models.recursive_reasoning.reference_config import (CONFIG_FILE, arch_config, check_state_dict, dataset_seq_len,
                                                          find_checkpoint, model_of, read_run_config, state_dict_sizes,
                                                          trainer_overrides)
+from models.recursive_reasoning.task import init_state_vectors
+from models.recursive_reasoning.trm import initial_states
 from runtime.errors import UserError, one_line
 from runtime.imported import load_imported_params, load_imported_states
 
@@ -86,7 +96,7 @@ def strip_prefixes(key: str) -> str:
 def load_state_dict(path: str) -> dict[str, np.ndarray]:
     """Read a torch ``state_dict`` file as {stripped key: float32 numpy}. Needs torch."""
     try:
-        import torch
+        import torch  # optional: not a dependency of the project (pyproject.toml's test extra has it)
     except ImportError as e:
         raise UserError("reading a .pt state_dict needs PyTorch: pip install torch==2.13.0 (CPU wheel)") from e
     if not os.path.exists(path):
@@ -134,9 +144,6 @@ def build_config(model_name: str, overrides: Sequence[str] = ()):
 def build_model(model_name: str, cfg, vocab_size: int, seq_len: int, num_puzzle_identifiers: int,
                 init_states: Any = None):
     """Our TRM/HRM module; `init_states` ({"H_init", "L_init"} or None) seeds its carry."""
-    from models.recursive_reasoning import HRM, TRM
-    from models.recursive_reasoning.task import init_state_vectors
-
     cls = TRM if model_name == "trm" else HRM
     return cls(cfg, vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                init_states=init_state_vectors(init_states))
@@ -144,11 +151,6 @@ def build_model(model_name: str, cfg, vocab_size: int, seq_len: int, num_puzzle_
 
 def expected_params(model) -> dict[str, tuple[int, ...]]:
     """{'a/b/c': shape} of the model's (unboxed) params, computed without allocating."""
-    import flax.linen as nn
-    import jax
-
-    from models.recursive_reasoning import dummy_batch, init_params
-
     tree = jax.eval_shape(lambda: nn.meta.unbox(init_params(model, jax.random.key(0), dummy_batch(1, model.seq_len))))
     flat = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -203,8 +205,6 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
     Raises `UserError` (one line, naming the key) on an unknown key, a shape mismatch or a
     parameter the state_dict lacks.
     """
-    from models.recursive_reasoning.layers import rope_cos_sin
-
     cfg = model.cfg
     expected = expected_params(model)
     flat: dict[str, np.ndarray] = {}
@@ -255,12 +255,7 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
     if missing_init:
         fail(f"state_dict has no {missing_init[0]!r} (the reference's persistent buffer); not a reference checkpoint?")
 
-    from flax.traverse_util import unflatten_dict
-
     params = unflatten_dict(flat, sep="/")
-
-    from models.recursive_reasoning.trm import initial_states
-
     h, l = (np.asarray(v, np.float32) for v in initial_states(cfg.hidden, np.float32))
     info = {"keys_consumed": len(sd), "params": len(flat),
             "init_states_equal_ours": bool(np.array_equal(h, init_states["H_init"])
@@ -274,10 +269,6 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
 
 
 def save_imported(out_dir: str, params: dict, init_states: Mapping[str, np.ndarray], meta: dict, force: bool = False) -> str:
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(os.path.join(out_dir, "params")) and not force:
         raise UserError(f"{out_dir}/params exists; choose another --out or pass --force")
@@ -293,8 +284,6 @@ def save_imported(out_dir: str, params: dict, init_states: Mapping[str, np.ndarr
 
 def load_imported(out_dir: str, abstract_params: Any = None) -> tuple[dict, dict, dict]:
     """(params, init_states, meta) from a directory `save_imported` wrote."""
-    import fsspec
-
     with fsspec.open(f"{out_dir.rstrip('/')}/import.json", "r") as f:
         meta = json.load(f)
     return load_imported_params(out_dir, abstract_params), load_imported_states(out_dir), meta

@@ -23,6 +23,12 @@ import re
 import typing
 from typing import Any, Mapping, Sequence
 
+from omegaconf import OmegaConf
+
+from models.recursive_reasoning import HRMConfig, TRMConfig
+from models.recursive_reasoning.losses import LOSS_FNS
+from models.recursive_reasoning.task import validate as validate_arch
+from models.recursive_reasoning.trm import prefix_len
 from runtime.errors import UserError, one_line
 
 CONFIG_FILE = "all_config.yaml"
@@ -85,8 +91,6 @@ def find_checkpoint(directory: str, step: int | None = None) -> tuple[str, int]:
 
 def read_run_config(config: str | Mapping[str, Any]):
     """The reference run's saved config (an all_config.yaml path, or its contents) as an OmegaConf node."""
-    from omegaconf import OmegaConf
-
     if isinstance(config, str) and not os.path.isfile(config):
         raise UserError(f"--config {config}: no such file; pass the reference run's {CONFIG_FILE}")
     try:
@@ -113,8 +117,6 @@ def model_of(saved, label: str, model_name: str | None) -> str:
 
 def reference_arch(saved, model_name: str, label: str) -> dict[str, Any]:
     """The saved arch section over the reference's defaults, interpolations resolved."""
-    from omegaconf import OmegaConf
-
     merged = OmegaConf.merge({"arch": REFERENCE_DEFAULTS[model_name]}, saved or {})
     try:
         return OmegaConf.to_container(merged.arch, resolve=True)
@@ -191,8 +193,6 @@ def _text(value: Any) -> str:
 
 def _from_reference(model_name: str, arch: Mapping[str, Any], saved_keys: set, label: str, kinds: dict):
     """Our fields from a (defaults-merged, resolved) reference arch section, and where each came from."""
-    from models.recursive_reasoning.losses import LOSS_FNS
-
     table, only = ARCH_KEYS[model_name], ONLY_VALUE[model_name]
     fields: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -251,9 +251,6 @@ def arch_config(model_name: str, saved=None, overrides: Sequence[str] = (), labe
     `saved`: the run's config (`read_run_config`) or None; missing keys take the reference's
     defaults. `overrides`: `k=v` in our field names or the reference's.
     """
-    from models.recursive_reasoning import HRMConfig, TRMConfig
-    from models.recursive_reasoning.task import validate
-
     cls = {"trm": TRMConfig, "hrm": HRMConfig}.get(model_name)
     if cls is None:
         raise UserError(f"--model {model_name!r}: use trm or hrm")
@@ -263,7 +260,7 @@ def arch_config(model_name: str, saved=None, overrides: Sequence[str] = (), labe
     fields, source = _from_reference(model_name, arch, saved_keys, label, kinds)
     _apply_overrides(model_name, cls, fields, source, overrides, kinds)
     cfg = cls(**fields)
-    validate(cfg)
+    validate_arch(cfg)
     return cfg, source
 
 
@@ -338,8 +335,6 @@ def check_state_dict(sd: Mapping[str, Any], model_name: str, cfg, source: Mappin
 
 def state_dict_sizes(sd: Mapping[str, Any], cfg) -> dict[str, int | None]:
     """vocab_size, num_puzzle_identifiers and (where a shape shows it) seq_len held by a state_dict."""
-    from models.recursive_reasoning.trm import prefix_len
-
     sizes: dict[str, int | None] = {"vocab_size": None, "num_puzzle_identifiers": 1, "seq_len": None}
     if "embed_tokens.embedding_weight" in sd:
         sizes["vocab_size"] = sd["embed_tokens.embedding_weight"].shape[0]

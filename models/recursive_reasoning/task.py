@@ -143,7 +143,7 @@ def build_task(arch: Any, shape: DataShape, *, init_states: Any = None, explorat
                **_: Any) -> Task:
     """An `ACTTask`, or for a mixture of datasets (shape.tasks) the shared-core `MultiTaskACT`."""
     if shape.tasks:
-        from models.multitask import build_multitask
+        from models.multitask import build_multitask  # a cycle: models.multitask imports this module
 
         return build_multitask(arch, shape, global_batch, init_states=init_states, exploration=exploration)
     return ACTTask(build_model(arch, shape, init_states), exploration=exploration)
