@@ -23,21 +23,23 @@ variant's share of it in the vocabulary of Google's ml-goodput-measurement:
 
 The per-phase figures (`FIGURES`) each carry their source: a measurement with its command, or a
 public figure with its address. `calibrate` replaces them with the medians a programme's ledger
-measured (`plan --calibrate-from <programme state dir>`).
+measured (`plan --calibrate-from <programme state dir>`), read through the controller's own records
+(experiments/launcher/ledger.py).
 
-Pure arithmetic, no JAX: tests/test_plan.py checks every formula on small made-up inputs.
+Arithmetic, no JAX: tests/test_plan.py checks every formula on small made-up inputs and the
+calibration on ledgers the launcher's records write.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from experiments.launcher.ledger import LaunchTiming, Ledger, RecordError, load_ledger, read_state
 from runtime.errors import UserError
 from runtime.goodput import (CHECKPOINT_RESTORE, CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, PROGRAM_STARTUP,
                              RUNTIME_STARTUP, TRAIN)
@@ -256,35 +258,23 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
 # ----------------------------------------------------------------------------- calibration
 
 
-def ledger_launches(ledger: Mapping) -> dict[str, list[dict[str, float]]]:
-    """{variant: [{category: seconds, and "saves", "hits", "misses" where known} per launch]}
-    from a programme's ledger.json: each launch's `timing`, either the trainer's `timing` event
-    (runtime/goodput.py: its `seconds` by category, `saves`, cache `hits` and `misses`) with what
-    the controller measured beside it, or a flat {category: seconds}. Launches without one are
-    skipped; a ledger of another shape gives {}."""
-    out: dict[str, list[dict[str, float]]] = {}
-    variants = ledger.get("variants") if isinstance(ledger, Mapping) else None
-    for name, record in (variants if isinstance(variants, Mapping) else {}).items():
-        supervision = record.get("supervision") if isinstance(record, Mapping) else None
-        launches = supervision.get("launches") if isinstance(supervision, Mapping) else None
-        timings = []
-        for launch in launches if isinstance(launches, list) else []:
-            timing = launch.get("timing") if isinstance(launch, Mapping) else None
-            if not isinstance(timing, Mapping):
-                continue
-            flat = dict(timing.get("seconds")) if isinstance(timing.get("seconds"), Mapping) else {}
-            flat |= {k: v for k, v in timing.items() if k != "seconds"}
-            flat = {k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if flat:
-                timings.append(flat)
+def ledger_timings(book: Ledger) -> dict[str, list[LaunchTiming]]:
+    """{variant: the `timing` of each of its launches that ended with one} of a programme's ledger
+    (experiments/launcher/ledger.py: the trainer's last `timing` event, with the supervisor's `setup`
+    and `setup_ran` beside it). A launch without one (older code, or the trainer said nothing) is
+    left out, and so is a launch under way: it counts once it has ended."""
+    out = {}
+    for name, record in book.variants.items():
+        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None]
         if timings:
             out[name] = timings
     return out
 
 
-# figure -> the ledger category whose per-launch median replaces it (launches where it was > 0)
-CALIBRATED = {"setup_check": SETUP, "runtime_init": RUNTIME_STARTUP, "data_load": DATA_LOADING,
-              "restore": CHECKPOINT_RESTORE, "other": OTHER, "between_variants": IDLE}
+# figure -> the trainer's category (runtime/goodput.py) whose per-launch median replaces it (launches
+# where it was > 0)
+CALIBRATED = {"runtime_init": RUNTIME_STARTUP, "data_load": DATA_LOADING, "restore": CHECKPOINT_RESTORE,
+              "other": OTHER}
 
 
 @dataclass
@@ -298,40 +288,58 @@ class Calibration:
 
 def _median(figure: Figure, values: list[float], what: str, path: Path) -> Figure:
     return dataclasses.replace(figure, seconds=statistics.median(values),
-                               source=f"ledger: median of {len(values)} launches' {what} ({path})")
+                               source=f"ledger: median of {len(values)} {what} ({path})")
 
 
-def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calibration:
-    """The figures with the ledger's per-launch medians where it measured them: `CALIBRATED`;
-    `save`, the blocking seconds of a save (checkpoint_save / saves); `compile_cache_hit`, the
-    program start-up of a launch that only hit the cache, per hit; and each variant's median
-    program start-up (a launch that compiled). UserError for a directory without a readable ledger."""
+def read_ledger(state_dir: Path) -> Ledger:
+    """A programme's ledger.json, read as the controller reads it (any schema it reads); UserError
+    naming the fix for a directory without one or a ledger this code cannot read."""
     path = Path(state_dir) / "ledger.json"
     try:
-        ledger = json.loads(path.read_text())
+        return load_ledger(read_state(path, "ledger"), path)
     except FileNotFoundError:
         raise UserError(f"--calibrate-from {state_dir}: no ledger.json there; give a programme's state directory "
                         "(outputs/programmes/<name>)") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"--calibrate-from {state_dir}: cannot read {path} ({e}); give a programme's state "
-                        "directory") from None
-    runs = ledger_launches(ledger)
-    out = dict(figures)
+    except RecordError as e:
+        raise UserError(f"--calibrate-from {state_dir}: {e}") from None
+
+
+def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calibration:
+    """The figures with the medians a programme's ledger measured, each over the launches (or idle
+    stretches) where it was above zero: `setup_check` and `setup_fresh`, the supervisor's `setup`
+    before a launch, split by `setup_ran` (the workers set up, not only checked); `CALIBRATED`, the
+    trainer's own categories; `save`, the blocking seconds of a save (checkpoint_save / saves);
+    `compile_cache_hit`, the program start-up of a launch that only hit the cache, per hit;
+    `between_variants`, a slice's idle stretch before its next variant (the slices' `gaps`); and
+    each variant's median program start-up of the launches that compiled. The rest keep their
+    figures. UserError for a directory without a readable ledger."""
+    path = Path(state_dir) / "ledger.json"
+    book = read_ledger(state_dir)
+    runs = ledger_timings(book)
     every = [t for timings in runs.values() for t in timings]
-    for name, category in CALIBRATED.items():
-        values = [t[category] for t in every if t.get(category, 0.0) > 0]
+    out = dict(figures)
+
+    def calibrated(name: str, values: list[float], what: str) -> None:
         if values:
-            out[name] = _median(figures[name], values, category, path)
-    saves = [t[CHECKPOINT_SAVE] / t["saves"] for t in every if t.get("saves", 0) > 0 and CHECKPOINT_SAVE in t]
-    if saves:
-        out["save"] = _median(figures["save"], saves, "checkpoint_save per save", path)
-    hits = [t[PROGRAM_STARTUP] / t["hits"] for t in every
-            if t.get("hits", 0) > 0 and t.get("misses", 1) == 0 and PROGRAM_STARTUP in t]
-    if hits:
-        out["compile_cache_hit"] = _median(figures["compile_cache_hit"], hits, "program_startup per cache hit", path)
+            out[name] = _median(figures[name], values, what, path)
+
+    calibrated("setup_check", [t.setup for t in every if t.setup > 0 and not t.setup_ran],
+               "launches' setup (the workers checked)")
+    calibrated("setup_fresh", [t.setup for t in every if t.setup > 0 and t.setup_ran],
+               "launches' setup (the workers set up)")
+    for name, category in CALIBRATED.items():
+        calibrated(name, [t.seconds[category] for t in every if t.seconds.get(category, 0.0) > 0],
+                   f"launches' {category}")
+    calibrated("save", [t.seconds[CHECKPOINT_SAVE] / t.saves for t in every
+                        if t.saves > 0 and CHECKPOINT_SAVE in t.seconds], "launches' checkpoint_save per save")
+    calibrated("compile_cache_hit", [t.seconds[PROGRAM_STARTUP] / t.hits for t in every
+                                     if t.hits > 0 and t.misses == 0 and PROGRAM_STARTUP in t.seconds],
+               "launches' program_startup per cache hit (launches that only hit the cache)")
+    calibrated("between_variants", [gap for s in book.slices.values() for gap in s.gaps if gap > 0],
+               "idle stretches of a slice before its next variant")
     compiles = {v: statistics.median(x) for v, timings in runs.items()
-                if (x := [t[PROGRAM_STARTUP] for t in timings
-                          if t.get(PROGRAM_STARTUP, 0.0) > 0 and (t.get("misses", 1) > 0 or "hits" not in t)])}
+                if (x := [t.seconds[PROGRAM_STARTUP] for t in timings
+                          if t.seconds.get(PROGRAM_STARTUP, 0.0) > 0 and not (t.hits > 0 and t.misses == 0)])}
     return Calibration(out, compiles, len(every))
 
 

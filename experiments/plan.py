@@ -672,7 +672,8 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
     shared = "shared-programs" in what_if
     slice_of: dict[int, int] = {}
     if "compile-ahead" in what_if and "long-lived-trainer" not in what_if:
-        raise UserError("--what-if compile-ahead needs --what-if long-lived-trainer (a process that outlives a variant)")
+        raise UserError("--what-if compile-ahead needs --what-if long-lived-trainer (a process that outlives a "
+                        "variant)")
     for _ in range(2 if "long-lived-trainer" in what_if else 1):
         seen_train, seen_eval, priced = set(), set(), 0
         last: dict[int, Row] = {}  # slice -> the row its process ran last
@@ -874,10 +875,10 @@ def summary(programme: Programme, everything: Total) -> str:
     out += ["", "| figure | seconds | paid | source |", "|---|---|---|---|"]
     for name, f in programme.figures.items():
         out.append(f"| {name} | {f.seconds:g} | {f.paid} | {f.source} |")
+    ledger = "the ledger's median program start-up where a variant ran, else " if programme.calibrated else ""
     out.append("| compiles | per variant (the CSV's compile_s, eval_compile_s) | every launch that misses the "
-               "compilation cache | " + ("the ledger's median program start-up where a variant ran, else " if
-                                         programme.calibrated else "") + "this plan's own compiles for the topology: each one's "
-               "CPU seconds on this machine, or its wall seconds where less |")
+               f"compilation cache | {ledger}this plan's own compiles for the topology: each one's CPU seconds on "
+               "this machine, or its wall seconds where less |")
     return "\n".join(out)
 
 

@@ -390,10 +390,10 @@ def test_the_variants_and_the_idle_stretches_add_up_to_the_slices_ready_time(tmp
     assert whole.total.seconds["idle"] == pytest.approx(42.0)
     assert sum(whole.total.seconds.values()) == pytest.approx(whole.total.paid)
     assert whole.total.seconds["train"] == pytest.approx((100 + 50 + 20) / 2)
-    # the bill's calibration reads these launches (each with its setup)
-    assert bill.ledger_launches(json.loads((tmp_path / NAME / "ledger.json").read_text()))["exp08/a"] == [
-        {"setup": 1.0, "train": 50.0, "steps_run": 10.0, "step": 10.0, "saves": 0.0, "hits": 0.0, "misses": 0.0,
-         "wall": 0.0}]
+    # the plan's calibration reads this ledger: each launch's setup (the workers checked), the idle stretches
+    cal = bill.calibrate(tmp_path / NAME)
+    assert cal.launches == 3 and cal.figures["setup_check"].seconds == 1.0
+    assert cal.figures["between_variants"].seconds == pytest.approx((7 + 30) / 2)
 
 
 # --- older ledgers, and what status shows ------------------------------------------------------------

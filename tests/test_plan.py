@@ -8,22 +8,28 @@ test_hlo_cost.py)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import csv
 import dataclasses
 import io
+import json
+import math
 import re
+from pathlib import Path
 
 import pytest
 
 from experiments import bill, plan
 from experiments.compose import compose
 from experiments.launch import main as launch
+from experiments.launcher.account import launch_timing
+from experiments.launcher.ledger import (LaunchRecord, LaunchTiming, Ledger, Outcome, SliceRecord, SupervisionRecord,
+                                         VariantRecord, VariantState, to_text)
 from experiments.launcher.run_queue import read_plan
 from runtime.compile_only import TOPOLOGIES, CompiledStep, StepEstimate, estimate_step, optimal_seconds, wire_bytes
 from runtime.config import derive, validate
 from runtime.errors import UserError
+
+V1 = Path(__file__).resolve().parent / "data" / "programme-v1"  # a ledger of schema 1
 
 # exp08 (EMA rates, and EMA off) shrunk: 5 variants, 2 distinct train steps. One layer and one
 # cycle of each kind: each variant's train step is traced for its cache key, and tracing time
@@ -152,7 +158,8 @@ def test_group_plan_table_and_csv(tiny_group):
         assert step >= compute > 0 and step == pytest.approx(compute + float(r["collective_s"]))
         assert float(r["train_h"]) == pytest.approx(steps * step / 3600)
         batches = (int(r["evaluations"]) - 1) * int(r["eval_batches"]) + int(r["final_eval_batches"])
-        assert float(r["eval_step_s"]) > 0 and float(r["eval_h"]) == pytest.approx(float(r["eval_step_s"]) * batches / 3600)
+        eval_step = float(r["eval_step_s"])
+        assert eval_step > 0 and float(r["eval_h"]) == pytest.approx(eval_step * batches / 3600)
         assert float(r["compile_s"]) > 0 and float(r["eval_compile_s"]) > 0 and float(r["recovery_h"]) > 0
         parts = sum(float(r[c]) for c in ("train_h", "eval_h", "startup_h", "checkpoint_h", "recovery_h"))
         assert float(r["pod_hours"]) == pytest.approx(parts) == pytest.approx(float(r["total_h"]))
@@ -368,39 +375,49 @@ def test_schedule_takes_the_slice_that_frees_first():
     assert bill.schedule([1, 1, 1], 1) == [0, 0, 0]
 
 
-def write_ledger(root, launches: dict[str, list[dict]]) -> None:
-    """A programme's ledger.json as the controller keeps it, each launch with its `timing`."""
-    ledger = {"variants": {v: {"state": "completed", "supervision": {"launches": [
-        {"outcome": "completed", "timing": t} for t in timings]}} for v, timings in launches.items()},
-        "slices": {}, "history": []}
-    (root / "ledger.json").write_text(json.dumps(ledger))
+def trainer_event(*, saves=0, hits=0, misses=1, **seconds) -> dict:
+    """The trainer's `timing` event (runtime/goodput.py) as the supervisor reads it from the run's events."""
+    return {"event": "timing", "time": 100.0, "step": 10, "steps_run": 10, "seconds": seconds, "saves": saves,
+            "hits": hits, "misses": misses, "wall": sum(seconds.values())}
+
+
+def write_ledger(root, launches: dict[str, list[LaunchTiming]], gaps: dict[str, list[float]] | None = None) -> None:
+    """A programme's ledger.json as the controller writes it (the launcher's records, serialised), each
+    launch with its timing, each slice with its idle stretches before a variant (`gaps`)."""
+    book = Ledger(variants={v: VariantRecord(state=VariantState.COMPLETED, supervision=SupervisionRecord(launches=[
+        LaunchRecord(started=0.0, ended=1.0, code=0, outcome=Outcome.COMPLETED, cause="completed", timing=t)
+        for t in timings])) for v, timings in launches.items()},
+        slices={s: SliceRecord(gaps=g) for s, g in (gaps or {}).items()})
+    (root / "ledger.json").write_text(to_text(book))
 
 
 def test_calibration_takes_the_ledgers_medians(tmp_path):
-    """Launch timings as the trainer's `timing` event has them (seconds by category, saves, cache
-    hits and misses) with the controller's categories beside, or flat."""
-    def event(seconds, saves=0, hits=0, misses=1, **controller):
-        return {"step": 10, "steps_run": 10, "seconds": seconds, "saves": saves, "hits": hits, "misses": misses,
-                **controller}
-
+    """Each launch's timing as the supervisor records it (account.launch_timing of the trainer's
+    `timing` events, with the setup it measured and whether setup ran), and the slices' idle
+    stretches before a variant: the figures are their medians, setup split by setup_ran."""
     write_ledger(tmp_path, {
-        "g/a": [event({"runtime_startup": 20, "data_loading": 3, "program_startup": 40, "checkpoint_save": 8}, saves=4,
-                      setup=8),
-                event({"runtime_startup": 30, "data_loading": 5, "program_startup": 4, "checkpoint_restore": 6},
-                      hits=2, misses=0)],  # a restart that found both steps in the cache
-        "g/b": [{"runtime_startup": 50, "program_startup": 60, "idle": 9, "checkpoint_save": 3, "saves": 1}],
-        "g/c": [event({"train": 100})],  # a launch that measured nothing else
-    })
+        "g/a": [launch_timing([trainer_event(runtime_startup=20, data_loading=3, program_startup=40,
+                                             checkpoint_save=8, saves=4)], setup=190, setup_ran=True),
+                launch_timing([trainer_event(runtime_startup=30, data_loading=5, program_startup=4,
+                                             checkpoint_restore=6, hits=2, misses=0)],  # a restart: both steps cached
+                              setup=8)],
+        "g/b": [launch_timing([trainer_event(runtime_startup=50, program_startup=60, checkpoint_save=3, saves=1)],
+                              setup=4),
+                launch_timing([trainer_event(runtime_startup=70, program_startup=50)], setup=210, setup_ran=True)],
+        "g/c": [launch_timing([trainer_event(train=100)]), launch_timing([])],  # measured nothing else; said nothing
+    }, gaps={"s1": [2.0, 9.0], "s2": [4.0]})
     cal = bill.calibrate(tmp_path)
-    assert cal.launches == 4
-    assert cal.figures["runtime_init"].seconds == 30 and "median of 3 launches" in cal.figures["runtime_init"].source
-    assert cal.figures["data_load"].seconds == 4  # median of 3 and 5
-    assert cal.figures["setup_check"].seconds == 8 and cal.figures["restore"].seconds == 6
-    assert cal.figures["between_variants"].seconds == 9
-    assert cal.figures["save"].seconds == pytest.approx((8 / 4 + 3 / 1) / 2)
-    assert cal.figures["compile_cache_hit"].seconds == 2  # 4 s for 2 hits
-    assert cal.figures["setup_fresh"] == bill.FIGURES["setup_fresh"]  # not measured: the plan's own
-    assert cal.program_startup == {"g/a": 40, "g/b": 60}  # launches that compiled
+    assert cal.launches == 6
+    f = cal.figures
+    assert f["runtime_init"].seconds == 40 and "median of 4 launches' runtime_startup" in f["runtime_init"].source
+    assert f["data_load"].seconds == 4  # median of 3 and 5
+    assert f["setup_check"].seconds == 6 and f["setup_fresh"].seconds == 200  # 8 and 4; 190 and 210
+    assert f["restore"].seconds == 6
+    assert f["between_variants"].seconds == 4 and "median of 3 idle stretches" in f["between_variants"].source
+    assert f["save"].seconds == pytest.approx((8 / 4 + 3 / 1) / 2)
+    assert f["compile_cache_hit"].seconds == 2  # 4 s for 2 hits
+    assert f["launch"] == bill.FIGURES["launch"]  # not measured: the plan's own
+    assert cal.program_startup == {"g/a": 40, "g/b": 55}  # launches that compiled
     # a row of g/a is priced with its own measured start-up, split as the plan's compiles are
     row = plan.Row("g", "a", estimate=StepEstimate(0.1, "", 0.0, None, 1.0), steps=1000, compile_s=30.0,
                    eval_compile_s=10.0, lowered=plan.Lowered(protocol=plan.Protocol(evaluations=1)))
@@ -409,10 +426,16 @@ def test_calibration_takes_the_ledgers_medians(tmp_path):
 
 
 def test_calibration_of_a_ledger_without_timings_changes_nothing(tmp_path):
-    (tmp_path / "ledger.json").write_text(json.dumps({"variants": {"g/a": {"supervision": {"launches": [{}]}}}}))
-    assert bill.calibrate(tmp_path).figures == bill.FIGURES
+    """A ledger of schema 1 (no timings, no idle stretches) calibrates nothing; a damaged one is one line."""
+    (tmp_path / "ledger.json").write_bytes((V1 / "ledger.json").read_bytes())
+    cal = bill.calibrate(tmp_path)
+    assert cal.figures == bill.FIGURES and cal.launches == 0 and cal.program_startup == {}
     (tmp_path / "ledger.json").write_text("{half")
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match=r"--calibrate-from .*: the ledger .* is truncated or garbled"):
+        bill.calibrate(tmp_path)
+    (tmp_path / "ledger.json").write_text(json.dumps({"schema": 3, "variants": {"g/a": {"supervision": {
+        "launches": [{"timing": {"setup": 1.0}}]}}}}))
+    with pytest.raises(UserError, match=r"launches\[0\]\.started: missing"):
         bill.calibrate(tmp_path)
 
 
@@ -423,7 +446,8 @@ def priced_rows() -> list[plan.Row]:
             evaluations=2, eval_batch=64, batches=1, final_batches=3, examples=150, checkpoint_every=500,
             compile_cache=True))
         return plan.Row("g", variant, fits=True, total_gib=1.0, hbm_gib=16.0, steps=steps, compile_s=30.0,
-                        estimate=StepEstimate(0.1, "", 0.0, None, 1.0), eval_estimate=StepEstimate(0.5, "", 0.0, None, 1.0),
+                        estimate=StepEstimate(0.1, "", 0.0, None, 1.0),
+                        eval_estimate=StepEstimate(0.5, "", 0.0, None, 1.0),
                         eval_compile_s=20.0, lowered=low)
     return [row("a", "p1"), row("b", "p1"), row("c", "p2", steps=2000), plan.Row("h", "d", note="not planned")]
 
