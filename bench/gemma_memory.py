@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from runtime.errors import EXIT_DOES_NOT_FIT  # noqa: E402  (the repo on the path first)
 
 ROWS = [  # (label, topology, overrides)
     ("2B full FT, FSDP + chunked CE + remat (shipped)", "v5e-8", ["+experiment=gemma_sft/gemma2b_full_v5e8"]),
@@ -34,7 +36,7 @@ def plan(topology: str, overrides: list[str]) -> dict[str, str]:
     for key in ("total", "arguments", "temporaries", "compile_s"):
         m = re.search(rf"^  {key}\s+(.+)$", out, re.M)
         row[key] = m.group(1).split(" per chip")[0].split(" (")[0] if m else "-"
-    row["fits"] = "yes" if proc.returncode == 0 else ("no" if proc.returncode == 5 else f"error {proc.returncode}")
+    row["fits"] = "yes" if proc.returncode == 0 else ("no" if proc.returncode == EXIT_DOES_NOT_FIT else f"error {proc.returncode}")
     return row
 
 

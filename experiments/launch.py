@@ -20,7 +20,9 @@
 
 Everything after the first `--` is passed to the training script untouched
 (Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
-registered in `build_parser`; the logic itself lives in importable modules.
+registered in `build_parser`; the logic itself lives in importable modules. A subcommand that
+needs JAX or Hydra (seconds to import) imports its modules when it runs, so `stop`, `status` and
+`programme status` answer at once.
 """
 
 from __future__ import annotations
@@ -372,7 +374,7 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     """Every group of the programme (or the named ones): its variants and what each changes
     against the baseline, from the composed configs (* = the baseline's own setting)."""
-    from experiments.compose import changes, describe, variants
+    from experiments.compose import changes, describe, variants  # here: it imports Hydra or JAX
     from experiments.programme import GROUPS, GroupFileError
 
     try:
@@ -401,7 +403,7 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 
 def _sweep_variants(args: argparse.Namespace) -> list[str]:
-    from experiments.compose import variants
+    from experiments.compose import variants  # here: it imports Hydra or JAX
     from experiments.programme import GROUPS, GroupFileError
 
     try:
@@ -430,7 +432,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     every job's result is printed, and the exit code is 0 only when all completed (local: the first
     non-zero one). Overrides after `--` go to every variant (a Hydra sweep there, e.g.
     train.seed=0,1, multiplies the jobs of a local sweep). Then: `launch.py analyze GROUP`."""
-    from experiments import sweep
+    from experiments import sweep  # here: it imports Hydra or JAX
 
     chosen = _sweep_variants(args)
     if not args.local and not args.tpu:
@@ -508,7 +510,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from experiments import analyze
+    from experiments import analyze  # here: it imports Hydra or JAX
 
     return analyze.main([args.group, *args.rest])
 
@@ -535,11 +537,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     second run compiles nothing. --calibrate-from a programme's state directory replaces the
     start-up figures by the medians its ledger measured. Overrides after `--` apply to every
     variant. Exit 0 (a variant that does not fit is a row)."""
-    from experiments import bill, plan
+    from experiments import bill, plan  # here: it imports Hydra or JAX
     from experiments.compose import variants
     from experiments.programme import GROUPS
     from runtime.compile_only import parse_topology
-    from runtime.errors import UserError
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning compiles for the topology, never on a local device
     try:

@@ -29,6 +29,9 @@ from runtime import events, libtpu_flags
 from runtime.hlo_cost import collective_bytes, kernels, loop_weight, optimal_seconds, wire_bytes
 from runtime.config import Config, compute_dtype, resolve_compute_dtype
 from runtime.errors import EXIT_DOES_NOT_FIT, UserError
+from runtime.perf import analysis_compile, formula_flops_per_step, peak_flops_for_kind
+from runtime.registry import dataset_kind
+from runtime.train_step import abstract_batch
 
 log = logging.getLogger("runtime")
 
@@ -54,8 +57,6 @@ class TpuGeneration:
     @property
     def peak_flops(self) -> float:
         """Peak dense bf16 FLOP/s per chip (runtime.perf's table, the one the run's MFU uses)."""
-        from runtime.perf import peak_flops_for_kind
-
         return peak_flops_for_kind(self.device_kind)
 
 
@@ -303,8 +304,6 @@ class TopologyReport:
 
 def _unrolled(row, steps, batch, gen: TpuGeneration) -> tuple[float | None, float | None]:
     """(XLA FLOPs, optimal_seconds) of the analysis compile with loops unrolled and no remat."""
-    from runtime.perf import analysis_compile
-
     t0 = time.perf_counter()
     try:
         compiled = analysis_compile(steps, steps.abstract_state, batch)
@@ -349,10 +348,7 @@ def _report_estimate(row, est: StepEstimate, compiled: CompiledStep, gen: TpuGen
 def topology_report(config: Config, row) -> TopologyReport:
     """Plan and compile the train step for `config.compile_only`, printing each figure through
     `row(key, value)` as it is known; the figures as a `TopologyReport`."""
-    from runtime.builder import plan_and_build
-    from runtime.perf import formula_flops_per_step
-    from runtime.registry import dataset_kind
-    from runtime.train_step import abstract_batch
+    from runtime.builder import plan_and_build  # a cycle: runtime/builder.py imports this module
 
     gen, shape, devices = topology_devices(config.compile_only)
     config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's, not this host's
@@ -401,7 +397,7 @@ def topology_report(config: Config, row) -> TopologyReport:
 
 def plan_for_topology(config: Config) -> int:
     """Plan and compile the train step for `config.compile_only`; print the report; return the exit code."""
-    from runtime.trainer import setup_logging
+    from runtime.trainer import setup_logging  # a cycle: the trainer imports runtime/builder.py, which imports this
 
     setup_logging(is_primary=True)
     report = topology_report(config, lambda key, value: print(f"  {key:<18} {value}"))

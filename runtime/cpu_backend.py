@@ -69,7 +69,7 @@ def tune_cpu_backend() -> bool:
     (they are read when the backend starts); True if applied."""
     if os.environ.get("PODRUNNER_CPU_TUNING") == "off" or not cpu_only_host() or _backends_started():
         return False
-    import jax
+    import jax  # here: pretrain_jax.py imports this module before JAX; only a CPU run needs it
 
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_experimental_ynn_fusion_type" not in flags:  # a user's own choice stands
