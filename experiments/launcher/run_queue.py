@@ -88,7 +88,6 @@ from typing import Callable, TextIO
 
 import fsspec
 
-from experiments.compose import variants as group_variants
 from experiments.launcher import pod, supervise
 from experiments.launcher.gcloud import Target
 from experiments.launcher.account import charge, idle_from, idle_until, live_ready_seconds, mark
@@ -98,8 +97,7 @@ from experiments.launcher.ledger import (SCHEMA, Command, ControllerStatus, Ledg
                                          decode, dumps, load_ledger, load_snapshot, log_line, move, parse_json,
                                          read_state, to_text, write_text)
 from experiments.programme import GROUPS
-from runtime import events, hydra_compose
-from runtime.config import run_dirs
+from runtime import events
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_USER_ERROR, UserError, one_line
 from runtime.events import Kind
 from runtime.lease import LEASE_FILE, Lease, LeaseHeld
@@ -213,6 +211,8 @@ def check_run_ids(sub: Submission) -> None:
 def choose_variants(groups: list[str], only: list[str]) -> list[str]:
     """group/variant of the groups (`all`: every group) in plan order, or just `only` of them
     (each `group/variant`, or a variant name of any of the groups)."""
+    from experiments.compose import variants as group_variants  # here: JAX and Hydra take seconds; only submit and run compose
+
     names = list(GROUPS) if groups == ["all"] else groups
     unknown = [g for g in names if g not in GROUPS]
     if unknown:
@@ -231,6 +231,9 @@ def preflight(sub: Submission) -> list[str]:
     """One line per problem of a variant: its config does not compose or validate, its dataset on
     gs:// is missing, no planned pod-hours under a budget; and the budget must cover the first.
     Fills in each variant's checkpoint directory."""
+    from runtime import hydra_compose  # here: JAX and Hydra take seconds; only submit and run compose
+    from runtime.config import run_dirs
+
     problems = []
     for variant in sub.variants:
         try:  # under the workers' environment (PODRUNNER_DATA names the data), os.environ untouched
@@ -1079,6 +1082,8 @@ class Alerts:
     @staticmethod
     def runs_wandb(sub: Submission):
         """The W&B settings of the programme's runs (its first variant's composed config), or None."""
+        from runtime import hydra_compose  # here: JAX and Hydra take seconds; only submit and run compose
+
         try:
             return hydra_compose.composed(sub.overrides_of(sub.variants[0])).run.wandb if sub.variants else None
         except Exception:  # noqa: BLE001 - the preflight said why; no alerts then

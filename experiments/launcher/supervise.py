@@ -74,8 +74,7 @@ from experiments.launcher.gcloud import Runner, Shape, run_quiet
 from experiments.launcher.ledger import (End, InFlight, LaunchRecord, Outcome, Progress, ReadyClock, Status,
                                          SupervisionRecord, append_text, load_supervision, log_line, read_state,
                                          supervision_text, write_text)
-from runtime import events, hydra_compose
-from runtime.config import run_dirs
+from runtime import events
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.events import Failure, Kind, Policy
 
@@ -741,6 +740,9 @@ def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
 
 def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
     """(the run's checkpoint directory, or None; why not), from conf/ + the overrides."""
+    from runtime import hydra_compose  # here: JAX and Hydra take seconds to import; `status` needs neither
+    from runtime.config import run_dirs
+
     try:
         config = hydra_compose.composed(overrides)
     except Exception as e:  # the trainer reports a bad override itself, in one line
