@@ -129,12 +129,13 @@ def test_step_estimate_of_a_looped_step():
 @pytest.fixture(scope="module")
 def tiny_group(tmp_path_factory):
     """`plan exp08 --topology v5e-8 -- TINY`, run twice on one cache; the CSV rows. The first
-    run compiles in two processes, in a new pool for each compile (as a long plan renews its pool)."""
+    run compiles in two processes, in a new pool after every two compiles (as a long plan renews
+    its pool)."""
     tmp = tmp_path_factory.mktemp("plan")
     args = ["exp08", "--topology", "v5e-8", "--mtbf", "8h", "--cache-dir", str(tmp / "cache"), "--csv",
             str(tmp / "plan.csv"), "--", *TINY]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan, "COMPILES_PER_PROCESS", 0.5)
+        patch.setattr(plan, "COMPILES_PER_PROCESS", 1)
         first = run_plan("--jobs", "2", *args)
     second = run_plan("--jobs", "1", *args)
     with open(tmp / "plan.csv") as f:
