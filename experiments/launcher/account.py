@@ -260,8 +260,7 @@ def percent(part: float, whole: float) -> str:
 
 
 def goodput_text(account: Account) -> str:
-    value = account.goodput
-    return "-" if value is None else f"{100 * value:.0f}%"
+    return "-" if account.goodput is None else percent(account.productive, account.paid)
 
 
 def badput_text(account: Account, n: int = 3) -> str:
