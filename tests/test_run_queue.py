@@ -31,8 +31,8 @@ from experiments.launcher.account import programme_account
 from experiments.launcher.ledger import (LaunchRecord, Mark, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
                                          load_ledger)
 from experiments.launcher.run_queue import live_ready_seconds
-from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, logged_metrics, make_fake_workers, read_jsonl, train,
-                     wait_for)
+from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, launch_in_process, logged_metrics, make_fake_workers,
+                     read_jsonl, train, wait_for)
 from runtime import events, hydra_compose
 from runtime.checkpointing import Checkpoints
 
@@ -85,8 +85,12 @@ class Programme:
                             "--stop-grace", "5", *args, "--", *overrides)
 
     def command(self, verb: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(self.launch(verb, *args), cwd=self.tmp, env=self.env, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=timeout)
+        """A controller (`run`, `submit --run`) in a process of its own, as users start it (its
+        lease, its signals, its threads); the other verbs in this one."""
+        if verb == "run" or "--run" in args:
+            return subprocess.run(self.launch(verb, *args), cwd=self.tmp, env=self.env, stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=timeout)
+        return launch_in_process(self.launch(verb, *args)[2:], env=self.env, cwd=self.tmp)
 
     def start(self, verb: str = "run", **env: str) -> subprocess.Popen:
         proc = subprocess.Popen(self.launch(verb), cwd=self.tmp, env=dict(self.env, **env), stdin=subprocess.DEVNULL,
