@@ -5,4 +5,5 @@
 source "$(dirname "$0")/venv.sh"
 python experiments/launch.py local --processes 2 --devices-per-process 4 -- "$@"
 echo
-echo "outputs: $(ls -d outputs/*/* | head -1)  (metrics.jsonl, wandb/, checkpoints/, run_manifest.json)"
+# The run just made (the newest manifest): outputs/ also holds other runs and the compilation cache.
+echo "outputs: $(dirname "$(ls -t outputs/*/*/run_manifest.json | head -1)")  (metrics.jsonl, wandb/, checkpoints/, run_manifest.json)"
