@@ -70,6 +70,32 @@ def run_pretrain(overrides: Sequence[str], *, devices: int = 1, timeout: float =
     return proc
 
 
+def launch_in_process(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                      cwd: os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """`launch.py argv` run in this process, its output captured; with `env` and `cwd`, as a child
+    started with them would run it. For the verbs that start no controller (no signals, threads or
+    children of their own), whose subprocess would spend its time importing the launcher again."""
+    from experiments import launch  # heavy: JAX and Hydra, which this module leaves to its callers
+
+    out, err, saved, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = launch.main(list(argv))
+            except SystemExit as e:  # argparse's own exits
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(here)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
 def launch_pretrain(overrides: Sequence[str], *, devices: int = 1, env: dict | None = None,
                     merge_stderr: bool = True) -> subprocess.Popen:
     """`pretrain_jax.py <overrides>` started, not waited for (stdout piped, stderr into it)."""
@@ -298,29 +324,6 @@ TRM_OVERRIDES = ["arch=trm_mlp", "arch.hidden=32", "arch.heads=2", "arch.L_layer
 
 
 # ------------------------------------------------------------------ one `error:` line
-
-
-def launch_in_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: os.PathLike) -> subprocess.CompletedProcess:
-    """`launch.py argv` run in this process as a child would run it (its environment, its working
-    directory, its output captured): for the verbs that start no controller, whose subprocess
-    would spend its time importing the launcher again."""
-    from experiments import launch  # heavy: JAX and Hydra, which this module leaves to its callers
-
-    out, err, saved, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = launch.main(list(argv))
-            except SystemExit as e:  # argparse's own exits
-                code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        os.chdir(here)
-    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 
 
 def error_line(text: str, *needles: str, last: bool = False) -> str:

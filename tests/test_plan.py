@@ -7,10 +7,8 @@ test_hlo_cost.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
-import io
 import json
 import math
 import re
@@ -20,11 +18,11 @@ import pytest
 
 from experiments import bill, plan
 from experiments.compose import compose
-from experiments.launch import main as launch
 from experiments.launcher.account import launch_timing
 from experiments.launcher.ledger import (LaunchRecord, LaunchTiming, Ledger, Outcome, SliceRecord, SupervisionRecord,
                                          VariantRecord, VariantState, to_text)
 from experiments.launcher.run_queue import read_plan
+from helpers import launch_in_process
 from runtime.compile_only import TOPOLOGIES, CompiledStep, StepEstimate, estimate_step, optimal_seconds, wire_bytes
 from runtime.config import derive, validate
 from runtime.errors import UserError
@@ -39,10 +37,8 @@ TINY = ["arch.hidden=64", "arch.heads=2", "arch.puzzle_emb_ndim=64", "arch.L_lay
 
 
 def run_plan(*args: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = launch(["plan", *args])
-    return code, out.getvalue(), err.getvalue()
+    r = launch_in_process(["plan", *args])
+    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
