@@ -361,8 +361,10 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     files = RunFiles(output_dir_of(config), checkpoint_dir) if info.is_primary else None
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save,
                        on_commit=lambda step: (timing.emit(), committed(step, files)))  # the account at each commit
-    with timing.measure(CHECKPOINT_RESTORE):
-        start_step, meta = resume_point(config, ckpt, shape.examples)
+    looked = timing.clock()
+    start_step, meta = resume_point(config, ckpt, shape.examples)
+    with timing.measure(CHECKPOINT_RESTORE if start_step is not None else OTHER, since=looked):
+        pass  # a fresh start restored nothing: its look for a checkpoint is not a restore
     config = resolve_compute_dtype(config, jax.default_backend(), ((meta or {}).get("config") or {}).get("arch"))
     run_id = choose_run_id(config, meta, ckpt.directory, start_step)
     if lease is not None:
