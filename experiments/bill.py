@@ -96,7 +96,8 @@ FIGURES: dict[str, Figure] = {
         f"{_BENCH}: 244 MB of arrays of the baseline set's shapes (1,001,000 training rows, 423,168 test puzzles) "
         "read whole and parsed as a gs:// dataset is; the transfer from GCS not included"),
     "compile_cache_hit": Figure(
-        2.0, PROGRAM_STARTUP, "each step a launch finds in the persistent compilation cache (run.compile_cache)",
+        2.0, PROGRAM_STARTUP, "each step a launch finds in the persistent compilation cache (run.compile_cache) "
+                              "or reads compiled ahead (run.executables)",
         f"{_BENCH}: the relaunched baseline run's program_startup / its 2 cache hits (a local cache, CPU programs)"),
     "restore": Figure(0.5, CHECKPOINT_RESTORE, "every launch that resumes: the checkpoint read back",
                       f"{_BENCH}: the relaunched baseline run's checkpoint_restore (local disk)"),
@@ -128,6 +129,9 @@ class Variant:
     compile_cache: bool = False  # run.compile_cache: a restart (and a same-program variant) loads, not compiles
     train_cached: bool = False  # its train step's program ran before in the programme (a cache hit at its start)
     eval_cached: bool = False
+    # Compiled ahead by the plan (`plan --executables`, run.executables): read at every start, like a cache hit.
+    train_ahead: bool = False
+    eval_ahead: bool = False
     first_on_slice: bool = True  # the first variant of its slice: it pays the fresh slice's setup
     # What-if (`plan --what-if long-lived-trainer`): it starts in the process that ran the variant
     # before it on its slice: no setup check, launch, runtime start-up or idle time; its dataset
@@ -221,9 +225,10 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
     _add(s, DATA_LOADING, 0.0 if v.warm and v.data_loaded else f["data_load"])
     _add(s, OTHER, f["other"])
     hit = f["compile_cache_hit"]
-    train = 0.0 if v.warm and v.train_in_process else hit if v.compile_cache and v.train_cached else v.compile_train_s
+    train = 0.0 if v.warm and v.train_in_process else \
+        hit if (v.compile_cache and v.train_cached) or v.train_ahead else v.compile_train_s
     evals = 0.0 if v.evaluations == 0 or (v.warm and v.eval_in_process) else \
-        hit if v.compile_cache and v.eval_cached else v.compile_eval_s
+        hit if (v.compile_cache and v.eval_cached) or v.eval_ahead else v.compile_eval_s
     _add(s, PROGRAM_STARTUP, train + evals)
     saves, interval = save_count(v, figures)
     _add(s, CHECKPOINT_SAVE, f["final_save"])
@@ -233,8 +238,8 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
     # a restart after a preemption: a fresh slice, the cache (or not), the checkpoint read back
     fixed = {SETUP: f["setup_fresh"] + f["launch"], RUNTIME_STARTUP: f["runtime_init"], DATA_LOADING: f["data_load"],
              OTHER: f["other"], CHECKPOINT_RESTORE: f["restore"],
-             PROGRAM_STARTUP: (hit if v.compile_cache else v.compile_train_s)
-             + (0.0 if v.evaluations == 0 else hit if v.compile_cache else v.compile_eval_s)}
+             PROGRAM_STARTUP: (hit if v.compile_cache or v.train_ahead else v.compile_train_s)
+             + (0.0 if v.evaluations == 0 else hit if v.compile_cache or v.eval_ahead else v.compile_eval_s)}
     restart = sum(fixed.values())
     young = math.sqrt(2 * f["save"] * mtbf_s) if mtbf_s else None
     preemptions = recovery = 0.0

@@ -541,10 +541,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from experiments.compose import variants
     from experiments.programme import GROUPS
     from runtime.compile_only import parse_topology
+    from runtime.config import check_folder
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning compiles for the topology, never on a local device
     try:
         parse_topology(args.topology, "--topology ")
+        check_folder("--executables", args.executables, "or leave it out")
         mtbf_s = bill.parse_hours(args.mtbf) if args.mtbf else None
         calibration = bill.calibrate(Path(args.calibrate_from)) if args.calibrate_from else None
         known = list(GROUPS)
@@ -554,8 +556,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise UserError(f"unknown group(s) {unknown}; the groups are {known} (or all)")
         jobs = [plan.Job(g, v, tuple(args.overrides)) for g in names for v in variants(g)]
         rows = plan.Planner(args.topology, Path(args.cache_dir or plan.CACHE_DIR), workers=args.jobs).plan(jobs)
+        ahead = plan.keep_ahead(jobs, rows, args.topology, args.executables, workers=args.jobs,
+                                progress=lambda line: print(line, file=sys.stderr, flush=True)) if (
+            args.executables) else frozenset()
         programme = plan.price_programme(rows, mtbf_s=mtbf_s, slices=args.slices, calibration=calibration,
-                                         calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if))
+                                         calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if),
+                                         ahead=ahead, ahead_folder=args.executables or "")
+        programme.ahead, programme.kept = args.executables or "", len(ahead)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -563,7 +570,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
         + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
         + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
-        + [f"--what-if {w}" for w in args.what_if] + (["--", *args.overrides] if args.overrides else []))
+        + [f"--what-if {w}" for w in args.what_if] + (["--executables", args.executables] if args.executables else [])
+        + (["--", *args.overrides] if args.overrides else []))
     sys.stdout.write(plan.markdown(programme, args.topology, command))
     csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
     try:
@@ -593,6 +601,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")
     p.add_argument("--cache-dir", default=None, help="compile results by HLO key (default: outputs/plan/cache)")
+    p.add_argument("--executables", default=None, metavar="FOLDER",
+                   help="also keep every planned program compiled for the topology in FOLDER (local or gs://), "
+                        "for runs given run.executables=FOLDER to read instead of compiling; priced so")
     p.set_defaults(func=cmd_plan)
 
 
@@ -714,6 +725,7 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
     state.check_writable()  # before the preflight, which composes every variant
     variants = run_queue.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
     planned = run_queue.read_plan(Path(args.plan)) if args.plan else {}
+    args.overrides = run_queue.with_executables(args.overrides, planned, variants)
     if args.order == "cheapest":
         variants.sort(key=lambda v: (planned.get(v) or {}).get("pod_hours") or float("inf"))
     sub = run_queue.Submission(

@@ -36,7 +36,7 @@ import re
 import sys
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, as_completed, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,7 +51,7 @@ from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata
 from experiments import bill
 from experiments.compose import compose
-from runtime import compile_only, hlo_cost, libtpu_flags
+from runtime import compile_only, executables, hlo_cost, libtpu_flags
 from runtime.builder import eval_step_args, plan_and_build
 from runtime.compile_only import (GiB, CompiledStep, compile_step, compile_train_step, estimate_step, parse_topology,
                                   topology_devices)
@@ -153,6 +153,7 @@ class Row:
     eval_note: str = ""
     bill: bill.Bill | None = None
     same_as: str = ""  # under --what-if dedupe: the variant whose run this one is (it costs nothing)
+    executables: str = ""  # the folder its steps compiled ahead are in (plan --executables; "" none)
 
     @property
     def train_h(self) -> float | None:
@@ -383,6 +384,54 @@ def compile_job(job: Job, topology: str, kind: str = TRAIN) -> CompiledStep:
     if kind == EVAL:
         return compile_step(*eval_step_args(plan, mesh, steps, data.seq_len), gen)
     return compile_train_step(steps, batch, gen)
+
+
+def keep_job(job: Job, topology: str, folder: str, kind: str = TRAIN) -> bool:
+    """The job's train or eval step compiled for the topology and kept in `folder` for its runs to
+    read (runtime/executables.py), unless its program's file is there already. False: it cannot be
+    kept (the run compiles it)."""
+    config, plan, mesh, steps, batch, data = _build(job, topology)
+    step, args = eval_step_args(plan, mesh, steps, data.seq_len) if kind == EVAL else (
+        steps.train, (steps.abstract_state, batch))
+    lowered = step.lower(*args)
+    key = executables.key_of(lowered, mesh)
+    return executables.exists(folder, key) or executables.save(lowered.compile(), folder, key)
+
+
+def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, workers: int = 1,
+               progress: Callable[[str], None] = lambda line: None) -> frozenset[str]:
+    """Every distinct program (`exact_key`) of the variants that fit as they are, compiled for the
+    topology into `folder` (`plan --executables`): the exact keys kept. A curriculum's train steps
+    are left to its runs (one program a stage; the plan lowers the first)."""
+    todo: dict[str, tuple[Job, str]] = {}
+    for job, row in zip(jobs, rows):
+        low = row.lowered
+        if not row.fits or row.change or not low.exact:
+            continue
+        if low.stages == 1:
+            todo.setdefault(low.exact, (job, TRAIN))
+        if low.eval_exact:
+            todo.setdefault(low.eval_exact, (job, EVAL))
+    kept: set[str] = set()
+    if not todo:
+        return frozenset()
+    progress(f"keeping {len(todo)} programs compiled for {topology} in {folder} ({workers} process"
+             f"{'es' if workers > 1 else ''})")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=COMPILES_PER_PROCESS) as pool:
+        futures = {pool.submit(keep_job, job, topology, folder, kind): (exact, job, kind)
+                   for exact, (job, kind) in todo.items()}
+        for future in as_completed(futures):
+            exact, job, kind = futures[future]
+            try:
+                if future.result():
+                    kept.add(exact)
+                    progress(f"kept [{len(kept)}/{len(todo)}] {kind} {job.experiment}")
+                else:
+                    progress(f"not kept: {kind} {job.experiment} (its runs compile it)")
+            except Exception as e:  # noqa: BLE001 - one program its runs compile; the plan goes on
+                progress(f"not kept: {kind} {job.experiment} ({str(e).splitlines()[0][:200]})")
+    return frozenset(kept)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -635,6 +684,8 @@ class Programme:
     slice_hours: list[float]
     calibrated: str = ""  # the ledger the figures came from ("" none)
     what_if: frozenset[str] = frozenset()  # levers priced that the code does not have (WHAT_IF)
+    ahead: str = ""  # `--executables`: the folder the runs read the steps this plan kept from ("" none)
+    kept: int = 0  # programs kept there
 
     @property
     def wall_days(self) -> float:
@@ -658,7 +709,8 @@ WHAT_IF = {
 
 def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.FIGURES, mtbf_s: float | None = None,
                     slices: int = 1, calibration: bill.Calibration | None = None, calibrated: str = "",
-                    what_if: frozenset[str] = frozenset()) -> Programme:
+                    what_if: frozenset[str] = frozenset(), ahead: frozenset[str] = frozenset(),
+                    ahead_folder: str = "") -> Programme:
     """Each row's bill, in plan order (the queue's): a start finds its steps in the compilation
     cache when an earlier variant ran the same program (`exact_key`; `hlo_key` under
     shared-programs) with run.compile_cache set; the first variant on each of `slices` slices pays
@@ -694,7 +746,9 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
             low = row.lowered
             train_id, eval_id = (low.key, low.eval_key) if shared else (low.exact, low.eval_exact)
             costs = dataclasses.replace(costs, train_cached=train_id in seen_train, eval_cached=eval_id in seen_eval,
-                                        first_on_slice=priced < slices)
+                                        first_on_slice=priced < slices, train_ahead=low.exact in ahead,
+                                        eval_ahead=low.eval_exact in ahead)
+            row.executables = ahead_folder if costs.train_ahead or costs.eval_ahead else ""
             where = slice_of.get(i)
             if where is not None and where in last:
                 before, done = last[where], ran[where]
@@ -814,6 +868,9 @@ def markdown(programme: Programme, topology: str, command: str) -> str:
         "(experiments/bill.py). * = with the change that makes it fit.",
         *([""] + [f"**What-if, not what runs today**: {name}: {WHAT_IF[name]}." for name in sorted(programme.what_if)]
           if programme.what_if else []),
+        *(["", f"**Compiled ahead**: {programme.kept} programs kept in {programme.ahead}; runs given "
+               f"`run.executables={programme.ahead}` read them instead of compiling (priced as a cache hit at every "
+               "start)."] if programme.ahead else []),
         "",
         f"| variant | fits (GiB per chip of {gen.hbm_gib}) | step time | MFU | steps | eval step | evals | "
         + " | ".join(COLUMNS) + " | goodput | to fit / note |",
@@ -887,7 +944,7 @@ CSV_FIELDS = ("group", "variant", "fits", "total_gib", "hbm_gib", "compute_s", "
               "final_eval_batches", "eval_examples", "eval_subset", "compile_s", "eval_compile_s",
               *COLUMNS, "pod_hours", "goodput", "whole_set_eval_h", *(f"{c}_h" for c in bill.CATEGORIES),
               "preemptions", "saves",
-              "checkpoint_interval_s", "young_interval_s", "change", "note", "key")
+              "checkpoint_interval_s", "young_interval_s", "change", "note", "key", "executables")
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -911,7 +968,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                     "eval_examples": "" if p.examples is None else p.examples,
                     "eval_subset": "" if p.subset is None else p.subset,
                     "compile_s": _g(row.compile_s or None), "eval_compile_s": _g(row.eval_compile_s or None),
-                    "change": row.change, "note": "; ".join(n for n in (row.note, row.eval_note) if n), "key": row.key}
+                    "change": row.change, "note": "; ".join(n for n in (row.note, row.eval_note) if n), "key": row.key,
+                    "executables": row.executables}
             if b is not None:
                 hours = row_hours(b)
                 line |= {c: _g(hours[c]) for c in COLUMNS} | {f"{c}_h": _g(hours[c]) for c in bill.CATEGORIES}

@@ -182,6 +182,10 @@ class RunConfig(Freezable):
     # (JAX_COMPILATION_CACHE_DIR) if it has one, else gs://<bucket>/compile_cache when the checkpoints
     # are on gs://, else <run.root>/compile_cache; a folder (local or gs://bucket/prefix); null = off.
     compile_cache: Optional[str] = "auto"
+    # Steps compiled ahead for this slice (`launch.py plan --executables FOLDER`, runtime/executables.py):
+    # a folder (local or gs://bucket/prefix) a run reads its train and eval steps from instead of
+    # compiling them, where one of the same program is there; null = compile them.
+    executables: Optional[str] = None
 
 
 @dataclass
@@ -474,6 +478,7 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
 
     check_path_names(config)
     _check_compile_cache(config.run.compile_cache)
+    check_folder("run.executables", config.run.executables, "null (compile every step)")
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
         config.run.group = group or (experiment or "default")
@@ -505,20 +510,25 @@ def check_path_names(config: Config) -> None:
 
 def _check_compile_cache(value: Optional[str]) -> None:
     """run.compile_cache is auto, null, a local folder or gs://bucket[/prefix] (runtime/compile_cache.py)."""
-    if value is None or value == "auto":
+    if value != "auto":
+        check_folder("run.compile_cache", value, "auto (the default) or null (no cache)")
+
+
+def check_folder(key: str, value: Optional[str], others: str) -> None:
+    """`key` is null, a local folder or gs://bucket[/prefix]."""
+    if value is None:
         return
     problem = None
     if not value.strip():
-        problem = "it is empty (null turns the cache off)"
+        problem = "it is empty (null turns it off)"
     elif value.startswith("~"):
         problem = "'~' is not expanded; give an absolute folder or one relative to the working directory"
     elif "://" in value and not value.startswith("gs://"):
-        problem = "the cache can be a local folder or on gs:// only"
+        problem = "it can be a local folder or on gs:// only"
     elif value.startswith("gs://") and not value[len("gs://"):].split("/", 1)[0]:
         problem = "it names no bucket"
     if problem:
-        raise UserError(f"run.compile_cache={value!r}: {problem}; use a folder, gs://bucket/prefix, auto (the default) "
-                        "or null (no cache)")
+        raise UserError(f"{key}={value!r}: {problem}; use a folder, gs://bucket/prefix, {others}")
 
 
 def _check_curriculum(config: Config) -> None:

@@ -28,6 +28,7 @@ from runtime.checkpointing import Checkpoints, SaveClock
 from runtime.config import Config, Plan
 from runtime.errors import EXIT_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED, UserError, one_line
 from runtime.evaluation import evaluate
+from runtime.executables import Ahead
 from runtime.goodput import CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, TRAIN, Timing
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
@@ -59,6 +60,7 @@ class LoopContext:
     # by path (its run.log) has something else standing in its place now (runtime/run_log.py).
     check_outputs: Optional[Callable[[str], None]] = None
     timing: Timing = field(default_factory=Timing)  # the run's time account (a fresh one: from the loop's start)
+    ahead: Ahead = field(default_factory=lambda: Ahead(None, None))  # steps compiled ahead (run.executables)
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -93,7 +95,9 @@ class _Progress:
         if id(stage) not in self.compiled:
             with self.timer.paused() if self.timer is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
-                self.compiled[id(stage)] = stage.train.lower(self.state, self.first_batch).compile()
+                self.compiled[id(stage)] = self.ctx.ahead.compile(stage.train.lower(self.state, self.first_batch),
+                                                                  "train step")
+                stage.eval = self.ctx.ahead.wrap(stage.eval, "eval step")  # its evaluations' program too
                 hits, misses = self.ctx.timing.cache_counts()
                 log.info("compiled train step in %.1fs (compile cache so far: %d hits, %d misses)",
                          time.perf_counter() - t0, hits, misses)

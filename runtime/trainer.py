@@ -31,6 +31,7 @@ from runtime.distributed import ProcessInfo, initialize
 from runtime.errors import (EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STORAGE, OutputDirError, UserError, one_line, storage_fault,
                             storage_fix)
 from runtime.evaluation import evaluate
+from runtime.executables import Ahead
 from runtime.goodput import CHECKPOINT_RESTORE, CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, RUNTIME_STARTUP, Timing
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
@@ -373,6 +374,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
     check_host_memory(steps.abstract_state, info.platform)
+    ahead = Ahead(config.run.executables, mesh, timing)
     if preempted_early(preemption, start_step or 0, timing):
         ckpt.close()
         return EXIT_PREEMPTED
@@ -409,6 +411,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
             write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
         if config.train.eval_only:
             with timing.measure(EVAL):
+                steps.eval = ahead.wrap(steps.eval, "eval step")
                 final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
             status, exit_code = "evaluated", 0
@@ -421,7 +424,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
                           init_states=init_states, evaluators=evaluators, preemption=preemption,
-                          check_outputs=check_run_log, timing=timing)
+                          check_outputs=check_run_log, timing=timing, ahead=ahead)
         exit_code, status, final = train_loop(ctx, state, position)
         with timing.measure(CHECKPOINT_SAVE):
             ckpt.wait()  # the run is done only when its last checkpoint is committed

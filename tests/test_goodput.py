@@ -160,13 +160,14 @@ def test_a_run_puts_the_process_cache_back(tmp_path):
     assert jax.config.jax_compilation_cache_dir == own
 
 
-@pytest.mark.parametrize("value, needle", [("", "it is empty (null turns the cache off)"), ("~/cache", "'~' is not expanded"),
-                                           ("s3://b/c", "the cache can be a local folder or on gs:// only"),
+@pytest.mark.parametrize("key", ["run.compile_cache", "run.executables"])
+@pytest.mark.parametrize("value, needle", [("", "it is empty (null turns it off)"), ("~/cache", "'~' is not expanded"),
+                                           ("s3://b/c", "it can be a local folder or on gs:// only"),
                                            ("gs:///c", "it names no bucket")])
-def test_a_bad_cache_setting_is_one_line(value, needle):
+def test_a_bad_cache_setting_is_one_line(key, value, needle):
     with pytest.raises(UserError) as e:
-        compose_config([f"run.compile_cache='{value}'"])
-    assert str(e.value).startswith(f"run.compile_cache={value!r}: {needle}; ") and "\n" not in str(e.value)
+        compose_config([f"{key}='{value}'"])
+    assert str(e.value).startswith(f"{key}={value!r}: {needle}; ") and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------ evaluation

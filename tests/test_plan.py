@@ -21,7 +21,7 @@ from experiments.compose import compose
 from experiments.launcher.account import launch_timing
 from experiments.launcher.ledger import (LaunchRecord, LaunchTiming, Ledger, Outcome, SliceRecord, SupervisionRecord,
                                          VariantRecord, VariantState, to_text)
-from experiments.launcher.run_queue import read_plan
+from experiments.launcher.run_queue import read_plan, with_executables
 from helpers import launch_in_process
 from runtime.compile_only import TOPOLOGIES, CompiledStep, StepEstimate, estimate_step, optimal_seconds, wire_bytes
 from runtime.config import derive, validate
@@ -135,12 +135,12 @@ def tiny_group(tmp_path_factory):
         first = run_plan("--jobs", "2", *args)
     second = run_plan("--jobs", "1", *args)
     with open(tmp / "plan.csv") as f:
-        return first, second, list(csv.DictReader(f))
+        return first, second, list(csv.DictReader(f)), tmp / "cache"
 
 
 @pytest.mark.slow
 def test_group_plan_table_and_csv(tiny_group):
-    (code, out, err), (code2, out2, err2), rows = tiny_group
+    (code, out, err), (code2, out2, err2), rows, _ = tiny_group
     assert code == 0 and code2 == 0, err
     # 5 variants, 2 distinct train steps (EMA on, at any rate, and off) and 2 eval steps (EMA weights or not)
     assert len(re.findall(r"compiled \[\d\] train exp08/", err)) == 2
@@ -173,7 +173,7 @@ def test_group_plan_table_and_csv(tiny_group):
 @pytest.mark.slow
 def test_step_time_floor_and_model_flops(tiny_group):
     """The estimated step time is more than the model's FLOPs take at peak: the MFU it implies is below 1."""
-    _, _, rows = tiny_group
+    _, _, rows, _ = tiny_group
     for r in (r for r in rows if r["variant"] != "TOTAL"):
         assert 0 < float(r["mfu"]) < 1
 
@@ -189,6 +189,38 @@ def test_cache_key_merges_values_not_shapes(tmp_path):
 
 
 @pytest.mark.slow
+def test_executables_keeps_each_program_and_prices_it_as_a_read(tiny_group, tmp_path):
+    """`plan --executables`: each distinct program of a variant that fits, compiled for the
+    topology and kept (runtime/executables.py); the plan prices those steps as a read at every
+    start. (One variant, on tiny_group's cache: only the keeping compiles.)"""
+    *_, cache = tiny_group
+    jobs = [plan.Job("exp08", "off", tuple(TINY))]
+    rows = plan.Planner("v5e-8", cache, progress=lambda line: None).plan(jobs)
+    assert rows[0].fits and rows[0].compile_s > 0
+    lines: list[str] = []
+    kept = plan.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe"), progress=lines.append)
+    assert kept == {rows[0].lowered.exact, rows[0].lowered.eval_exact}, lines
+    assert len(list((tmp_path / "exe").glob("*.jaxexe"))) == 2
+    assert plan.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe")) == kept  # there already: nothing compiled
+    hit = bill.FIGURES["compile_cache_hit"].seconds
+    compiled = plan.price_programme(rows).rows[0].bill
+    ahead = plan.price_programme(rows, ahead=kept).rows[0].bill
+    assert compiled.seconds["program_startup"] == pytest.approx(rows[0].compile_s + rows[0].eval_compile_s)
+    assert ahead.seconds["program_startup"] == pytest.approx(2 * hit)
+    assert ahead.total_s < compiled.total_s and ahead.train_s == compiled.train_s
+    # The CSV names the folder, and a programme submitted with it runs with run.executables=FOLDER.
+    plan.price_programme(rows, ahead=kept, ahead_folder="gs://b/exe")
+    plan.write_csv(rows, tmp_path / "plan.csv")
+    planned = read_plan(tmp_path / "plan.csv")
+    assert planned["exp08/off"]["executables"] == "gs://b/exe"
+    assert with_executables(["a=1"], planned, ["exp08/off"]) == ["a=1", "run.executables=gs://b/exe"]
+    assert with_executables(["run.executables=mine"], planned, ["exp08/off"]) == ["run.executables=mine"]
+    code, out, err = run_plan("exp08", "--topology", "v5e-8", "--executables", "s3://b/exe")
+    assert code == 2 and err.startswith("error: --executables='s3://b/exe': it can be a local folder or on gs:// only")
+    with pytest.raises(UserError, match="in 2 folders"):
+        with_executables([], planned | {"g/v": {"executables": "gs://c/exe"}}, ["exp08/off", "g/v"])
+
+
 def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path, monkeypatch):
     """1.6e9 parameters replicated on each v5e chip (f32 weights and Adam moments, 24 GiB): XLA
     stops at its memory check; FSDP over the 8 chips fits, by a second compile. (One wide layer:

@@ -189,12 +189,26 @@ def read_plan(path: Path) -> dict[str, dict]:
                     raise ValueError(f"pod_hours {hours} of {row['group']}/{row['variant']}")
                 planned[f"{row['group']}/{row['variant']}"] = {
                     "pod_hours": hours, "steps": int(row["steps"]) if row["steps"] else None,
-                    "step_s": float(row["step_s"]) if row["step_s"] else None}
+                    "step_s": float(row["step_s"]) if row["step_s"] else None,
+                    "executables": row.get("executables") or ""}
     except (OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, csv.Error) as e:
         detail = f"no column {e}" if isinstance(e, KeyError) else getattr(e, "strerror", None) or str(e)
         raise UserError(f"--plan {path} cannot be read as the CSV of `launch.py plan` ({detail}); give the file that "
                         "`launch.py plan GROUP ... --csv PATH` wrote") from None
     return planned
+
+
+def with_executables(overrides: list[str], planned: dict[str, dict], variants: list[str]) -> list[str]:
+    """The programme's overrides, with `run.executables=FOLDER` when its plan kept the variants'
+    steps compiled ahead in FOLDER (`plan --executables`), priced so, and the overrides do not say
+    otherwise: the runs read what the budget assumed they would."""
+    folders = sorted({(planned.get(v) or {}).get("executables") or "" for v in variants} - {""})
+    if not folders or any(o.split("=", 1)[0].lstrip("+") == "run.executables" for o in overrides):
+        return overrides
+    if len(folders) > 1:
+        raise UserError(f"--plan keeps the variants' steps compiled ahead in {len(folders)} folders ({', '.join(folders)}); "
+                        "plan them into one (plan --executables FOLDER) or give -- run.executables=FOLDER")
+    return [*overrides, f"run.executables={folders[0]}"]
 
 
 def check_run_ids(sub: Submission) -> None:
