@@ -85,12 +85,10 @@ def exists(folder: str, key: str) -> bool:
 
 
 def load(folder: str, key: str):
-    """The compiled step of `key` from `folder`, or None (no such file, or one that does not load:
-    said as a warning)."""
+    """The compiled step of `key` from `folder`, or None where its file does not load (said as a
+    warning)."""
     path = epath.Path(folder) / f"{key}{SUFFIX}"
     try:
-        if not path.exists():
-            return None
         fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
         if fmt != FORMAT:
             raise ValueError(f"format {fmt}, not {FORMAT}")
@@ -101,24 +99,28 @@ def load(folder: str, key: str):
 
 
 class Ahead:
-    """A run's folder of steps compiled ahead (None: no folder), and what it found there."""
+    """A run's folder of steps compiled ahead (None: no folder)."""
 
     def __init__(self, folder: str | None, mesh, timing: Timing | None = None):
         self.folder, self.mesh, self.timing = folder, mesh, timing
-        self.loaded = self.missed = 0
 
     def compile(self, lowered, what: str):
         """`lowered` compiled: read from the folder when it is there, else compiled."""
         if self.folder:
             key = key_of(lowered, self.mesh)
             with self.timing.measure(PROGRAM_STARTUP) if self.timing else contextlib.nullcontext():
-                compiled = load(self.folder, key)
+                try:
+                    there = exists(self.folder, key)
+                except Exception as e:  # noqa: BLE001 - a folder we cannot read is a compile, not the run's end
+                    log.warning("run.executables: cannot read %s (%s); compiling the step instead", self.folder,
+                                one_line(e)[:300])
+                    there = None
+                compiled = load(self.folder, key) if there else None
             if compiled is not None:
-                self.loaded += 1
                 log.info("%s: loaded the executable compiled ahead (%s)", what, key)
                 return compiled
-            self.missed += 1
-            log.info("%s: no executable compiled ahead in %s (%s); compiling it", what, self.folder, key)
+            if there is False:
+                log.info("%s: no executable compiled ahead in %s (%s); compiling it", what, self.folder, key)
         return lowered.compile()
 
     def wrap(self, jitted: Callable, what: str) -> Callable:

@@ -201,7 +201,6 @@ def test_executables_keeps_each_program_and_prices_it_as_a_read(tiny_group, tmp_
     kept = plan.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe"), progress=lines.append)
     assert kept == {rows[0].lowered.exact, rows[0].lowered.eval_exact}, lines
     assert len(list((tmp_path / "exe").glob("*.jaxexe"))) == 2
-    assert plan.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe")) == kept  # there already: nothing compiled
     hit = bill.FIGURES["compile_cache_hit"].seconds
     compiled = plan.price_programme(rows).rows[0].bill
     ahead = plan.price_programme(rows, ahead=kept).rows[0].bill
