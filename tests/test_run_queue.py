@@ -120,9 +120,10 @@ def stub_programme(tmp_path):
     programme.close()
 
 
-def write_plan(path: Path, hours: dict[str, float]) -> Path:
-    """A plan CSV as `launch.py plan` writes it, with these variants' pod-hours."""
-    rows = [plan.Row(v.split("/")[0], v.split("/")[1], steps=10) for v in hours]
+def write_plan(path: Path, hours: dict[str, float], executables: str = "") -> Path:
+    """A plan CSV as `launch.py plan` writes it, with these variants' pod-hours (and the folder
+    its steps compiled ahead are in, as `plan --executables` names it)."""
+    rows = [plan.Row(v.split("/")[0], v.split("/")[1], steps=10, executables=executables) for v in hours]
     plan.write_csv(rows, path)
     text = path.read_text().splitlines()
     head = text[0].split(",")
@@ -477,10 +478,12 @@ def test_cheapest_order_and_programme_stop(stub_programme, tmp_path):
     its workers (through the launch's stop: SIGTERM, so a real trainer checkpoints) and ends the
     controller with exit 0 and one line; the variant is queued again and the next `programme run`
     carries it and the rest to the end."""
-    plan_csv = write_plan(tmp_path / "plan.csv", {EMA[0]: 2.0, EMA[1]: 0.5})
+    plan_csv = write_plan(tmp_path / "plan.csv", {EMA[0]: 2.0, EMA[1]: 0.5}, executables=str(tmp_path / "exe"))
     r = stub_programme.submit("--plan", str(plan_csv), "--order", "cheapest")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     assert list(stub_programme.ledger()["variants"]) == [EMA[1], EMA[0]]
+    submitted = json.loads((stub_programme.state_dir / NAME / "programme.json").read_text())
+    assert f"run.executables={tmp_path / 'exe'}" in submitted["overrides"]  # the runs read what the plan priced
     gate = tmp_path / "gate"
     controller = stub_programme.start(STUB_GATE=str(gate))
     progress = lambda: stub_programme.ledger()["variants"][EMA[1]]["supervision"].get("progress") or {}  # noqa: E731
