@@ -7,7 +7,8 @@ the route of MaxText's ahead-of-time compilation: compile on a CPU host for a to
 slice). A run that finds its step there skips the compile: its program start-up is a read.
 
 The file is named by `program_key`: the lowered program itself (StableHLO, literals and shardings
-included), the mesh's devices in order (kind and id: an executable is bound to them), the jax, jaxlib
+included), the mesh's devices in order (kind, id and host: an executable is bound to them; a
+program compiled for one process is not one for a pod), the jax, jaxlib
 and libtpu versions and the compiler's flags. A run lowers its step as before, which is cheap, and
 loads the file of that key only: a program that differs in anything the compile depends on is a
 miss, and a miss compiles as before (the persistent compilation cache still applies). A file that
@@ -52,7 +53,7 @@ def program_key(lowered_text: str, devices: Sequence[Any]) -> str:
     """The name of a compiled program's file: what the compile's result depends on (see above)."""
     parts = [FORMAT, jax.__version__, _version("jaxlib"), _version("libtpu"),
              *(f"{name}={os.environ.get(name, '')}" for name in FLAG_VARIABLES),
-             ",".join(f"{d.platform}:{d.device_kind}:{d.id}" for d in devices), lowered_text]
+             ",".join(f"{d.platform}:{d.device_kind}:{d.id}:{d.process_index}" for d in devices), lowered_text]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 

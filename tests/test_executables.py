@@ -6,6 +6,7 @@ run's "topology"; on a pod it is the slice's TPU topology (the same code, `plan.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -57,6 +58,9 @@ def test_the_key_is_the_program_its_devices_and_the_compilers_flags(monkeypatch)
     assert executables.program_key("module", devices) == key
     assert executables.program_key("module 2", devices) != key
     assert executables.program_key("module", devices[::-1]) != key  # an executable is bound to its devices' order
+    one_host = [SimpleNamespace(platform="tpu", device_kind="TPU v4", id=i, process_index=0) for i in range(8)]
+    two_hosts = [SimpleNamespace(platform="tpu", device_kind="TPU v4", id=i, process_index=i // 4) for i in range(8)]
+    assert executables.program_key("module", one_host) != executables.program_key("module", two_hosts)
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_some_flag=true")
     assert executables.program_key("module", devices) != key
 
