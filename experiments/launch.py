@@ -595,8 +595,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate-from", default=None, metavar="STATE_DIR",
                    help="a programme's state directory: the start-up figures from its ledger's medians")
     p.add_argument("--what-if", action="append", default=[], metavar="LEVER",
-                   help="also price a lever the code does not have: long-lived-trainer, compile-ahead, "
-                        "shared-programs, dedupe (experiments/plan.py WHAT_IF; repeatable)")
+                   help="also price a lever without it being there: long-lived-trainer, compile-ahead, "
+                        "shared-programs, dedupe, executables (experiments/plan.py WHAT_IF; repeatable)")
     p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")

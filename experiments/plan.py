@@ -398,20 +398,27 @@ def keep_job(job: Job, topology: str, folder: str, kind: str = TRAIN) -> bool:
     return executables.exists(folder, key) or executables.save(lowered.compile(), folder, key)
 
 
-def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, workers: int = 1,
-               progress: Callable[[str], None] = lambda line: None) -> frozenset[str]:
-    """Every distinct program (`exact_key`) of the variants that fit as they are, compiled for the
-    topology into `folder` (`plan --executables`): the exact keys kept. A curriculum's train steps
-    are left to its runs (one program a stage; the plan lowers the first)."""
-    todo: dict[str, tuple[Job, str]] = {}
-    for job, row in zip(jobs, rows):
+def programs_to_keep(rows: list[Row]) -> dict[str, tuple[int, str]]:
+    """{exact_key: (the index of the first row that runs it, TRAIN or EVAL)}: every distinct program
+    of the variants that fit as they are. A curriculum's train steps are left to its runs (one
+    program a stage; the plan lowers the first)."""
+    todo: dict[str, tuple[int, str]] = {}
+    for i, row in enumerate(rows):
         low = row.lowered
         if not row.fits or row.change or not low.exact:
             continue
         if low.stages == 1:
-            todo.setdefault(low.exact, (job, TRAIN))
+            todo.setdefault(low.exact, (i, TRAIN))
         if low.eval_exact:
-            todo.setdefault(low.eval_exact, (job, EVAL))
+            todo.setdefault(low.eval_exact, (i, EVAL))
+    return todo
+
+
+def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, workers: int = 1,
+               progress: Callable[[str], None] = lambda line: None) -> frozenset[str]:
+    """`programs_to_keep` compiled for the topology into `folder` (`plan --executables`): the exact
+    keys kept."""
+    todo = {exact: (jobs[i], kind) for exact, (i, kind) in programs_to_keep(rows).items()}
     kept: set[str] = set()
     if not todo:
         return frozenset()
@@ -692,7 +699,8 @@ class Programme:
         return max(self.slice_hours, default=0.0) / 24
 
 
-# Levers `plan --what-if` prices that the trainer or launcher does not have: what each would buy.
+# Levers `plan --what-if` prices without them being there (the trainer or launcher does not have
+# them, or, for executables, the plan has not kept the programs): what each would buy.
 WHAT_IF = {
     "long-lived-trainer": "one trainer process per slice runs its queued variants back to back: no setup check, "
                           "launch, runtime start-up or idle time between them, a dataset loaded once, a step "
@@ -702,6 +710,8 @@ WHAT_IF = {
                        "program: its compile is a cache hit for all but the first",
     "compile-ahead": "with long-lived-trainer: the slice's process compiles the next variant's steps on the host "
                      "while the current one trains, so a compile costs only what the variant before did not cover",
+    "executables": "every program `--executables` would keep, priced as kept (a run reads it instead of compiling), "
+                   "without the plan's keeping compiles; `--executables FOLDER` builds it",
     "dedupe": "a variant that trains exactly the run of an earlier one (the same resolved config but for its names: "
               "the groups' baseline variants) is run once, its result shared",
 }
@@ -722,6 +732,8 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
     if unknown:
         raise UserError(f"--what-if {sorted(unknown)[0]} is not a lever the plan prices; use one of {sorted(WHAT_IF)}")
     shared = "shared-programs" in what_if
+    if "executables" in what_if:
+        ahead = ahead | frozenset(programs_to_keep(rows))
     slice_of: dict[int, int] = {}
     if "compile-ahead" in what_if and "long-lived-trainer" not in what_if:
         raise UserError("--what-if compile-ahead needs --what-if long-lived-trainer (a process that outlives a "

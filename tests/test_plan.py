@@ -207,6 +207,8 @@ def test_executables_keeps_each_program_and_prices_it_as_a_read(tiny_group, tmp_
     assert compiled.seconds["program_startup"] == pytest.approx(rows[0].compile_s + rows[0].eval_compile_s)
     assert ahead.seconds["program_startup"] == pytest.approx(2 * hit)
     assert ahead.total_s < compiled.total_s and ahead.train_s == compiled.train_s
+    priced = plan.price_programme(rows, what_if=frozenset({"executables"})).rows[0].bill  # without keeping them
+    assert priced.seconds == ahead.seconds
     # The CSV names the folder, and a programme submitted with it runs with run.executables=FOLDER.
     plan.price_programme(rows, ahead=kept, ahead_folder="gs://b/exe")
     plan.write_csv(rows, tmp_path / "plan.csv")
