@@ -51,7 +51,7 @@ from data_pipeline.puzzle_format import DatasetError
 from data_pipeline.sft_format import load_sft_metadata
 from experiments import bill
 from experiments.compose import compose
-from runtime import compile_only, executables, hlo_cost, libtpu_flags
+from runtime import compile_cache, compile_only, executables, hlo_cost, libtpu_flags
 from runtime.builder import eval_step_args, plan_and_build
 from runtime.compile_only import (GiB, CompiledStep, compile_step, compile_train_step, estimate_step, parse_topology,
                                   topology_devices)
@@ -395,7 +395,11 @@ def keep_job(job: Job, topology: str, folder: str, kind: str = TRAIN) -> bool:
         steps.train, (steps.abstract_state, batch))
     lowered = step.lower(*args)
     key = executables.key_of(lowered, mesh)
-    return executables.exists(folder, key) or executables.save(lowered.compile(), folder, key)
+    if executables.exists(folder, key):
+        return True
+    with compile_cache.off():  # a fresh compile: one read back from JAX's cache may not serialize whole
+        compiled = lowered.compile()
+    return executables.save(compiled, folder, key)
 
 
 def programs_to_keep(rows: list[Row]) -> dict[str, tuple[int, str]]:

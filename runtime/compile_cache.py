@@ -133,6 +133,19 @@ def configured(setting: str | None, checkpoint_dir: str, run_root: str) -> Itera
             _use(*before)
 
 
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """No persistent cache while inside: every compile is a compile. (An executable that JAX read
+    back from its cache does not serialize whole on every backend: on CPU the copy lacks its
+    compiled functions, so runtime/executables.py keeps only fresh compiles.)"""
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    _use(before[0], False)
+    try:
+        yield
+    finally:
+        _use(*before)
+
+
 def _use(path: str | None, enabled: bool) -> None:
     """The process's cache folder from the next compile on (jax opens its cache once, lazily)."""
     compilation_cache.reset_cache()

@@ -28,14 +28,15 @@ def cpu_topology(monkeypatch):
 def test_a_run_reads_the_steps_the_plan_kept_and_trains_the_same(sudoku_dir, tmp_path, cpu_topology):
     folder = tmp_path / "ahead"
     common = base_overrides(sudoku_dir, tmp_path / "runs", steps=4)
+    run = ["+experiment=example/small", *common]
+    compiled = train([*run, "run.name=compiled"])  # first: JAX's persistent cache now holds both programs
+
     job = plan.Job(*EXPERIMENT, tuple(common))
     assert plan.keep_job(job, "cpu", str(folder), plan.TRAIN) and plan.keep_job(job, "cpu", str(folder), plan.EVAL)
     kept = sorted(folder.glob(f"*{executables.SUFFIX}"))
     assert len(kept) == 2
     assert plan.keep_job(job, "cpu", str(folder), plan.TRAIN) and len(list(folder.iterdir())) == 2  # kept already
 
-    run = ["+experiment=example/small", *common]
-    compiled = train([*run, "run.name=compiled"])
     ahead = train([*run, "run.name=ahead", f"run.executables={folder}"])
     assert compiled.code == 0 and ahead.code == 0
     assert sum("loaded the executable compiled ahead" in line for line in ahead.log.splitlines()) == 2, ahead.log
