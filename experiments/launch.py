@@ -562,7 +562,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         programme = plan.price_programme(rows, mtbf_s=mtbf_s, slices=args.slices, calibration=calibration,
                                          calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if),
                                          ahead=ahead, ahead_folder=args.executables or "")
-        programme.ahead, programme.kept = args.executables or "", len(ahead)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -736,6 +736,7 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
     if unknown:
         raise UserError(f"--what-if {sorted(unknown)[0]} is not a lever the plan prices; use one of {sorted(WHAT_IF)}")
     shared = "shared-programs" in what_if
+    kept = len(ahead) if ahead_folder else 0
     if "executables" in what_if:
         ahead = ahead | frozenset(programs_to_keep(rows))
     slice_of: dict[int, int] = {}
@@ -788,7 +789,7 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
         on = bill.schedule(hours, slices)
         slice_of = dict(zip(indices, on))
     slice_hours = [sum(h for h, s in zip(hours, on) if s == k) for k in range(slices)]
-    return Programme(rows, figures, mtbf_s, slices, slice_hours, calibrated, frozenset(what_if))
+    return Programme(rows, figures, mtbf_s, slices, slice_hours, calibrated, frozenset(what_if), ahead_folder, kept)
 
 
 # ----------------------------------------------------------------------------- output

@@ -4,7 +4,7 @@ worker tools import it under a TPU VM's system python3).
 `write_atomic(path, data)` writes a temporary file beside `path`, flushes it to disk and renames it
 over `path`. A reader sees the old file or the new one, never a torn one; a write that fails (a full
 disk, no permission, a process killed mid-write) leaves the old file byte-identical and no
-temporary behind. `replacing(path)` is the same for a writer that needs a path to write to (a
+temporary behind; `write_whole(path, data)` does the same for a path that may be gs:// too. `replacing(path)` is the same for a writer that needs a path to write to (a
 download, a library's own writer). `append_atomic(path, data)` adds to a log: the whole of `data`
 or, when the write fails, the file cut back to its length before (a log is never rewritten whole).
 """
@@ -29,6 +29,20 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, mode: int | None
             os.fsync(fd)  # on disk before the rename: a crash leaves the old file or the new one
         finally:
             os.close(fd)
+
+
+def write_whole(path: str, data: str | bytes) -> None:
+    """`path` local or remote (gs://), its folder made first: a local file by `write_atomic`, a
+    remote object by one upload (an object appears whole or not at all)."""
+    if "://" not in path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomic(path, data)
+        return
+    import fsspec  # remote paths only: the worker tools import this module under the system python3
+
+    fs, _, (p,) = fsspec.get_fs_token_paths(path)
+    fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(p, data.encode() if isinstance(data, str) else data)
 
 
 def append_atomic(path: str | os.PathLike, data: str | bytes) -> None:

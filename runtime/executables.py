@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import pickle
@@ -32,6 +31,7 @@ import jax
 from etils import epath
 from jax.experimental import serialize_executable
 
+from runtime.atomic import write_whole
 from runtime.errors import one_line
 from runtime.goodput import PROGRAM_STARTUP, Timing
 
@@ -63,21 +63,14 @@ def key_of(lowered, mesh) -> str:
 
 
 def save(compiled, folder: str, key: str) -> bool:
-    """Write the compiled step as `<folder>/<key>.jaxexe` (whole, by a rename); False where the
+    """Write the compiled step as `<folder>/<key>.jaxexe`, whole or not at all; False where the
     backend cannot serialize it (a step with constants captured, say): that step compiles at start."""
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     except (ValueError, NotImplementedError) as e:
         log.info("not kept ahead (%s)", one_line(e)[:200])
         return False
-    with io.BytesIO() as buffer:
-        pickle.dump((FORMAT, payload, in_tree, out_tree), buffer)
-        data = buffer.getvalue()
-    target = epath.Path(folder) / f"{key}{SUFFIX}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.parent / f".{key}.partial-{os.getpid()}"
-    partial.write_bytes(data)
-    partial.rename(target)
+    write_whole(f"{folder.rstrip('/')}/{key}{SUFFIX}", pickle.dumps((FORMAT, payload, in_tree, out_tree)))
     return True
 
 

@@ -17,10 +17,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import jax
 
-from runtime.atomic import write_atomic
+from runtime.atomic import write_whole
 
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "orbax-checkpoint", "tensorstore", "hydra-core",
             "wandb", "gcsfs", "google-cloud-storage", "numpy")
@@ -110,11 +109,6 @@ def write(manifest: dict[str, Any], *directories: str) -> list[str]:
     text = json.dumps(manifest, indent=2, default=str)
     for d in directories:
         path = f"{d.rstrip('/')}/run_manifest.json"
-        fs, _, (p,) = fsspec.get_fs_token_paths(path)
-        fs.makedirs(p.rsplit("/", 1)[0], exist_ok=True)
-        if "://" in path:  # an object appears whole or not at all
-            fs.pipe_file(p, text.encode())
-        else:
-            write_atomic(p, text)
+        write_whole(path, text)
         paths.append(path)
     return paths
