@@ -40,6 +40,9 @@ register_schemas()
 # The first run's time account starts when this process did (its imports count); the later jobs
 # of a sweep (-m), run one after the other in this process, start their own.
 _PROCESS_START = [process_start()]
+# Called with the exit code just before this process exits through `_exit` (a resident trainer
+# says how its run ended before it goes: experiments/launcher/worker/resident.py).
+BEFORE_EXIT: list = []
 
 
 def _exit(code: int) -> None:
@@ -51,6 +54,8 @@ def _exit(code: int) -> None:
     if code not in (0, EXIT_PREEMPTED):  # said already where it failed; else its code at least
         events.failed(code, f"exited with code {code}; the log above says why")
     liveness.leave(0 if code == EXIT_PREEMPTED else code)
+    for hook in BEFORE_EXIT:
+        hook(code)
     if code:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,7 +8,9 @@ variant's share of it in the vocabulary of Google's ml-goodput-measurement:
               batches per evaluation x evaluations (intermediate ones on `train.eval_subset`, the
               last on the whole set, at `train.eval_batch_size`)
   startup_h   what each start pays before and around its steps: the workers' setup check,
-              runtime start-up (TPU, jax.distributed), data loading, program start-up (the train
+              runtime start-up (TPU, jax.distributed; a variant that starts in the resident
+              trainers of the one before it on its slice, only their hand-over), data loading,
+              program start-up (the train
               and eval steps' compiles, or a compilation-cache hit), the first save's blocking
               part, the final save, and the idle READY time while the controller starts the
               next variant
@@ -89,6 +91,13 @@ FIGURES: dict[str, Figure] = {
         "and jax.distributed, an upper bound: JAX warns when TPU backend initialization takes longer "
         "(jax/_src/xla_bridge.py, tpu_client_timer_callback(timer_secs=60.0): "
         "https://github.com/jax-ml/jax/blob/main/jax/_src/xla_bridge.py)"),
+    "resident_start": Figure(
+        0.005, RUNTIME_STARTUP, "every warm launch (a programme's variant after another on its slice, "
+                               "experiments/launcher/worker/resident.py): the job handed to the slice's resident "
+                               "trainers, their vote, jax.distributed already joined",
+        "measured: `python bench/startup_figures.py` (2026-11-29, this repo's 2-core machine): the warm launch's "
+        "runtime_startup, 0.00 s in its table (under 0.005 s: a job handed to a resident trainer on this CPU); the "
+        "workers' vote over the pod's network not included"),
     "other": Figure(0.3, OTHER, "every launch: preflight, the run directory's lease, plan and build, the manifest",
                     f"{_BENCH}: the trainer's `other` (on CPU, the run directory local)"),
     "data_load": Figure(
@@ -133,6 +142,9 @@ class Variant:
     train_ahead: bool = False
     eval_ahead: bool = False
     first_on_slice: bool = True  # the first variant of its slice: it pays the fresh slice's setup
+    # It starts in the resident trainers the variant before it on its slice left (what `programme`
+    # does: experiments/launcher/worker/resident.py): no runtime start-up, the rest as a cold start.
+    resident: bool = False
     # What-if (`plan --what-if long-lived-trainer`): it starts in the process that ran the variant
     # before it on its slice: no setup check, launch, runtime start-up or idle time; its dataset
     # already loaded when the same; a step that process already compiled costs nothing.
@@ -221,7 +233,7 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
     # the first start
     cold = not v.warm
     _add(s, SETUP, ((f["setup_fresh"] if v.first_on_slice else f["setup_check"]) + f["launch"]) * cold)
-    _add(s, RUNTIME_STARTUP, f["runtime_init"] * cold)
+    _add(s, RUNTIME_STARTUP, 0.0 if v.warm else f["resident_start"] if v.resident else f["runtime_init"])
     _add(s, DATA_LOADING, 0.0 if v.warm and v.data_loaded else f["data_load"])
     _add(s, OTHER, f["other"])
     hit = f["compile_cache_hit"]
@@ -263,14 +275,16 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
 # ----------------------------------------------------------------------------- calibration
 
 
-def ledger_timings(book: Ledger) -> dict[str, list[LaunchTiming]]:
+def ledger_timings(book: Ledger, warm: bool | None = None) -> dict[str, list[LaunchTiming]]:
     """{variant: the `timing` of each of its launches that ended with one} of a programme's ledger
     (experiments/launcher/ledger.py: the trainer's last `timing` event, with the supervisor's `setup`
     and `setup_ran` beside it). A launch without one (older code, or the trainer said nothing) is
-    left out, and so is a launch under way: it counts once it has ended."""
+    left out, and so is a launch under way: it counts once it has ended. `warm`: only the launches
+    that ran in resident trainers (True) or only the others (False)."""
     out = {}
     for name, record in book.variants.items():
-        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None]
+        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None
+                   and (warm is None or warm == (launch.resident or "").startswith("warm:"))]
         if timings:
             out[name] = timings
     return out
@@ -278,8 +292,7 @@ def ledger_timings(book: Ledger) -> dict[str, list[LaunchTiming]]:
 
 # figure -> the trainer's category (runtime/goodput.py) whose per-launch median replaces it (launches
 # where it was > 0)
-CALIBRATED = {"runtime_init": RUNTIME_STARTUP, "data_load": DATA_LOADING, "restore": CHECKPOINT_RESTORE,
-              "other": OTHER}
+CALIBRATED = {"data_load": DATA_LOADING, "restore": CHECKPOINT_RESTORE, "other": OTHER}  # runtime_init: cold launches
 
 
 @dataclass
@@ -313,7 +326,8 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     """The figures with the medians a programme's ledger measured, each over the launches (or idle
     stretches) where it was above zero: `setup_check` and `setup_fresh`, the supervisor's `setup`
     before a launch, split by `setup_ran` (the workers set up, not only checked); `CALIBRATED`, the
-    trainer's own categories; `save`, the blocking seconds of a save (checkpoint_save / saves);
+    trainer's own categories; `runtime_init` from the cold launches' runtime start-up and
+    `resident_start` from the warm ones' (launches into resident trainers); `save`, the blocking seconds of a save (checkpoint_save / saves);
     `compile_cache_hit`, the program start-up of a launch that only hit the cache, per hit;
     `between_variants`, a slice's idle stretch before its next variant (the slices' `gaps`); and
     each variant's median program start-up of the launches that compiled. The rest keep their
@@ -335,6 +349,12 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     for name, category in CALIBRATED.items():
         calibrated(name, [t.seconds[category] for t in every if t.seconds.get(category, 0.0) > 0],
                    f"launches' {category}")
+    cold = [t for timings in ledger_timings(book, warm=False).values() for t in timings]  # a process's own start
+    calibrated("runtime_init", [t.seconds[RUNTIME_STARTUP] for t in cold if t.seconds.get(RUNTIME_STARTUP, 0.0) > 0],
+               f"cold launches' {RUNTIME_STARTUP}")
+    calibrated("resident_start", [t.seconds.get(RUNTIME_STARTUP, 0.0) for timings in
+                                  ledger_timings(book, warm=True).values() for t in timings],
+               f"warm launches' {RUNTIME_STARTUP} (in resident trainers)")
     calibrated("save", [t.seconds[CHECKPOINT_SAVE] / t.saves for t in every
                         if t.saves > 0 and CHECKPOINT_SAVE in t.seconds], "launches' checkpoint_save per save")
     calibrated("compile_cache_hit", [t.seconds[PROGRAM_STARTUP] / t.hits for t in every

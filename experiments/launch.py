@@ -561,7 +561,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.executables) else frozenset()
         programme = plan.price_programme(rows, mtbf_s=mtbf_s, slices=args.slices, calibration=calibration,
                                          calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if),
-                                         ahead=ahead, ahead_folder=args.executables or "")
+                                         ahead=ahead, ahead_folder=args.executables or "",
+                                         resident=not args.no_resident)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -570,6 +571,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
         + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
         + [f"--what-if {w}" for w in args.what_if] + (["--executables", args.executables] if args.executables else [])
+        + (["--no-resident"] if args.no_resident else [])
         + (["--", *args.overrides] if args.overrides else []))
     sys.stdout.write(plan.markdown(programme, args.topology, command))
     csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
@@ -603,6 +605,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executables", default=None, metavar="FOLDER",
                    help="also keep every planned program compiled for the topology in FOLDER (local or gs://), "
                         "for runs given run.executables=FOLDER to read instead of compiling; priced so")
+    p.add_argument("--no-resident", action="store_true",
+                   help="price every start cold, as a programme submitted with --no-resident runs (default: a "
+                        "variant after another on its slice starts in its resident trainers)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -733,7 +738,8 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
         queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
         forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
         max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
-        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
+        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak,
+        resident=not args.no_resident)
     run_queue.check_run_ids(sub)
     problems = run_queue.preflight(sub)
     for line in problems:
@@ -783,6 +789,10 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--stop-grace", type=float, default=30.0)
     q.add_argument("--create-attempts", type=int, default=3,
                    help="refused creates in a row before a variant gives its slice up (default: %(default)s)")
+    q.add_argument("--no-resident", action="store_true",
+                   help="start every variant in fresh trainer processes (default: a variant after another on its "
+                        "slice runs in the resident trainers the one before left: experiments/launcher/worker/"
+                        "resident.py)")
     q.add_argument("--infra-streak", type=int, default=3,
                    help="the same infrastructure failure ending this many variants in a row stops the controller "
                         "(default: %(default)s)")

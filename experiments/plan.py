@@ -52,15 +52,14 @@ from data_pipeline.sft_format import load_sft_metadata
 from experiments import bill
 from experiments.compose import compose
 from runtime import compile_cache, compile_only, executables, hlo_cost, libtpu_flags
-from runtime.builder import eval_step_args, plan_and_build
+from runtime.builder import eval_step_args, planned_steps
 from runtime.compile_only import (GiB, CompiledStep, compile_step, compile_train_step, estimate_step, parse_topology,
                                   topology_devices)
-from runtime.config import TrainConfig, cycles_at, resolve_compute_dtype, to_dict, validate
+from runtime.config import TrainConfig, cycles_at, to_dict, validate
 from runtime.errors import UserError
 from runtime.perf import formula_flops_per_step
 from runtime.registry import dataset_kind
 from runtime.task import sub_batches
-from runtime.train_step import abstract_batch, task_batch_shapes
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO / "outputs" / "plan" / "cache"
@@ -214,11 +213,7 @@ def _build(job: Job, topology: str):
     """(config, plan, mesh, steps, abstract batch, data shape) of the job on the topology's devices."""
     gen, devices, hosts = _topology(topology)
     config = validate(compose(job.experiment, job.overrides), job.experiment)
-    config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's dtype, not this host's
-    data = dataset_kind(config.data.name).planned_shape(config.data, config)
-    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=hosts, shape=data)
-    batch = abstract_batch(mesh, plan.global_batch_size, data.seq_len, steps.batch_fields, steps.batch_shapes)
-    return config, plan, mesh, steps, batch, data
+    return planned_steps(config, devices=devices, num_processes=hosts)  # "auto" dtype: the TPU's, not this host's
 
 
 def eval_set_size(data) -> tuple[int | None, str]:
@@ -697,6 +692,7 @@ class Programme:
     what_if: frozenset[str] = frozenset()  # levers priced that the code does not have (WHAT_IF)
     ahead: str = ""  # `--executables`: the folder the runs read the steps this plan kept from ("" none)
     kept: int = 0  # programs kept there
+    resident: bool = True  # a variant after another on its slice starts in its resident trainers
 
     @property
     def wall_days(self) -> float:
@@ -706,14 +702,14 @@ class Programme:
 # Levers `plan --what-if` prices without them being there (the trainer or launcher does not have
 # them, or, for executables, the plan has not kept the programs): what each would buy.
 WHAT_IF = {
-    "long-lived-trainer": "one trainer process per slice runs its queued variants back to back: no setup check, "
-                          "launch, runtime start-up or idle time between them, a dataset loaded once, a step "
-                          "compiled once per process",
+    "long-lived-trainer": "beyond the resident trainers: no setup check, launch or idle time between a slice's "
+                          "variants either, a dataset loaded once, a step compiled once per process",
     "shared-programs": "values that differ between variants (learning rates, EMA rate, schedules' lengths) passed to "
                        "the steps as arguments, so variants with the same plan cache key (`hlo_key`) run one "
                        "program: its compile is a cache hit for all but the first",
-    "compile-ahead": "with long-lived-trainer: the slice's process compiles the next variant's steps on the host "
-                     "while the current one trains, so a compile costs only what the variant before did not cover",
+    "compile-ahead": "with long-lived-trainer: a compile costs only what the variant before it on its slice did "
+                     "not cover (the resident trainers' compiles ahead, which the plan prices without it, count only "
+                     "the queue's next variant, and only whole)",
     "executables": "every program `--executables` would keep, priced as kept (a run reads it instead of compiling), "
                    "without the plan's keeping compiles; `--executables FOLDER` builds it",
     "dedupe": "a variant that trains exactly the run of an earlier one (the same resolved config but for its names: "
@@ -724,12 +720,14 @@ WHAT_IF = {
 def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.FIGURES, mtbf_s: float | None = None,
                     slices: int = 1, calibration: bill.Calibration | None = None, calibrated: str = "",
                     what_if: frozenset[str] = frozenset(), ahead: frozenset[str] = frozenset(),
-                    ahead_folder: str = "") -> Programme:
+                    ahead_folder: str = "", resident: bool = True) -> Programme:
     """Each row's bill, in plan order (the queue's): a start finds its steps in the compilation
     cache when an earlier variant ran the same program (`exact_key`; `hlo_key` under
     shared-programs) with run.compile_cache set; the first variant on each of `slices` slices pays
-    a fresh slice's setup, the others the check. Under long-lived-trainer a variant that follows
-    another on its slice starts warm (`bill.Variant.warm`); which slice, from a first pricing."""
+    a fresh slice's setup, the others the check. A variant that follows another on its slice
+    starts in its resident trainers (`bill.Variant.resident`; `resident=False`: a programme
+    submitted with --no-resident), and under long-lived-trainer warm (`bill.Variant.warm`);
+    which slice, from a first pricing."""
     figures = dict(calibration.figures if calibration else figures)
     compiles = calibration.program_startup if calibration else {}
     unknown = set(what_if) - set(WHAT_IF)
@@ -743,11 +741,12 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
     if "compile-ahead" in what_if and "long-lived-trainer" not in what_if:
         raise UserError("--what-if compile-ahead needs --what-if long-lived-trainer (a process that outlives a "
                         "variant)")
-    for _ in range(2 if "long-lived-trainer" in what_if else 1):
+    for _ in range(2 if "long-lived-trainer" in what_if or resident else 1):
         seen_train, seen_eval, priced = set(), set(), 0
         last: dict[int, Row] = {}  # slice -> the row its process ran last
         ran: dict[int, set[str]] = {}  # slice -> programs its process compiled
         runs: dict[str, Row] = {}  # run_key -> the row that runs it
+        previous: Row | None = None  # the row priced last: the queue's variant before this one
         for i, row in enumerate(rows):
             row.bill, row.same_as = None, ""
             costs = variant_costs(row, compiles)
@@ -767,7 +766,17 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
                                         eval_ahead=low.eval_exact in ahead)
             row.executables = ahead_folder if costs.train_ahead or costs.eval_ahead else ""
             where = slice_of.get(i)
-            if where is not None and where in last:
+            if where is not None and where in last and resident:
+                costs = dataclasses.replace(costs, resident=True)
+                before = last[where]
+                # The controller names the queue's next variant at each launch, and the residents
+                # compile its steps once their own first step ran (worker/resident.py): in the
+                # compilation cache when it starts, if it follows that launch on its slice and
+                # the steps before it outlast the compiles.
+                if (before is previous and costs.compile_cache and low.stages == 1
+                        and costs.compile_train_s + costs.compile_eval_s <= before.bill.train_s + before.bill.eval_s):
+                    costs = dataclasses.replace(costs, train_cached=True, eval_cached=True)
+            if where is not None and where in last and "long-lived-trainer" in what_if:
                 before, done = last[where], ran[where]
                 costs = dataclasses.replace(costs, warm=True, data_loaded=before.lowered.data == low.data,
                                             train_in_process=train_id in done, eval_in_process=eval_id in done)
@@ -775,7 +784,8 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
                     cover = before.bill.train_s + before.bill.eval_s
                     hidden_train = min(costs.compile_train_s, cover)
                     costs = dataclasses.replace(costs, compile_train_s=costs.compile_train_s - hidden_train,
-                                                compile_eval_s=max(0.0, costs.compile_eval_s - (cover - hidden_train)))
+                                                compile_eval_s=max(0.0, costs.compile_eval_s - (cover - hidden_train)),
+                                                train_cached=False, eval_cached=False)  # in memory, not read
             if where is not None:
                 last[where] = row
                 ran.setdefault(where, set()).update((train_id, eval_id))
@@ -784,12 +794,14 @@ def price_programme(rows: list[Row], figures: Mapping[str, bill.Figure] = bill.F
                 seen_eval.add(eval_id)
             row.bill = bill.price(costs, figures, mtbf_s)
             priced += 1
+            previous = row
         indices = [i for i, r in enumerate(rows) if r.bill is not None]
         hours = [rows[i].bill.total_s / 3600 for i in indices]
         on = bill.schedule(hours, slices)
         slice_of = dict(zip(indices, on))
     slice_hours = [sum(h for h, s in zip(hours, on) if s == k) for k in range(slices)]
-    return Programme(rows, figures, mtbf_s, slices, slice_hours, calibrated, frozenset(what_if), ahead_folder, kept)
+    return Programme(rows, figures, mtbf_s, slices, slice_hours, calibrated, frozenset(what_if), ahead_folder, kept,
+                     resident)
 
 
 # ----------------------------------------------------------------------------- output
@@ -885,6 +897,14 @@ def markdown(programme: Programme, topology: str, command: str) -> str:
         "(experiments/bill.py). * = with the change that makes it fit.",
         *([""] + [f"**What-if, not what runs today**: {name}: {WHAT_IF[name]}." for name in sorted(programme.what_if)]
           if programme.what_if else []),
+        "",
+        "Resident trainers: " + ("a variant that follows another on its slice runs in the trainer processes the one "
+                                 "before it left (experiments/launcher/worker/resident.py): it pays the hand-over "
+                                 "(`resident_start`), not the runtime start-up; the first on a slice and every "
+                                 "restart pay it. When it follows the queue's variant before it on the same slice, "
+                                 "whose launch named it, its steps were compiled while that one trained: cache hits "
+                                 "at its start (where those steps outlast the compiles)." if programme.resident else
+                                 "none (--no-resident): every start pays the runtime start-up and its compiles."),
         *(["", f"**Compiled ahead**: {programme.kept} programs kept in {programme.ahead}; runs given "
                f"`run.executables={programme.ahead}` read them instead of compiling (priced as a cache hit at every "
                "start)."] if programme.ahead else []),

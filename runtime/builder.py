@@ -72,6 +72,18 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
     return plan, mesh, steps
 
 
+def planned_steps(config: Config, *, devices, num_processes: int):
+    """(config with its compute dtype resolved for `devices`, plan, mesh, steps, abstract batch, data
+    shape): a fresh run's steps from its config alone, the dataset described by its planned shape
+    (no arrays read). What the plan compiles for a topology and a resident trainer compiles ahead
+    for its next job (experiments/launcher/worker/resident.py)."""
+    config = resolve_compute_dtype(config, devices[0].platform)
+    data = dataset_kind(config.data.name).planned_shape(config.data, config)
+    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=num_processes, shape=data)
+    batch = abstract_batch(mesh, plan.global_batch_size, data.seq_len, steps.batch_fields, steps.batch_shapes)
+    return config, plan, mesh, steps, batch, data
+
+
 def eval_step_args(plan: Plan, mesh, steps: Steps, seq_len: int) -> tuple[Callable, tuple]:
     """(the jitted eval step, its abstract arguments): the parameters, the EMA parameters and one
     eval batch of `plan.eval_batch_size` rows, sharded like the run's. A mixture's sub-batches are

@@ -17,6 +17,7 @@ EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in
 EXIT_STORAGE = 6  # a checkpoint, metrics or manifest write failed (outage, full disk, permissions), or the run lost its lease
 EXIT_PEER_LOST = 7  # another process of the pod died, went silent or failed; this one stopped too (runtime/liveness.py)
 EXIT_PREEMPTED = 8  # stopped on SIGTERM (preemption, maintenance, launch.py stop) with its checkpoint saved: relaunch
+EXIT_RESIDENT_LOST = 9  # a warm launch found a worker's resident trainer gone or unfit; nothing ran: relaunch cold
 # Shell conventions, used by the launchers (experiments/launcher/local_pod.py, experiments/launcher/pod.py):
 EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
 EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s

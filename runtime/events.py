@@ -39,8 +39,8 @@ import threading
 import time
 from typing import Any, Mapping
 
-from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_STORAGE,
-                            EXIT_USER_ERROR)
+from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST,
+                            EXIT_RESIDENT_LOST, EXIT_STORAGE, EXIT_USER_ERROR)
 
 try:
     from enum import StrEnum
@@ -82,6 +82,8 @@ class Failure(StrEnum):
     DOES_NOT_FIT = ("does-not-fit", EXIT_DOES_NOT_FIT, Policy.PERMANENT, "does not fit")
     STORAGE = ("storage", EXIT_STORAGE, Policy.BACK_OFF, "storage failure")
     PEER_LOST = ("peer-lost", EXIT_PEER_LOST, Policy.RESTART, "worker lost")
+    # experiments/launcher/worker/resident.py: a warm launch could not run in every worker's resident trainer
+    RESIDENT_LOST = ("resident-lost", EXIT_RESIDENT_LOST, Policy.RESTART, "resident trainer lost")
     # Finer classes of bad input an exception names for itself (its `failure` attribute):
     LEASE_HELD = ("lease-held", None, Policy.BACK_OFF, "lease held")  # runtime/lease.py: the run before still holds it
     TPU_BUSY = ("tpu-busy", None, Policy.RESTART, "TPU busy")  # runtime/distributed.py: another process holds the TPU

@@ -37,6 +37,9 @@ from runtime.task import Evaluator
 from runtime.watchdog import Watchdog
 
 log = logging.getLogger("runtime")
+# Called once a run's first step has been dispatched (its train step compiled): a resident trainer
+# starts compiling its next job's steps then (experiments/launcher/worker/resident.py).
+TRAINING_STARTED: list[Callable[[], None]] = []
 
 
 @dataclass
@@ -195,6 +198,9 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
             for step in range(position, total):
                 run.profile(step)
                 run.state, metrics = run.step_fn(step)(run.state, batch)
+                if step == position:
+                    for hook in TRAINING_STARTED:
+                        hook()
                 done = step + 1  # optimizer steps taken == index of the next global batch
                 timing.step_done(done)
                 last = done == total

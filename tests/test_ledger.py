@@ -30,7 +30,8 @@ from experiments.launcher.ledger import (TRANSITIONS, IllegalTransition, LaunchR
 from runtime import distributed, events
 from runtime.config import DistributedConfig
 from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_INTERRUPTED, EXIT_NONFINITE,
-                            EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_USER_ERROR, StorageError, UserError, one_line)
+                            EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_RESIDENT_LOST, EXIT_USER_ERROR, StorageError,
+                            UserError, one_line)
 from runtime.events import Failure, Policy
 from runtime.lease import LeaseHeld
 
@@ -197,6 +198,7 @@ TRAINER = {
     Failure.DOES_NOT_FIT: lambda: (EXIT_DOES_NOT_FIT, "needs 40 GiB of 32", None),
     Failure.STORAGE: lambda: raised(StorageError("the checkpoint of step 8 was not saved")),
     Failure.PEER_LOST: lambda: (EXIT_PEER_LOST, "process 1 is gone", None),
+    Failure.RESIDENT_LOST: lambda: (EXIT_RESIDENT_LOST, "worker 1 has no resident trainer of session k1", None),
     Failure.LEASE_HELD: lambda: raised(LeaseHeld("the checkpoint directory is in use by another run")),
     Failure.TPU_BUSY: lambda: raised(tpu_busy()),
 }

@@ -414,11 +414,14 @@ def trainer_event(*, saves=0, hits=0, misses=1, **seconds) -> dict:
             "hits": hits, "misses": misses, "wall": sum(seconds.values())}
 
 
-def write_ledger(root, launches: dict[str, list[LaunchTiming]], gaps: dict[str, list[float]] | None = None) -> None:
+def write_ledger(root, launches: dict[str, list[LaunchTiming | tuple[LaunchTiming, str]]],
+                 gaps: dict[str, list[float]] | None = None) -> None:
     """A programme's ledger.json as the controller writes it (the launcher's records, serialised), each
-    launch with its timing, each slice with its idle stretches before a variant (`gaps`)."""
+    launch with its timing (and, given as (timing, mode), how it ran in resident trainers), each
+    slice with its idle stretches before a variant (`gaps`)."""
     book = Ledger(variants={v: VariantRecord(state=VariantState.COMPLETED, supervision=SupervisionRecord(launches=[
-        LaunchRecord(started=0.0, ended=1.0, code=0, outcome=Outcome.COMPLETED, cause="completed", timing=t)
+        LaunchRecord(started=0.0, ended=1.0, code=0, outcome=Outcome.COMPLETED, cause="completed",
+                     timing=t[0] if isinstance(t, tuple) else t, resident=t[1] if isinstance(t, tuple) else None)
         for t in timings])) for v, timings in launches.items()},
         slices={s: SliceRecord(gaps=g) for s, g in (gaps or {}).items()})
     (root / "ledger.json").write_text(to_text(book))
@@ -438,17 +441,24 @@ def test_calibration_takes_the_ledgers_medians(tmp_path):
                               setup=4),
                 launch_timing([trainer_event(runtime_startup=70, program_startup=50)], setup=210, setup_ran=True)],
         "g/c": [launch_timing([trainer_event(train=100)]), launch_timing([])],  # measured nothing else; said nothing
+        # in the resident trainers g/b left (its first launch was cold, as g/b's)
+        "g/d": [(launch_timing([trainer_event(runtime_startup=0.02, program_startup=4, hits=2, misses=0)], setup=3),
+                 "warm:k1"),
+                (launch_timing([trainer_event(runtime_startup=0.04, program_startup=4, hits=2, misses=0)], setup=3),
+                 "warm:k1")],
     }, gaps={"s1": [2.0, 9.0], "s2": [4.0]})
     cal = bill.calibrate(tmp_path)
-    assert cal.launches == 6
+    assert cal.launches == 8
     f = cal.figures
-    assert f["runtime_init"].seconds == 40 and "median of 4 launches' runtime_startup" in f["runtime_init"].source
+    # the process's own start: cold launches only; a warm one pays the hand-over
+    assert f["runtime_init"].seconds == 40 and "median of 4 cold launches' runtime_startup" in f["runtime_init"].source
+    assert f["resident_start"].seconds == pytest.approx(0.03) and "warm launches'" in f["resident_start"].source
     assert f["data_load"].seconds == 4  # median of 3 and 5
-    assert f["setup_check"].seconds == 6 and f["setup_fresh"].seconds == 200  # 8 and 4; 190 and 210
+    assert f["setup_check"].seconds == 3.5 and f["setup_fresh"].seconds == 200  # 8, 4, 3, 3; 190 and 210
     assert f["restore"].seconds == 6
     assert f["between_variants"].seconds == 4 and "median of 3 idle stretches" in f["between_variants"].source
     assert f["save"].seconds == pytest.approx((8 / 4 + 3 / 1) / 2)
-    assert f["compile_cache_hit"].seconds == 2  # 4 s for 2 hits
+    assert f["compile_cache_hit"].seconds == 2  # 4 s for 2 hits, in every launch that only hit
     assert f["launch"] == bill.FIGURES["launch"]  # not measured: the plan's own
     assert cal.program_startup == {"g/a": 40, "g/b": 55}  # launches that compiled
     # a row of g/a is priced with its own measured start-up, split as the plan's compiles are
@@ -488,7 +498,7 @@ def priced_rows() -> list[plan.Row]:
 def test_programme_cache_hits_first_on_slice_and_wall_clock():
     f = figures(setup_check=1, setup_fresh=100, compile_cache_hit=2)
     rows = priced_rows()
-    prog = plan.price_programme(rows, f, slices=2)
+    prog = plan.price_programme(rows, f, slices=2, resident=False)  # the cache alone (no compiles ahead)
     a, b, c, d = (r.bill for r in rows)
     assert d is None and rows[3].pod_hours is None
     assert a.seconds[bill.PROGRAM_STARTUP] == 50 and b.seconds[bill.PROGRAM_STARTUP] == 4  # b: a's programs
@@ -498,7 +508,7 @@ def test_programme_cache_hits_first_on_slice_and_wall_clock():
     assert hours[1] < hours[0]  # b's compiles came from the cache: its slice frees first, and c runs there
     assert prog.slice_hours == pytest.approx([hours[0], hours[1] + hours[2]])
     assert prog.wall_days == pytest.approx(max(prog.slice_hours) / 24)
-    one = plan.price_programme(rows, f, slices=1)
+    one = plan.price_programme(rows, f, slices=1, resident=False)
     assert rows[1].bill.seconds[bill.SETUP] == 1 and one.slice_hours == pytest.approx([sum(
         r.bill.total_s for r in rows[:3]) / 3600])
 
@@ -550,9 +560,44 @@ def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
     assert built.examples == 40 and built.final_batches == 1 and str(sudoku_dir) in built.source
 
 
+def test_a_variant_after_another_on_its_slice_starts_in_the_resident_trainers_it_left():
+    """What `programme` does (experiments/launcher/worker/resident.py). On two slices a and b start
+    cold on fresh slices; c takes the slice that frees first, b's (b's compiles are a's cache
+    hits), and starts in the trainers b left: the hand-over instead of the runtime start-up, the
+    rest as a cold start (setup check, launch, data, idle). b's launch named c, the queue's next,
+    and c's 50 s of compiles ran while b's 102 s of steps did: two cache hits at c's start. A
+    restart after a preemption is cold. --no-resident prices every start cold and compiling."""
+    f = figures(setup_check=1, setup_fresh=100, launch=2, runtime_init=30, resident_start=0.5, data_load=5,
+                between_variants=7, compile_cache_hit=2)
+    rows = priced_rows()
+    prog = plan.price_programme(rows, f, slices=2)
+    a, b, c = (r.bill for r in rows[:3])
+    assert a.seconds[bill.RUNTIME_STARTUP] == b.seconds[bill.RUNTIME_STARTUP] == 30
+    assert c.seconds[bill.RUNTIME_STARTUP] == 0.5 and c.seconds[bill.PROGRAM_STARTUP] == 4
+    assert (c.seconds[bill.SETUP], c.seconds[bill.DATA_LOADING], c.seconds[bill.IDLE]) == (1 + 2, 5, 7)
+    assert "Resident trainers: a variant that follows" in plan.markdown(prog, "v5e-8", "cmd")
+    cold = plan.price_programme(rows, f, slices=2, resident=False)
+    assert rows[2].bill.seconds[bill.RUNTIME_STARTUP] == 30 and rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 50
+    assert rows[2].bill.total_s == pytest.approx(c.total_s + 29.5 + 46)
+    assert "Resident trainers: none (--no-resident)" in plan.markdown(cold, "v5e-8", "cmd")
+    preempted = plan.price_programme(rows, f, slices=2, mtbf_s=3600.0).rows[2].bill
+    assert preempted.restart_s == pytest.approx(100 + 2 + 30 + 5 + 2 + 2)  # fresh slice: setup, launch, runtime, ...
+    assert preempted.seconds[bill.RUNTIME_STARTUP] == pytest.approx(0.5 + preempted.preemptions * 30)
+    # b longer than a: c takes a's slice, but b's launch named it (on the other slice): c compiles
+    rows[1].steps = 5000
+    plan.price_programme(rows, f, slices=2)
+    assert rows[2].bill.seconds[bill.RUNTIME_STARTUP] == 0.5 and rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 50
+    # one slice: c follows b; compiles that outlast b's steps are not ready when c starts
+    rows[1].steps = 1000
+    rows[2].compile_s = 150.0
+    plan.price_programme(rows, f, slices=1)
+    assert rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 170
+
+
 def test_what_if_levers_the_code_does_not_have():
     """long-lived-trainer: b and c follow a in its process (one slice): no setup, runtime start-up
-    or idle; b's programs are a's (compiled in that process: free), c compiles its own.
+    or idle; b's programs are a's (compiled in that process: free), c's the residents compiled
+    ahead (cache hits; with compile-ahead, in memory: free).
     shared-programs: c has a's cache key, so with the cache its compiles are hits. dedupe: b
     trains a's run, so it costs nothing."""
     f = figures(setup_check=1, setup_fresh=100, runtime_init=30, data_load=5, between_variants=7,
@@ -564,7 +609,7 @@ def test_what_if_levers_the_code_does_not_have():
     for later in (b, c):
         assert later.seconds[bill.SETUP] == later.seconds[bill.RUNTIME_STARTUP] == later.seconds[bill.IDLE] == 0
         assert later.seconds[bill.DATA_LOADING] == 0  # the same dataset, loaded once
-    assert b.seconds[bill.PROGRAM_STARTUP] == 0 and c.seconds[bill.PROGRAM_STARTUP] == 50
+    assert b.seconds[bill.PROGRAM_STARTUP] == 0 and c.seconds[bill.PROGRAM_STARTUP] == 4
     ahead = plan.price_programme(rows, f, slices=1, what_if=frozenset({"long-lived-trainer", "compile-ahead"}))
     assert ahead.rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 0  # c's 50 s compiled while b's 102 s of steps ran
     with pytest.raises(UserError, match="needs --what-if long-lived-trainer"):

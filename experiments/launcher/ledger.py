@@ -230,6 +230,7 @@ class LaunchRecord(Strict):
     first_step: int | None = None  # where it started (its `started` event's step): a resume point
     timing: LaunchTiming | None = None
     unwatched: bool = False  # it ran while no supervisor watched: recorded later, from the run's events
+    resident: str | None = None  # into resident trainers: "cold" (started them) or "warm:SESSION" (ran in them)
 
 
 @dataclass

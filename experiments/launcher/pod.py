@@ -171,15 +171,19 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
-                secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None) -> str:
+                secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None,
+                resident: str | None = None, next_overrides: Sequence[str] | None = None) -> str:
     """Worker command: cd to the repo, activate its .venv, then the launch guard
     (experiments/launcher/worker/once.py) that starts `python pretrain_jax.py ...` once per launch
     `key` with the plain `env` (and the run id proposed), its output in
     ~/podrunner-logs/<run_id>/worker-<hostname>.log, and follows that log. `secrets_file` (in the
     home directory, copied there by `send_secrets`): read and removed by the guard, its values
     given to the trainer alone. `ship`: the guard runs the shipped tree (unpacked from the pack
-    `_run_pod` copied) instead of the repo, and reports its hash instead of the commit. Should the
-    command end before the guard starts, its EXIT trap removes the copied files."""
+    `_run_pod` copied) instead of the repo, and reports its hash instead of the commit. `resident`:
+    `cold` or `warm:SESSION`, the run starts or goes on in a resident trainer (worker/resident.py),
+    which compiles the steps of `next_overrides` (the variant the controller hands over next)
+    while this run trains.
+    Should the command end before the guard starts, its EXIT trap removes the copied files."""
     plain = {PROPOSED_RUN_ID_ENV: run_id}
     if ship:
         plain[SHIPPED_TREE_ENV] = json.dumps(ship.shipped_record(), sort_keys=True)
@@ -195,6 +199,10 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
     if ship:
         copied.append(remote_path("~/" + ship_remote_name(ship)))
         guard += ["--ship", remote_path(shipped.tree_dir(ship.tree_hash)), "--pack", copied[-1]]
+    if resident:
+        guard += ["--resident", shlex.quote(resident)]
+        if next_overrides:
+            guard += ["--next", shlex.quote(json.dumps(list(next_overrides)))]
     guard += ["--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
     return "; ".join([
         *([f"trap {shlex.quote('rm -f ' + ' '.join(copied))} EXIT"] if copied else []),
@@ -296,14 +304,16 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                ship_max_mb: float = DEFAULT_MAX_MB,
                environ: Mapping[str, str] | None = None, stream: TextIO | None = None,
                on_line: Callable[[str], None] | None = None,
-               on_gcloud: Callable[[subprocess.Popen], None] | None = None) -> int:
+               on_gcloud: Callable[[subprocess.Popen], None] | None = None, resident: str | None = None,
+               next_overrides: Sequence[str] | None = None) -> int:
     """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). With secrets,
     first copy them (`send_secrets`); if that fails, nothing is started and its code is returned.
     `ship`: True packs the working tree of `ship_from` (default: this checkout) now; a Pack (e.g.
     one a supervisor packed once for all its relaunches) is sent as it is; either is copied to
     every worker and the run starts from it. Run ids and secrets: see the module docstring.
     `on_line` sees every line of the run's output (a supervisor reads the trainer's events
-    there); `on_gcloud` gets the ssh's gcloud process (a controller that must end it early)."""
+    there); `on_gcloud` gets the ssh's gcloud process (a controller that must end it early);
+    `resident`: see `pod_command`."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
@@ -317,7 +327,8 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
             except ShipError as e:
                 raise PodError(str(e)) from None
         secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
-        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack, key=new_launch_key())
+        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack, key=new_launch_key(),
+                              resident=resident, next_overrides=next_overrides)
         shown = shown_commands(target, command, secret, secrets_file, pack)
         if dry_run:
             stream.write(shown)
@@ -489,7 +500,7 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
     return check_versions(rows, stream)
 
 
-VERDICT = ("host", "ok", "problem")  # a versions row's fields that are not versions
+VERDICT = ("host", "ok", "problem", "resident")  # a versions row's fields that are not versions
 
 
 def compared(row: dict) -> dict:
@@ -501,6 +512,15 @@ def versions_agree(rows: Sequence[dict], hosts: int) -> bool:
     """Every one of `hosts` workers answered, each .venv fits the project, and all agree."""
     return (len(rows) == hosts and all(r.get("ok") for r in rows)
             and len({json.dumps(compared(r), sort_keys=True) for r in rows}) == 1)
+
+
+def resident_mode(rows: Sequence[dict], hosts: int) -> str:
+    """How a programme's next launch starts (worker/resident.py): `warm:SESSION` when each of the
+    `hosts` workers reported a resident trainer of the same session, else `cold`."""
+    sessions = {(r.get("resident") or {}).get("session") for r in rows}
+    if len(rows) == hosts and len(sessions) == 1 and None not in sessions:
+        return f"warm:{sessions.pop()}"
+    return "cold"
 
 
 def check_versions(rows: Sequence[dict], stream: TextIO) -> int:

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import errno
 import io
 import json
@@ -141,6 +142,7 @@ class Submission(Strict):
     infra_streak: int = 3
     checkpoint_dirs: dict[str, str] = field(default_factory=dict)  # variant -> its run's checkpoint directory
     total_steps: dict[str, int] = field(default_factory=dict)  # variant -> its steps, where known before its run
+    resident: bool = True  # a slice's variants run back to back in resident trainers (worker/resident.py)
 
     def run_id(self, variant: str) -> str:
         """The variant's fixed run id (every launch resumes its checkpoint): letters, digits, . _ -."""
@@ -162,7 +164,8 @@ class Submission(Strict):
             repo_dir=self.repo_dir, log_dir=state_dir / "launch-logs", env=dict(self.env),
             forward_env=list(self.forward_env), poll_s=self.poll_s, max_poll_s=max(self.poll_s, 300.0),
             storage_backoff_s=self.backoff_s, stop_grace_s=self.stop_grace_s, clone_url=self.clone_url,
-            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant))
+            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant),
+            resident=self.resident)
 
     def events_file(self, variant: str) -> str | None:
         """The variant's events beside its checkpoints (runtime/run_files.py), when its directory is known."""
@@ -699,6 +702,14 @@ class Controller:
 
     # -- the queue
 
+    def coming(self) -> list[str] | None:
+        """The overrides of the variant a slice would take next (the first queued one), if any: a
+        resident trainer compiles its steps ahead (experiments/launcher/worker/resident.py)."""
+        with self.lock:
+            queued = sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
+                             and not r.skip and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
+        return self.sub.overrides_of(queued[0]) if queued else None
+
     def take(self, slice_name: str) -> str | None:
         """The variant this slice runs next: its own that was running when the controller stopped
         (its processes may still run there), else the first queued one; None when nothing is left
@@ -806,8 +817,8 @@ class Controller:
                      total=total)
             return
         sup = VariantSupervision(self.state, variant, slice_name)
-        supervisor = supervise.Supervisor(self.sub.spec(variant, slice_name, self.state.dir), sup,
-                                          self.clock(slice_name), owns_slice=False, report=lambda line: None)
+        spec = dataclasses.replace(self.sub.spec(variant, slice_name, self.state.dir), next_overrides=self.coming)
+        supervisor = supervise.Supervisor(spec, sup, self.clock(slice_name), owns_slice=False, report=lambda line: None)
         with self.lock:
             stopping = self.stop.is_set()
             if not stopping:

@@ -127,6 +127,10 @@ class Spec:
     at_end: str | None = None  # "delete" or "keep" the TPU when the run ends; None: delete when state_mirror is set
     create_attempts: int | None = None  # refused creates in a row before giving up (None: never; wait instead)
     events_file: str | None = None  # the run's events.jsonl beside its checkpoints (runtime/run_files.py), if readable
+    resident: bool = False  # launch into resident trainers (worker/resident.py): warm when every worker has one
+    # With resident: the overrides of the variant the controller hands this slice next (None: none
+    # known), whose steps the residents compile while this run trains.
+    next_overrides: Callable[[], list[str] | None] | None = None
 
     @property
     def shape(self) -> Shape:
@@ -267,6 +271,7 @@ class Supervisor:
         self.setup_from: float | None = None  # when the READY time before the next launch began (its setup)
         self.setup_carry = 0.0  # setup seconds of rounds whose setup failed: the next launch's
         self.setup_ran = False  # setup ran (not only the versions check) since the last launch
+        self.resident: str | None = None  # the next launch's --resident (cold, warm:SESSION), from the versions
         self.billing_stopped: float | None = None  # when the clock last stopped (a preempted trainer goes on past it)
 
     def act(self, argv: list[str], event: str) -> bool:
@@ -372,9 +377,12 @@ class Supervisor:
         rows: list[dict] = []
         code = pod.run_gcloud(pod.gcloud_argv(spec.target, pod.versions_command(spec.repo_dir)),
                               on_line=lambda l: rows.append(r) if (r := pod.tagged(l, pod.VERSIONS_TAG)) else None)
+        self.resident = "cold" if spec.resident else None  # after a setup (new code, perhaps), a fresh process
         if code == 0 and not sup.record.setup_pending and pod.versions_agree(rows, hosts):
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
+            if spec.resident:
+                self.resident = pod.resident_mode(rows, hosts)
             return 0
         problem = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), None)
         if sup.record.setup_pending:
@@ -419,10 +427,11 @@ class Supervisor:
                     record.launch.timing = seen.timings[-1] if seen.timings else None
 
         seen = LaunchEvents(on_progress)
-        started = time.time()
+        started, resident = time.time(), self.resident
         setup = self.setup_carry + (max(0.0, started - self.setup_from) if self.setup_from is not None else 0.0)
         setup_ran, self.setup_carry, self.setup_from, self.setup_ran = self.setup_ran, 0.0, None, False
-        sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1)
+        sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1,
+                  **({"resident": resident} if resident else {}))
         with sup.changing() as record:
             record.progress = record.progress or Progress()
             record.in_flight = True
@@ -430,7 +439,8 @@ class Supervisor:
         code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                               log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
                               interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=sup.stream,
-                              on_line=seen.line, on_gcloud=self._gcloud_started)
+                              on_line=seen.line, on_gcloud=self._gcloud_started, resident=resident,
+                              next_overrides=spec.next_overrides() if resident and spec.next_overrides else None)
         self.gcloud_proc = None
         state_after = billed_until = None
         if code != 0 or seen.stopped_at() is not None:  # the TPU may have gone, even under a run that completed
@@ -444,6 +454,7 @@ class Supervisor:
                               cause=cause(code, outcome, seen), line=seen.line_of_failure(), last_step=seen.last_step,
                               total=seen.total, wandb_run_id=seen.run_id, tpu_state_after=state_after,
                               metrics=(seen.completed or {}).get("metrics"), first_step=seen.first_step,
+                              resident=resident,
                               timing=launch_timing(list(seen.timings), setup=setup, setup_ran=setup_ran,
                                                    billed_until=billed_until))
         self.end_launch(launch)

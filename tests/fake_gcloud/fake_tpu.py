@@ -160,6 +160,17 @@ def is_trainer(cmd: str) -> bool:
     return TRAINER in cmd and GUARD not in cmd
 
 
+def resident_of(home: Path) -> int | None:
+    """The pid of the worker's resident trainer (experiments/launcher/worker/resident.py: its own
+    session, outside the ssh's process group), when one is alive."""
+    try:
+        pid = json.loads((Path(home) / ".podrunner-resident" / "state.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+    found = _proc(str(pid))
+    return pid if found is not None and is_trainer(found[1]) else None
+
+
 def signal_trainers(pgid: int, sig: int) -> list[int]:
     pids = [pid for pid, cmd in group_members(pgid) if is_trainer(cmd)]
     for pid in pids:

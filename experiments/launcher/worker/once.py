@@ -30,6 +30,13 @@ The first run:
     shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
     comes after the agreed step and the save), for a launcher that counts READY time.
 
+With --resident (a programme's launches: resident.py), `cold` starts a resident trainer in a
+session of its own with this launch's job, and the launch ends when that job has (its exit code
+in `done` beside the claim), not when the process does; `warm:SESSION` hands the job to the
+worker's resident of that session instead of starting a process (its log's descriptor, its
+environment, secrets included), and follows it the same way. Without it, a resident on the
+worker is ended first: it holds the TPU.
+
 Whatever fails before the trainer starts is one line naming the worker (`podrunner: HOST: ...`)
 and exit 2; the secrets file never outlives this command.
 """
@@ -42,15 +49,16 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from experiments.launcher.worker import START_TAG, shipped
+from experiments.launcher.worker import START_TAG, resident, shipped
 from runtime.atomic import write_atomic  # standard library only, like this
-from runtime.errors import EXIT_FAILURE, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
+from runtime.errors import EXIT_FAILURE, EXIT_RESIDENT_LOST, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
 from runtime.events import TAG as EVENT_TAG
 
 POLL_S = 0.1
-EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
+EXIT_FILE, PID_FILE, OFFSET_FILE, DONE_FILE = "exit", "pid", "offset", "done"  # done: a resident's job
 _told = {"sigterm": None}  # when the first SIGTERM came (the handler only notes it; `follow` says it)
 
 
@@ -154,21 +162,61 @@ def first_run(args, claim):
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: {e}\n")
         shipped.warn_if_pins_differ(args.ship, os.getcwd(), args.host)
     version = f"tree={os.path.basename(args.ship)}" if args.ship else f"commit={commit()}"
+    warm = args.resident.partition(":")[2] if args.resident and args.resident.startswith("warm:") else None
+    if warm is None:
+        resident.end()  # a resident trainer holds the TPU: a launch that does not use it ends it first
+    done_file = os.path.join(claim, DONE_FILE)
     with open(args.log, "ab") as log:
         offset = log.tell()
         write_atomic(os.path.join(claim, OFFSET_FILE), str(offset))
         log.write(f"{START_TAG}host={args.host} {version} {args.start} log={args.log}\n".encode())
         log.flush()
+        if warm is not None:
+            return warm_run(args, claim, warm, secrets, log.fileno(), offset, done_file)
+        argv = args.argv
+        if args.resident == "cold":
+            argv = [args.argv[0], "-m", resident.MODULE, "--session", args.key, "--done", done_file, "--host",
+                    args.host, *(["--next", args.next] if args.next else []), "--", *args.argv]
         try:
-            trainer = subprocess.Popen(args.argv, cwd=args.ship or None, env=trainer_env(args, secrets),
+            trainer = subprocess.Popen(argv, cwd=args.ship or None, env=trainer_env(args, secrets),
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_default_signals)
+                                       preexec_fn=_default_signals, start_new_session=args.resident == "cold")
         except OSError as e:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
     write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))
-    follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
-    code = trainer.returncode if trainer.returncode >= 0 else EXIT_SIGNAL_BASE - trainer.returncode
+    follow(args.log, offset, lambda: os.path.exists(done_file) or trainer.poll() is not None, host=args.host)
+    code = _read_code(done_file)
+    if code is None:  # a trainer (or a resident whose first job ended it) that is gone
+        trainer.wait()
+        code = trainer.returncode if trainer.returncode >= 0 else EXIT_SIGNAL_BASE - trainer.returncode
     return record(claim, code)
+
+
+def warm_run(args, claim, session, secrets, log_fd, offset, done_file):
+    """Hand the job to this worker's resident trainer (resident.py) and follow it as a trainer."""
+    cwd = os.path.abspath(args.ship or os.getcwd())
+    try:
+        pid, wait = resident.hand_over(session, args.key, args.argv, trainer_env(args, secrets), cwd, log_fd, done_file,
+                                       json.loads(args.next) if args.next else None)
+    except resident.Gone as e:
+        line = (f"podrunner: {args.host}: no resident trainer of session {session} here ({e}); the next launch "
+                "starts cold")
+        say(resident.failed_event(line) + "\n")
+        return record(claim, EXIT_RESIDENT_LOST, line + "\n")
+    write_atomic(os.path.join(claim, PID_FILE), str(pid))
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(wait()), daemon=True)
+    waiter.start()
+    follow(args.log, offset, lambda: not waiter.is_alive(), host=args.host)
+    return record(claim, result[0] if result else EXIT_RESIDENT_LOST)
+
+
+def _read_code(path):
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _default_signals():
@@ -190,7 +238,7 @@ def rerun(args, claim):
         "drop); following it instead of starting a second trainer\n")
 
     def ended():
-        if os.path.exists(exit_file):
+        if os.path.exists(exit_file) or os.path.exists(os.path.join(claim, DONE_FILE)):
             return True
         try:
             pid = int(open(pid_file).read())
@@ -208,6 +256,8 @@ def rerun(args, claim):
     start = int(open(os.path.join(claim, OFFSET_FILE)).read()) if os.path.exists(os.path.join(claim, OFFSET_FILE)) else 0
     if os.path.exists(args.log):
         follow(args.log, os.path.getsize(args.log), ended, replay_events_from=start)
+    if not os.path.exists(exit_file) and _read_code(os.path.join(claim, DONE_FILE)) is not None:
+        return _read_code(os.path.join(claim, DONE_FILE))  # a resident's job whose guard is gone
     if not os.path.exists(exit_file):
         say(f"podrunner: {args.host}: the first run of this launch ended without recording its exit code\n")
         return EXIT_FAILURE
@@ -242,11 +292,19 @@ def parse(argv):
                         help="a variable of the trainer's environment (repeatable)")
     parser.add_argument("--ship", default=None, metavar="TREE", help="run the shipped tree at TREE (named by its hash)")
     parser.add_argument("--pack", default=None, help="with --ship: the copied pack to unpack when TREE is not there")
+    parser.add_argument("--resident", default=None, metavar="cold|warm:SESSION",
+                        help="cold: start a resident trainer (resident.py) with this job; warm:SESSION: hand the job "
+                             "to the one of SESSION; without: a trainer of its own (a resident is ended first)")
+    parser.add_argument("--next", default=None, metavar="JSON",
+                        help="with --resident: the overrides of the job the controller hands over next (a JSON list), "
+                             "whose steps the resident compiles while this job trains")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if args.ship and not args.pack:
         parser.error("--ship needs --pack")
+    if args.resident is not None and args.resident != "cold" and not args.resident.startswith("warm:"):
+        parser.error(f"--resident {args.resident}: give cold or warm:SESSION")
     return args
 
 

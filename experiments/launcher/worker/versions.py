@@ -1,7 +1,8 @@
 """`python -m experiments.launcher.worker.versions HOST [--imports]`: one line `podrunner-versions {json}`
-with this worker's commit, Python, the versions of the packages the workers must agree on, and
+with this worker's commit, Python, the versions of the packages the workers must agree on,
 whether the .venv fits the project: Python >= the project's requires-python, every pinned
-distribution installed at its pin (pyproject.toml) and importable (`ok`, else `problem`).
+distribution installed at its pin (pyproject.toml) and importable (`ok`, else `problem`), and
+the resident trainer alive here, if any (`resident`: resident.py `describe`).
 
 Without --imports, "importable" means Python finds each distribution's top-level modules
 (cheap: asked before every launch); with it (setup_tpu.sh, after installing) each one is
@@ -21,7 +22,7 @@ try:
 except ImportError:  # Python 3.10: such a .venv does not fit (`project` says so)
     tomllib = None
 
-from experiments.launcher.worker import VERSIONS_TAG
+from experiments.launcher.worker import VERSIONS_TAG, resident
 from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
 COMPARED = ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")  # what the workers must agree on
@@ -102,6 +103,7 @@ def main(argv):
     info.update({p: version(p) for p in COMPARED})
     found = problems(importing)
     info.update(ok=not found, problem="; ".join(found)[:600] or None)
+    info["resident"] = resident.describe()  # a resident trainer alive here: a programme's next launch may be warm
     print(VERSIONS_TAG + json.dumps(info), flush=True)
     return EXIT_FAILURE if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
 
