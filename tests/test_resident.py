@@ -191,6 +191,21 @@ def test_a_guard_without_a_resident_mode_ends_the_workers_resident_first(tmp_pat
         sleeper.wait()
 
 
+def test_code_from_before_resident_trainers_runs_its_trainer_in_a_process_of_its_own(tmp_path):
+    """A programme's cold launch of a tree that has no resident.py (shipped from an older commit):
+    the guard says so and starts the trainer itself, rather than a module that is not there."""
+    tree = tmp_path / "old-tree"
+    tree.mkdir()
+    out = subprocess.run([sys.executable, "-m", "experiments.launcher.worker.once", "--key", "k1", "--host", "w0",
+                          "--log", str(tmp_path / "w.log"), "--start", "x", "--resident", "cold", "--",
+                          sys.executable, "-c", "print('the old trainer ran')"], cwd=tree,
+                         env=dict(os.environ, HOME=str(tmp_path), PYTHONPATH=str(REPO)), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "has no resident trainer" in out.stdout and "the old trainer ran" in out.stdout
+    assert state_of(tmp_path) is None
+
+
 def test_a_resident_that_dies_under_a_job_is_a_crash_not_an_exit_zero(tmp_path):
     """The guard of a warm launch cannot wait for a process it did not start: when the resident's
     connection closes without an exit code, the launch failed (EXIT_FAILURE), said in one line."""

@@ -174,13 +174,16 @@ def first_run(args, claim):
         if warm is not None:
             return warm_run(args, claim, warm, secrets, log.fileno(), offset, done_file)
         argv = args.argv
-        if args.resident == "cold":
+        if args.resident == "cold" and not resident.in_tree(args.ship or os.getcwd()):
+            say(f"podrunner: {args.host}: the code run here has no resident trainer (older than it); a process of its "
+                "own\n")
+        elif args.resident == "cold":
             argv = [args.argv[0], "-m", resident.MODULE, "--session", args.key, "--done", done_file, "--host",
                     args.host, *(["--next", args.next] if args.next else []), "--", *args.argv]
         try:
             trainer = subprocess.Popen(argv, cwd=args.ship or None, env=trainer_env(args, secrets),
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_default_signals, start_new_session=args.resident == "cold")
+                                       preexec_fn=_default_signals, start_new_session=argv is not args.argv)
         except OSError as e:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
     write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))

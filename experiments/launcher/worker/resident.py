@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -68,6 +69,12 @@ def _short(name: str) -> tuple[str, int]:
     is, the descriptor of STATE_DIR it goes through: close it after use)."""
     fd = os.open(STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
     return f"/proc/self/fd/{fd}/{name}", fd
+
+
+def in_tree(root: str) -> bool:
+    """Whether the code at `root` (the repo, or a shipped tree) has this module: a tree shipped from
+    before it runs its trainer in a process of its own."""
+    return os.path.exists(os.path.join(root, *MODULE.split(".")) + ".py")
 
 
 def describe() -> dict | None:
@@ -236,7 +243,8 @@ class Resident:
 
     def after_job(self) -> None:
         """Wait for the next job's steps compiled ahead, its compilation cache in use meanwhile (the
-        job that just ended configured its own: JAX writes an entry when a compile ends)."""
+        job that just ended configured its own: JAX writes an entry when a compile ends); then let
+        go of what the job left in memory."""
         from runtime import compile_cache, loop  # noqa: PLC0415 - the trainer's (JAX)
         from runtime.config import run_dirs
 
@@ -246,6 +254,12 @@ class Resident:
             with compile_cache.configured(run.compile_cache, run_dirs(self.next_config)[1], run.root):
                 self.ahead.join()
         self.ahead = None
+        # Nothing of the job may hold the chips' memory into the next one: its steps' in-memory
+        # caches (and what they captured) and any cycle still holding its arrays.
+        import jax  # noqa: PLC0415 - the trainer's
+
+        jax.clear_caches()
+        gc.collect()
 
     def vote(self, request: dict) -> str:
         """'go', or why not, agreed by every process of the pod (one: its own verdict)."""
@@ -416,8 +430,11 @@ def main(argv) -> None:
     import pretrain_jax  # noqa: PLC0415 - the trainer's imports (JAX, Hydra) are this process's start-up
 
     resident.own = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    pretrain_jax.BEFORE_EXIT.append(resident.finished)
     resident.done = args.done
+    if not hasattr(pretrain_jax, "BEFORE_EXIT"):  # a script that ran its job as it was imported (a stand-in)
+        resident.finished(0)
+        leave(0, f"{script} is no trainer a resident can run again: its import was the job")
+    pretrain_jax.BEFORE_EXIT.append(resident.finished)
     resident.prepare_next(json.loads(args.next) if args.next else None)
     code = resident.job(pretrain_jax, sys.argv)
     resident.finished(code)
