@@ -435,7 +435,7 @@ def main(argv) -> None:
         resident.finished(0)
         leave(0, f"{script} is no trainer a resident can run again: its import was the job")
     pretrain_jax.BEFORE_EXIT.append(resident.finished)
-    resident.prepare_next(json.loads(args.next) if args.next else None)
+    resident.prepare_next(json.loads(args.next) if args.next else None)  # after the import: a stand-in needs none
     code = resident.job(pretrain_jax, sys.argv)
     resident.finished(code)
     if code:
