@@ -10,10 +10,9 @@ variant's share of it in the vocabulary of Google's ml-goodput-measurement:
   startup_h   what each start pays before and around its steps: the workers' setup check,
               runtime start-up (TPU, jax.distributed; a variant that starts in the resident
               trainers of the one before it on its slice, only their hand-over), data loading,
-              program start-up (the train
-              and eval steps' compiles, or a compilation-cache hit), the first save's blocking
-              part, the final save, and the idle READY time while the controller starts the
-              next variant
+              program start-up (the train and eval steps' compiles, or a compilation-cache hit),
+              the first save's blocking part, the final save, and the idle READY time while the
+              controller starts the next variant
   checkpoint_h  the blocking part of every other save
   recovery_h  at one preemption every `mtbf` paid seconds: the steps replayed since the last
               checkpoint (half the interval between saves, on average) plus one restart (a
@@ -327,7 +326,8 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     stretches) where it was above zero: `setup_check` and `setup_fresh`, the supervisor's `setup`
     before a launch, split by `setup_ran` (the workers set up, not only checked); `CALIBRATED`, the
     trainer's own categories; `runtime_init` from the cold launches' runtime start-up and
-    `resident_start` from the warm ones' (launches into resident trainers); `save`, the blocking seconds of a save (checkpoint_save / saves);
+    `resident_start` from the warm ones' (launches into resident trainers); `save`, the blocking
+    seconds of a save (checkpoint_save / saves);
     `compile_cache_hit`, the program start-up of a launch that only hit the cache, per hit;
     `between_variants`, a slice's idle stretch before its next variant (the slices' `gaps`); and
     each variant's median program start-up of the launches that compiled. The rest keep their

@@ -702,12 +702,16 @@ class Controller:
 
     # -- the queue
 
+    def _queued(self) -> list[str]:
+        """The queued variants a slice may take, in queue order (call under the lock)."""
+        return sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
+                       and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
+
     def coming(self) -> list[str] | None:
         """The overrides of the variant a slice would take next (the first queued one), if any: a
         resident trainer compiles its steps ahead (experiments/launcher/worker/resident.py)."""
         with self.lock:
-            queued = sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
-                             and not r.skip and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
+            queued = self._queued()
         return self.sub.overrides_of(queued[0]) if queued else None
 
     def take(self, slice_name: str) -> str | None:
@@ -720,8 +724,7 @@ class Controller:
             own = self.ledger.slices[slice_name].variant
             if own and self.ledger.variants[own].state in (VariantState.QUEUED, VariantState.RUNNING):
                 return self._start(own, slice_name)
-            queued = sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
-                             and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
+            queued = self._queued()
             if not queued:
                 return None
             variant = queued[0]

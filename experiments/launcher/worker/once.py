@@ -55,6 +55,7 @@ import time
 from experiments.launcher.worker import START_TAG, resident, shipped
 from runtime.atomic import write_atomic  # standard library only, like this
 from runtime.errors import EXIT_FAILURE, EXIT_RESIDENT_LOST, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
+from runtime import events
 from runtime.events import TAG as EVENT_TAG
 
 POLL_S = 0.1
@@ -204,7 +205,7 @@ def warm_run(args, claim, session, secrets, log_fd, offset, done_file):
     except resident.Gone as e:
         line = (f"podrunner: {args.host}: no resident trainer of session {session} here ({e}); the next launch "
                 "starts cold")
-        say(resident.failed_event(line) + "\n")
+        events.failed(EXIT_RESIDENT_LOST, line, events.Failure.RESIDENT_LOST)
         return record(claim, EXIT_RESIDENT_LOST, line + "\n")
     write_atomic(os.path.join(claim, PID_FILE), str(pid))
     result = []

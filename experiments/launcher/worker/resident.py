@@ -43,9 +43,9 @@ import sys
 import threading
 import time
 
-from runtime.atomic import write_atomic  # standard library only, like this module's top level
+from runtime import events  # standard library only, like this module's top level
+from runtime.atomic import write_atomic
 from runtime.errors import EXIT_FAILURE, EXIT_RESIDENT_LOST
-from runtime.events import TAG as EVENT_TAG, Failure
 
 MODULE = "experiments.launcher.worker.resident"
 STATE_DIR = os.path.join(os.path.expanduser("~"), ".podrunner-resident")
@@ -317,7 +317,7 @@ class Resident:
                 line = f"podrunner: {self.host}: the resident trainer cannot run this launch: {verdict}; it leaves, " \
                        "and the next launch starts cold"
                 print(line, flush=True)
-                print(failed_event(line), flush=True)
+                events.failed(EXIT_RESIDENT_LOST, line, events.Failure.RESIDENT_LOST)
                 self.finished(EXIT_RESIDENT_LOST)
                 leave(EXIT_RESIDENT_LOST, verdict)
             # The job's environment, but for what the process read at its start: as its first job
@@ -326,13 +326,18 @@ class Resident:
             os.environ.clear()
             os.environ.update({k: v for k, v in request["env"].items() if k not in start_environment(request["env"])})
             os.environ.update(started | self.own)
-            self.prepare_next(request.get("next"))
-            code = self.job(trainer, request["argv"][1:])
-            self.finished(code)
-            if code:
-                leave(code, f"the job ended with {code}")
-            self.after_job()
-            redirect(None)
+            self.run_one(trainer, request["argv"][1:], request.get("next"))
+
+    def run_one(self, trainer, argv: list, next_job: list | None) -> None:
+        """A job to its end (leaving after one that did not exit 0), the next one's steps compiled
+        meanwhile, stdout and stderr back on the resident's own log."""
+        self.prepare_next(next_job)
+        code = self.job(trainer, argv)
+        self.finished(code)
+        if code:
+            leave(code, f"the job ended with {code}")
+        self.after_job()
+        redirect(None)
 
 
 def compile_ahead(config) -> None:
@@ -355,12 +360,6 @@ def compile_ahead(config) -> None:
         return
     print(f"podrunner: resident: the next job's steps compiled ahead in {time.monotonic() - started:.1f} s "
           f"({config.run.group}/{config.run.name})", flush=True)
-
-
-def failed_event(line: str) -> str:
-    """The `failed` event of a launch that could not run in the residents (runtime/events.py's form)."""
-    return EVENT_TAG + json.dumps({"event": "failed", "time": round(time.time(), 3), "exit_code": EXIT_RESIDENT_LOST,
-                                   "failure": Failure.RESIDENT_LOST.value, "line": line})
 
 
 def read_request(conn: socket.socket) -> tuple[dict, int]:
@@ -435,13 +434,7 @@ def main(argv) -> None:
         resident.finished(0)
         leave(0, f"{script} is no trainer a resident can run again: its import was the job")
     pretrain_jax.BEFORE_EXIT.append(resident.finished)
-    resident.prepare_next(json.loads(args.next) if args.next else None)  # after the import: a stand-in needs none
-    code = resident.job(pretrain_jax, sys.argv)
-    resident.finished(code)
-    if code:
-        leave(code, f"the job ended with {code}")
-    resident.after_job()
-    redirect(None)
+    resident.run_one(pretrain_jax, sys.argv, json.loads(args.next) if args.next else None)
     resident.serve(server, pretrain_jax)
 
 
