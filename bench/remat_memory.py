@@ -59,7 +59,8 @@ def step_memory(cfg: TRMConfig, batch: int, seq_len: int = 81, vocab: int = 11, 
         oom = _xla_oom(str(e))
         if oom is None:
             raise
-        nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        def nbytes(tree):
+            return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
         return {"temp": int(oom[0] * GiB), "argument": nbytes(args[:3]), "output": None, "fits": False}
     return {"temp": mem.temp_size_in_bytes, "argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
             "fits": True}

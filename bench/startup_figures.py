@@ -1,4 +1,4 @@
-"""Measure, on this machine, the start-up figures `launch.py plan` prices (experiments/bill.py
+"""Measure, on this machine, the start-up figures `launch.py plan` prices (experiments/plan/bill.py
 FIGURES), with the real trainer's own account of its time (its `timing` events, runtime/goodput.py).
 
     python bench/startup_figures.py [--root DIR] [--setup]
@@ -25,8 +25,8 @@ What it runs, each timed:
     setup_tpu.sh does on a re-created slice's fresh disks.
 
 Prints a markdown table: figure, seconds, what measured it. CPU figures, not a TPU VM's: the TPU
-backend's own start and jax.distributed across hosts are not in them (see docs/OPERATIONS.md,
-"Reading the bill").
+backend's own start and jax.distributed across hosts are not in them; `runtime_init` adds a public
+figure for those (see docs/BILL.md).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from runtime import wire  # noqa: E402
 STEPS = 12  # the fresh run is preempted once step 2 is saved, well before its end
 RUN = ["+experiment=exp02a/L6", "train.global_batch_size=8", "train.epochs=null", "train.eval_every=2",
        "train.eval_every_epochs=null", "train.checkpoint_every=2", "train.checkpoint_every_epochs=null",
@@ -90,12 +92,11 @@ def train(root: Path, data: Path, steps: int, preempt_at: int | None = None) -> 
     it saves and exits 8)."""
     proc = subprocess.Popen([sys.executable, "pretrain_jax.py", *RUN, f"train.steps={steps}", f"data.path={data}",
                              f"run.root={root}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    tag, events, tail = "podrunner-event ", [], []
+    events, tail = [], []
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
-        if tag not in line:
+        if (event := wire.event(line)) is None:
             continue
-        event = json.loads(line.split(tag, 1)[1])
         events.append(event)
         if preempt_at is not None and event["event"] == "checkpoint" and event["step"] >= preempt_at:
             proc.send_signal(signal.SIGTERM)
@@ -118,8 +119,7 @@ def resident_start(root: Path, data: Path) -> dict:
         out = subprocess.run(argv, cwd=REPO, env=dict(os.environ, HOME=str(home)), capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"error: the {mode} launch failed (exit {out.returncode}): {out.stdout[-3000:]}")
-        tag = "podrunner-event "
-        said = [json.loads(line.split(tag, 1)[1]) for line in out.stdout.splitlines() if tag in line]
+        said = [e for e in map(wire.event, out.stdout.splitlines()) if e]
         return [e for e in said if e["event"] == "timing"][-1]
 
     try:

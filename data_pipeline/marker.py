@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import fsspec
 
 from data_pipeline.puzzle_format import DatasetError
+from runtime.atomic import write_whole
 from runtime.errors import UserError
 
 MARKER = ".podrunner-generated"
@@ -157,21 +158,21 @@ def claim(root: str, builder: str, wanted: Mapping[str, tuple[Any, str]], inputs
         for name in set(_names(fs, base)) - _own(base, inputs):
             fs.rm(f"{base}/{name}", recursive=True)
     fs.makedirs(base, exist_ok=True)
-    _write(fs, base, {"builder": builder, "parameters": {k: _plain(v) for k, (v, _) in wanted.items()},
-                      "started": _now(), "finished": None})
+    _write(root, {"builder": builder, "parameters": {k: _plain(v) for k, (v, _) in wanted.items()},
+                  "started": _now(), "finished": None})
     return reason
 
 
 def finish(root: str) -> None:
     """Mark the build in `root` finished (after its last file is written)."""
-    fs, base = _fs(root)
     marker = read_marker(root) or {}
-    _write(fs, base, dict(marker, finished=_now()))
+    _write(root, dict(marker, finished=_now()))
 
 
-def _write(fs, base: str, marker: dict) -> None:
-    with fs.open(f"{base}/{MARKER}", "w") as f:
-        json.dump(marker, f, indent=1)
+def _write(root: str, marker: dict) -> None:
+    """Whole or not at all: a marker cut short (a build that filled its disk) would make the
+    folder no longer the builder's, and the same build again refused."""
+    write_whole(f"{str(root).rstrip('/')}/{MARKER}", json.dumps(marker, indent=1))
 
 
 def _plain(value: Any) -> Any:

@@ -27,9 +27,8 @@ from typing import Callable, Mapping, Sequence
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
-from tqdm import tqdm
 
-from runtime.errors import EXIT_USER_ERROR, one_line
+from runtime.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, end_progress_bars, interrupted, one_line
 from runtime.task import IGNORE_LABEL
 
 FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
@@ -55,14 +54,13 @@ def builder_cli(main: Callable[..., None]) -> Callable[..., None]:
             end_progress_bars()
             print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:  # Ctrl-C: one line and 130, no traceback; the folder keeps the marker it claimed
+            end_progress_bars()
+            print(f"error: {interrupted('the build stopped; its folder holds its marker, so the same command builds it')}",
+                  file=sys.stderr, flush=True)
+            sys.exit(EXIT_INTERRUPTED)
 
     return wrapped
-
-
-def end_progress_bars() -> None:
-    """Close the tqdm bars still open (each ends its line): what is printed next starts a line."""
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
 
 
 @dataclass(frozen=True)

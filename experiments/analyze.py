@@ -30,17 +30,14 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments import compose  # noqa: E402
 from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot, natural_key  # noqa: E402
-from runtime.errors import EXIT_USER_ERROR  # noqa: E402
+from runtime.atomic import replacing, write_atomic  # noqa: E402
+from runtime.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 PARAMS = "model/params"
 METRICS_FILE = "metrics.jsonl"
 MANIFEST_FILE = "run_manifest.json"
 FIXED_4 = ("accuracy", "exact_match", "adherence")  # fractions: 4 decimals, aligned in a column
 MAX_CHANGES = 80  # characters of the "changes" column before it is cut
-
-
-class UserError(Exception):
-    """A problem the user fixes (no runs, unknown group): one line, exit EXIT_USER_ERROR."""
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -288,7 +285,7 @@ def what_changes(group: str, run: Run) -> str:
         return f"(not a variant of {group})"
     try:
         change = _variant_changes(group, run.variant)
-    except Exception as e:  # a variant that does not compose (yet): say so, keep the row
+    except Exception as e:  # noqa: BLE001 - a variant that does not compose (yet): say so, keep the row
         text = f"(does not compose: {type(e).__name__})"
     else:
         tails = [k.split(".", 1)[1] for k in change if "." in k]
@@ -507,7 +504,8 @@ def plot(group: str, runs: Iterable[Run], out_dir: str | Path) -> list[Path]:
     paths = []
     for n, p in enumerate(GROUPS[group].plots, 1):
         path = out / plot_filename(group, n, p)
-        make_figure(group, p, runs).savefig(path, format="png")
+        with replacing(path) as tmp:  # a picture whole or not at all, as the page
+            make_figure(group, p, runs).savefig(tmp, format="png")
         paths.append(path)
     return paths
 
@@ -524,7 +522,7 @@ def analyze(group: str, runs: Iterable[Run], out_dir: str | Path | None = None, 
     for p, path in zip(spec.plots, pngs):
         parts.append(f"![{p.title or p.y}]({path.name})\n")
     md = out / f"{group}.md"
-    md.write_text("\n".join(parts), encoding="utf-8")
+    write_atomic(md, "\n".join(parts))  # whole or not at all: an earlier analysis stays until this one is written
     return md, pngs
 
 

@@ -1,10 +1,5 @@
-"""Compose the programme's variants and say what each changes; scale them down for one CPU.
-
-    variants("exp01")                     -> ["hidden256", ..., "hidden1536"] (numeric order)
-    changes("exp01", "hidden256")         -> {"arch.hidden": 256, "arch.heads": 4, "arch.puzzle_emb_ndim": 256}
-    differences("exp01", "hidden256")     -> {"arch.hidden": (512, 256), "arch.heads": (8, 4), ...}
-    local_overrides("exp01", "hidden256") -> ["arch.hidden=32", "arch.heads=1", ...]
-    local_experiment("exp01", "hidden256") -> the same as an experiment file (YAML text), for a multirun
+"""Compose the programme's variants and say what each changes (`changes`, `differences`); scale
+them down for one CPU (`local_overrides`, `local_experiment`).
 
 Differences are between RESOLVED configs (interpolations applied), so derived values such as
 exp06's learning rate or puzzle_emb_ndim = hidden show up as what they become.

@@ -27,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from experiments.analyze import analyze, collect_local  # noqa: E402
 from experiments.compose import compose, local_overrides  # noqa: E402
-from experiments.programme import GROUPS  # noqa: E402
+from experiments.programme import GROUPS, groups_named  # noqa: E402
 from runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR, UserError  # noqa: E402
 from runtime.config import validate  # noqa: E402
 from runtime.ranges import Rule, at_least, check_args  # noqa: E402
@@ -96,15 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (2 if args.smoke else 20)
     try:
         check_args(args, _RULES, UserError)  # else every group fails on its own line
-        known = list(GROUPS)
-    except UserError as e:  # a number out of range, a bad group.yaml
+        groups = groups_named(args.groups)
+    except UserError as e:  # a number out of range, an unknown group, a bad group.yaml
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    unknown = [g for g in args.groups if g not in known]
-    if unknown:
-        print(f"error: unknown group(s) {unknown}; the groups are {known}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    groups = args.groups or known
     os.environ.setdefault("PODRUNNER_LOCAL_DATA", str(args.root / "_data"))
     baselines: dict[str, Path] = {}
     failed = []

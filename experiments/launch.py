@@ -1,34 +1,17 @@
-"""Experiment launcher CLI.
+"""Experiment launcher CLI: `python experiments/launch.py COMMAND --help`; the commands at work
+in docs/OPERATIONS.md.
 
-    python experiments/launch.py local --processes 2 --devices-per-process 4 -- model=trm run.name=x
-    python experiments/launch.py setup  --tpu NAME --zone Z [--git-ref REF]
-    python experiments/launch.py pod    --tpu NAME --zone Z [--run-id ID] [--ship] -- +experiment=exp01/hidden256
-    python experiments/launch.py status --tpu NAME --zone Z
-    python experiments/launch.py stop   --tpu NAME --zone Z
-    python experiments/launch.py supervise --tpu NAME --zone Z --run-id ID --accelerator-type v4-64 \
-        --runtime-version V [--spot|--reserved] [--queued-resource QR] [--max-restarts N] -- overrides
-    python experiments/launch.py supervise --status --run-id ID      # the supervision history
-    python experiments/launch.py list   [GROUP ...]                    # the programme: groups, variants, changes
-    python experiments/launch.py sweep  GROUP --local [--variants a,b] [-- overrides]   # scaled down, one Hydra -m
-    python experiments/launch.py sweep  GROUP --tpu NAME --zone Z [--variants a,b] [-- overrides]  # one pod run each
-    python experiments/launch.py analyze GROUP [--root outputs/local] [--wandb PROJECT]
-    python experiments/launch.py plan   GROUP|all [GROUP ...] --topology v4-64 [--mtbf 8h] [--slices N] [--csv PATH] [-- overrides]
-    python experiments/launch.py programme submit NAME GROUP|all ... --slice S [--slice S2] --zone Z \
-        --accelerator-type v4-64 --runtime-version V [--spot] [--budget H --plan CSV] [--run] -- overrides
-    python experiments/launch.py programme run|status|stop NAME;  programme retry|skip NAME GROUP/VARIANT
-    python experiments/launch.py programme budget NAME HOURS;  programme repair NAME --mirror URI
-
-Everything after the first `--` is passed to the training script untouched
-(Hydra `key=value` overrides). One function per subcommand (`cmd_<name>`),
-registered in `build_parser`; the logic itself lives in importable modules. A subcommand that
-needs JAX or Hydra (seconds to import) imports its modules when it runs, so `stop`, `status` and
-`programme status` answer at once.
+Everything after the first `--` is passed to the training script untouched (Hydra `key=value`
+overrides). One function per subcommand (`cmd_<name>`), registered in `build_parser`; the logic
+itself lives in importable modules. A subcommand that needs JAX or Hydra (seconds to import)
+imports its modules when it runs, so `stop`, `status` and `programme status` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import sys
 import tempfile
@@ -41,13 +24,15 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments.launcher import pod  # noqa: E402
 from experiments.launcher.local_pod import run_local_pod  # noqa: E402
-from runtime.errors import EXIT_FAILURE, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR, UserError  # noqa: E402
+from runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR,  # noqa: E402
+                            UserError, interrupted)
 from runtime.lease import LeaseHeld  # noqa: E402
-from runtime.ranges import Rule, above, at_least, check_args, name_error, name_problem, within  # noqa: E402
+from runtime.ranges import Rule, above, at_least, check_args, check_given, name_error, name_problem, within  # noqa: E402
+from runtime.run_log import console_logging  # noqa: E402
 
 # Ranges of every subcommand's numeric options (as runtime/config.py's _RULES for the Hydra
 # settings), checked before anything starts: `plan --jobs -1` would plan in-process and hang,
-# a negative grace would kill workers before they checkpoint. (A budget's range is run_queue.BUDGET:
+# a negative grace would kill workers before they checkpoint. (A budget's range is queue_state.BUDGET:
 # a budget request's value is checked against it too.)
 _RULES: dict[str, dict[str, Rule]] = {
     "local": {"--processes": (at_least(1), ""), "--devices-per-process": (at_least(1), ""),
@@ -120,13 +105,12 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
 
 # --- TPU VM slice: every command is ONE `gcloud compute tpus tpu-vm ssh --worker=all` ---------
 
-def _add_target(p: argparse.ArgumentParser, *, repo: bool = True) -> None:
+def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpu", required=True, help="TPU VM name")
     p.add_argument("--zone", required=True, help="its zone, e.g. us-central2-b")
     p.add_argument("--project", default=None, help="GCP project (default: gcloud's configured one)")
-    if repo:
-        p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR,
-                       help="the repo on every worker (default: %(default)s; `~` is the worker's home)")
+    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR,
+                   help="the repo on every worker (default: %(default)s; `~` is the worker's home)")
     p.add_argument("--dry-run", action="store_true", help="print the gcloud command line and exit")
 
 
@@ -155,23 +139,22 @@ def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 def cmd_pod(args: argparse.Namespace) -> int:
     """Run pretrain_jax.py on ALL workers of a TPU VM slice through one
     `gcloud compute tpus tpu-vm ssh --worker=all`, with one run id shared by every worker.
-    --run-id ID is fixed (run.id=ID: resuming a checkpoint of another run is refused, exit 2);
-    without it a new id is proposed, which a fresh run takes and a resumed run ignores (it keeps
-    its checkpoint's id; the launcher says so and writes it to <log-dir>/<id>/run_id).
-    WANDB_API_KEY (and --forward-env names) are taken from this environment and never put on a
-    command line: one `gcloud ... scp --worker=all` copies them first as a 0600 file that each
-    worker reads and removes before python starts; only their names are printed. Each worker's
-    output goes to ~/podrunner-logs/<id>/worker-<hostname>.log there and streams back here, kept
-    in <log-dir>/<id>/launch.log. Exit code: gcloud's. Ctrl-C stops the run on all workers.
-    --ship: run this checkout's working tree (tracked files as they are now plus untracked files
-    that are not ignored) instead of the commit checked out on the workers: it is packed, copied
-    with one `gcloud ... scp --worker=all`, unpacked in ~/podrunner-shipped/<tree hash> and run
-    with the repo's .venv; the manifest records the tree hash and its diff from HEAD."""
+    WANDB_API_KEY (and --forward-env names) never go on a command line. Exit code: gcloud's.
+    Ctrl-C stops the run on all workers. Run ids, secrets, logs and --ship: docs/OPERATIONS.md,
+    "Launch"."""
     return pod.launch_pod(
         _target(args), args.overrides, repo_dir=args.repo_dir, run_id=args.run_id, log_dir=args.log_dir,
         env=dict(args.env), forward_env=args.forward_env, dry_run=args.dry_run,
         interrupt_grace=args.interrupt_grace, leave_running=args.leave_running,
         ship=args.ship, ship_from=args.ship_from, ship_max_mb=args.ship_max_mb)
+
+
+def _add_env(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable on every worker (repeatable; value shown)")
+    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
+                   help="also send this local environment variable as a secret, like WANDB_API_KEY: "
+                        "never on a command line, never printed (repeatable, e.g. HF_TOKEN)")
 
 
 def _add_ship_options(p: argparse.ArgumentParser) -> None:
@@ -193,11 +176,7 @@ def _add_pod(sub: argparse._SubParsersAction) -> None:
                         "one, proposed: a resumed run keeps its checkpoint's)")
     p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
                    help="local directory for <run_id>/launch.log (default: %(default)s)")
-    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment variable on every worker (repeatable; value shown)")
-    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="also send this local environment variable as a secret, like WANDB_API_KEY: "
-                        "never on a command line, never printed (repeatable, e.g. HF_TOKEN)")
+    _add_env(p)
     p.add_argument("--interrupt-grace", type=float, default=30.0,
                    help="on Ctrl-C: seconds between SIGTERM (checkpoint) and SIGKILL on the workers "
                         "(default: %(default)s)")
@@ -276,16 +255,12 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
 
 @_user_errors
 def cmd_supervise(args: argparse.Namespace) -> int:
-    """Keep one run going on a (preemptible) TPU VM slice until it completes: create the TPU when
-    it is missing (delete and re-create it when PREEMPTED/TERMINATED; --queued-resource: through
-    a queued resource), wait while it is CREATING or queued, set up the workers when their
-    versions differ, launch with the fixed --run-id (every launch resumes the checkpoint), and
-    relaunch after a preemption, a hang (4), a lost worker (7) or a storage failure (6). Stops on
-    bad input (2), a non-finite loss (3), a model that does not fit (5), more than --max-restarts
-    restarts, or two restarts in a row without progress. State: <log-dir>/<run-id>/supervision.json
-    (run it again to carry on), events: <log-dir>/<run-id>/supervise.log. Ctrl-C or SIGTERM stops
-    the supervisor AND the run (the workers checkpoint first). Exit code: 0 when the run completed,
-    the run's code when it failed for good, 1 when the supervisor gave up, 130 when stopped."""
+    """Keep one run going on a (preemptible) TPU VM slice until it completes: (re-)create the TPU,
+    set up the workers, launch with the fixed --run-id, relaunch after a preemption or a failure
+    that a relaunch may fix (docs/OPERATIONS.md, "Running a multi-week run unattended"). Ctrl-C or
+    SIGTERM stops the supervisor AND the run (the workers checkpoint first). Exit code: 0 when the
+    run completed, the run's code when it failed for good, 1 when the supervisor gave up, 130 when
+    stopped."""
     from experiments.launcher import supervise  # here: JAX, Hydra take seconds to import
 
     if args.status:
@@ -304,8 +279,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
         queued_resource=args.queued_resource, max_restarts=args.max_restarts, repo_dir=args.repo_dir,
         log_dir=args.log_dir, env=dict(args.env), forward_env=args.forward_env, poll_s=args.poll_seconds,
-        max_poll_s=max(args.poll_seconds, 300.0), storage_backoff_s=args.storage_backoff_seconds,
-        stop_grace_s=args.stop_grace, clone_url=args.clone_url, at_end=args.at_end)
+        storage_backoff_s=args.storage_backoff_seconds, stop_grace_s=args.stop_grace, clone_url=args.clone_url,
+        at_end=args.at_end)
     with tempfile.TemporaryDirectory(prefix="podrunner-ship-") as tmp:
         if args.ship:  # packed once: every relaunch runs the same tree, whatever is edited meanwhile
             try:
@@ -315,14 +290,20 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         if args.dry_run:
             sys.stdout.write(supervise.dry_run(spec))
             return 0
-        spec.state_mirror = supervise.state_mirror(args.overrides)[0]
+        spec.state_mirror = supervise.state_mirror(args.overrides)
         if spec.state_mirror:  # the trainer's events beside the checkpoints: when a preemption hit, if it did
             spec.events_file = spec.state_mirror.rsplit("/", 1)[0] + "/run_files/events.jsonl"
         return supervise.run_until_done(spec)
 
 
-def _add_tier(p: argparse.ArgumentParser) -> None:
-    """--spot / --reserved (neither: on demand) for the TPUs a command creates."""
+def _add_slice(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """Where the slices a command creates go and what they are; --spot / --reserved (neither: on demand)."""
+    p.add_argument("--zone", required=required, default=None)
+    p.add_argument("--project", default=None)
+    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
+    p.add_argument("--accelerator-type", required=required, default=None, help="e.g. v4-64 (to (re-)create a slice)")
+    p.add_argument("--runtime-version", required=required, default=None,
+                   help="TPU software version, e.g. tpu-ubuntu2204-base (to (re-)create a slice)")
     tier = p.add_mutually_exclusive_group()
     tier.add_argument("--spot", dest="tier", action="store_const", const="spot", help="create a Spot TPU")
     tier.add_argument("--reserved", dest="tier", action="store_const", const="reserved",
@@ -333,23 +314,15 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("supervise", help="keep a run going on a preemptible TPU until it completes",
                        description=cmd_supervise.__doc__, epilog="Training-script overrides go after `--`.")
     p.add_argument("--tpu", default=None, help="TPU VM name")
-    p.add_argument("--zone", default=None)
-    p.add_argument("--project", default=None)
-    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
     p.add_argument("--run-id", required=True, help="the run's fixed id (the same one to carry on after a restart)")
-    p.add_argument("--accelerator-type", default=None, help="e.g. v4-64 (to create the TPU)")
-    p.add_argument("--runtime-version", default=None, help="TPU software version, e.g. tpu-ubuntu2204-base")
-    _add_tier(p)
+    _add_slice(p)
     p.add_argument("--queued-resource", default=None, metavar="ID",
                    help="create the TPU through this queued resource (waits while ACCEPTED/PROVISIONING)")
     p.add_argument("--max-restarts", type=int, default=10,
                    help="stop after this many restarts for failures (preemptions are not counted; default: %(default)s)")
     p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
                    help="local directory for <run-id>/supervision.json, supervise.log, launch.log (default: %(default)s)")
-    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment variable on every worker (repeatable)")
-    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="send this local environment variable as a secret, like WANDB_API_KEY (repeatable)")
+    _add_env(p)
     p.add_argument("--poll-seconds", type=float, default=30.0,
                    help="first wait while the TPU is CREATING or queued; grows x1.5 to 300 s (default: %(default)s)")
     p.add_argument("--storage-backoff-seconds", type=float, default=120.0,
@@ -371,22 +344,14 @@ def _add_supervise(sub: argparse._SubParsersAction) -> None:
 
 # --- the experiment programme (experiments/programme.py, conf/experiment/<group>/) ---------------
 
+@_user_errors
 def cmd_list(args: argparse.Namespace) -> int:
     """Every group of the programme (or the named ones): its variants and what each changes
     against the baseline, from the composed configs (* = the baseline's own setting)."""
     from experiments.compose import changes, describe, variants  # here: it imports Hydra or JAX
-    from experiments.programme import GROUPS, GroupFileError
+    from experiments.programme import GROUPS, groups_named
 
-    try:
-        names = args.groups or list(GROUPS)
-    except GroupFileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    unknown = [g for g in names if g not in GROUPS]
-    if unknown:
-        print(f"error: unknown group(s) {unknown}; the groups are {list(GROUPS)}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    for name in names:
+    for name in groups_named(args.groups):
         g = GROUPS[name]
         print(f"{name}: {g.title} -- varies {g.varies} (from {g.base})")
         for v in variants(name):
@@ -423,15 +388,11 @@ def _sweep_variants(args: argparse.Namespace) -> list[str]:
 @_user_errors
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every variant of GROUP (or --variants), each its own run (<run.root>/<group>/<variant>).
-    --local: scaled down for this machine (experiments/local_scale.yaml; runs under outputs/local)
-    as one Hydra multirun, `pretrain_jax.py -m +experiment=local/<group>/<v1>,...`
-    (experiments/sweep.py). --tpu/--zone: the variants as a programme on that one slice
-    (experiments/launcher/run_queue.py, named sweep-<group>-<tpu>): each supervised, resumed after a
-    preemption on the slice re-created (--accelerator-type, --runtime-version), one after another;
-    the same command again carries a stopped sweep on. A failed variant does not stop the sweep;
-    every job's result is printed, and the exit code is 0 only when all completed (local: the first
-    non-zero one). Overrides after `--` go to every variant (a Hydra sweep there, e.g.
-    train.seed=0,1, multiplies the jobs of a local sweep). Then: `launch.py analyze GROUP`."""
+    --local: scaled down for this machine as one Hydra multirun (experiments/sweep.py). --tpu/--zone:
+    the variants as a programme on that one slice, named sweep-<group>-<tpu>; the same command
+    again carries a stopped sweep on. A failed variant does not stop the sweep; the exit code is 0
+    only when all completed (local: the first non-zero one). Overrides after `--` go to every
+    variant. Then: `launch.py analyze GROUP`."""
     from experiments import sweep  # here: it imports Hydra or JAX
 
     chosen = _sweep_variants(args)
@@ -456,7 +417,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
     """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
-    from experiments.launcher import run_queue  # here: JAX, Hydra take seconds to import
+    from experiments.launcher import controller, queue_state  # here: JAX, Hydra take seconds to import
     from experiments.launcher.ledger import VariantState
 
     if not (args.zone and args.accelerator_type and args.runtime_version):
@@ -464,22 +425,21 @@ def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
                            "slice after a preemption")
     directory = Path(args.state_dir) / f"sweep-{args.group}-{args.tpu}"
     if not (directory / "programme.json").exists():
-        sub = run_queue.Submission(
+        sub = queue_state.Submission(
             name=directory.name, variants=[f"{args.group}/{v}" for v in chosen], slices=[args.tpu], zone=args.zone,
             project=args.project, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
             tier=args.tier, overrides=args.overrides, env=dict(args.env), forward_env=args.forward_env,
             repo_dir=args.repo_dir, poll_s=args.poll_seconds)
-        problems = run_queue.preflight(sub)
-        for line in problems:
-            print(f"error: {line}", file=sys.stderr)
-        if problems:
+        if not _preflight(sub):
             return EXIT_USER_ERROR
-        run_queue.State(directory).create(sub)
-    code = run_queue.run(directory)
-    state = run_queue.State(directory)
+        queue_state.State(directory).create(sub)
+    code = controller.run(directory)
+    state = queue_state.State(directory)
     state.load()
     records = state.ledger.variants
-    print("\n".join(f"  {name:<28} {r.state}" + (f": {r.line}" if r.line else "") for name, r in records.items()))
+    said = {name: r.verdict() if r.state == VariantState.FAILED else r.line for name, r in records.items()}
+    print("\n".join(f"  {name:<28} {r.state}" + (f": {said[name]}" if said[name] else "")
+                    for name, r in records.items()))
     return code or (0 if all(r.state == VariantState.COMPLETED for r in records.values()) else EXIT_FAILURE)
 
 
@@ -491,20 +451,11 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", action="store_true", help="scaled down on this machine")
     p.add_argument("--root", default="outputs/local", help="run.root of --local runs (default: %(default)s)")
     p.add_argument("--tpu", default=None, help="TPU VM name (the variants supervised there, one after another)")
-    p.add_argument("--zone", default=None)
-    p.add_argument("--project", default=None)
-    p.add_argument("--accelerator-type", default=None, help="with --tpu: to re-create the slice, e.g. v4-64")
-    p.add_argument("--runtime-version", default=None, help="with --tpu: to re-create the slice")
-    _add_tier(p)
+    _add_slice(p)
     p.add_argument("--poll-seconds", type=float, default=30.0, help="with --tpu: first wait while the slice is created")
     p.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
                    help="with --tpu: where the sweep's programme keeps its state (default: %(default)s)")
-    p.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
-    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="pod runs: extra environment variable on every worker (e.g. PODRUNNER_DATA=gs://B/data)")
-    p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="pod runs: send this local environment variable as a secret, like WANDB_API_KEY "
-                        "(repeatable)")
+    _add_env(p)
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.set_defaults(func=cmd_sweep)
 
@@ -524,22 +475,14 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Before spending pod time: for each variant of the groups (all: the whole programme), at
-    full scale on --topology, whether its train step fits the chips' HBM, its estimated step time
-    and MFU, its steps, and its whole bill in pod-hours: the train steps, the evaluations its
-    protocol asks for (the eval step compiled and estimated the same way), each start's fixed
-    costs (this plan's compiles and the figures of experiments/bill.py, each with its source),
-    the checkpoints' blocking part and, with --mtbf, the preemptions' replayed steps and
-    restarts; total_h, goodput, group and programme totals and the wall-clock days on --slices:
-    a markdown table on stdout and a CSV file (its pod_hours = total_h, what `programme
-    --budget` reads). A variant that does not fit names the first change a compile shows to fit
-    (remat, a smaller batch per chip, FSDP). Compiles are cached on disk by the step's HLO, so
-    variants that differ only in values (lr, betas, EMA rate, seeds, steps...) share one, and a
-    second run compiles nothing. --calibrate-from a programme's state directory replaces the
-    start-up figures by the medians its ledger measured. Overrides after `--` apply to every
-    variant. Exit 0 (a variant that does not fit is a row)."""
-    from experiments import bill, plan  # here: it imports Hydra or JAX
-    from experiments.compose import variants
-    from experiments.programme import GROUPS
+    full scale on --topology, whether its train step fits, its step time and MFU, and its whole
+    bill in pod-hours and goodput, at the figures' low and high ends (experiments/plan/bill.py);
+    a markdown table on stdout and a CSV file (what `programme --budget` reads). What each column
+    means: docs/OPERATIONS.md, "`launch.py plan`" and "Reading the bill". Exit 0 (a variant that
+    does not fit is a row)."""
+    from experiments.compose import variants  # here: it imports Hydra or JAX
+    from experiments.plan import bill, calibrate, planner, price, report
+    from experiments.programme import groups_named
     from runtime.compile_only import parse_topology
     from runtime.config import check_folder
 
@@ -548,21 +491,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parse_topology(args.topology, "--topology ")
         check_folder("--executables", args.executables, "or leave it out")
         mtbf_s = bill.parse_hours(args.mtbf) if args.mtbf else None
-        calibration = bill.calibrate(Path(args.calibrate_from)) if args.calibrate_from else None
-        known = list(GROUPS)
-        names = known if args.groups == ["all"] else args.groups
-        unknown = [g for g in names if g not in known]
-        if unknown:
-            raise UserError(f"unknown group(s) {unknown}; the groups are {known} (or all)")
-        jobs = [plan.Job(g, v, tuple(args.overrides)) for g in names for v in variants(g)]
-        rows = plan.Planner(args.topology, Path(args.cache_dir or plan.CACHE_DIR), workers=args.jobs).plan(jobs)
-        ahead = plan.keep_ahead(jobs, rows, args.topology, args.executables, workers=args.jobs,
-                                progress=lambda line: print(line, file=sys.stderr, flush=True)) if (
+        calibration = calibrate.calibrate(Path(args.calibrate_from)) if args.calibrate_from else None
+        jobs = [planner.Job(g, v, tuple(args.overrides)) for g in groups_named(args.groups) for v in variants(g)]
+        rows = planner.Planner(args.topology, Path(args.cache_dir or planner.CACHE_DIR), workers=args.jobs).plan(jobs)
+        ahead = planner.keep_ahead(jobs, rows, args.topology, args.executables, workers=args.jobs,
+                                   progress=lambda line: print(line, file=sys.stderr, flush=True),
+                                   cache_root=Path(args.cache_dir or planner.CACHE_DIR)) if (
             args.executables) else frozenset()
-        programme = plan.price_programme(rows, mtbf_s=mtbf_s, slices=args.slices, calibration=calibration,
-                                         calibrated=args.calibrate_from or "", what_if=frozenset(args.what_if),
-                                         ahead=ahead, ahead_folder=args.executables or "",
-                                         resident=not args.no_resident)
+        programme = price.price_programme(
+            rows, calibration.figures if calibration else bill.FIGURES, mtbf_s=mtbf_s, slices=args.slices,
+            resident=args.resident, ahead=ahead, compiles=calibration.program_startup if calibration else {})
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -570,13 +508,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
         + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
         + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
-        + [f"--what-if {w}" for w in args.what_if] + (["--executables", args.executables] if args.executables else [])
-        + (["--no-resident"] if args.no_resident else [])
+        + (["--executables", args.executables] if args.executables else []) + (["--resident"] if args.resident else [])
         + (["--", *args.overrides] if args.overrides else []))
-    sys.stdout.write(plan.markdown(programme, args.topology, command))
-    csv_path = Path(args.csv or plan.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
     try:
-        plan.write_csv(rows, csv_path)
+        text = report.markdown(programme, args.topology, command, args.calibrate_from or "")  # prices the high end too
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    sys.stdout.write(text)
+    csv_path = Path(args.csv or planner.CSV_DIR / f"{'_'.join(args.groups)}_{args.topology}.csv")
+    try:
+        report.write_csv(rows, csv_path)
     except OSError as e:
         print(f"error: cannot write the CSV {csv_path} ({e.strerror}); the table is above, give --csv a writable path",
               file=sys.stderr)
@@ -595,9 +537,6 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slices", type=int, default=1, help="slices running the queue: the wall-clock days (default 1)")
     p.add_argument("--calibrate-from", default=None, metavar="STATE_DIR",
                    help="a programme's state directory: the start-up figures from its ledger's medians")
-    p.add_argument("--what-if", action="append", default=[], metavar="LEVER",
-                   help="also price a lever without it being there: long-lived-trainer, compile-ahead, "
-                        "shared-programs, dedupe, executables (experiments/plan.py WHAT_IF; repeatable)")
     p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")
@@ -605,46 +544,34 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executables", default=None, metavar="FOLDER",
                    help="also keep every planned program compiled for the topology in FOLDER (local or gs://), "
                         "for runs given run.executables=FOLDER to read instead of compiling; priced so")
-    p.add_argument("--no-resident", action="store_true",
-                   help="price every start cold, as a programme submitted with --no-resident runs (default: a "
-                        "variant after another on its slice starts in its resident trainers)")
+    p.add_argument("--resident", action="store_true",
+                   help="price a variant after another on its slice as handed to its resident trainers, as a "
+                        "programme submitted with --resident runs (default: every start cold)")
     p.set_defaults(func=cmd_plan)
 
 
-# --- the whole programme, unattended (experiments/launcher/run_queue.py) -----------------------------------
-
-def _programme_dir(args: argparse.Namespace) -> Path:
-    return Path(args.state_dir) / args.name
-
+# --- the whole programme, unattended (experiments/launcher/queue_state.py, controller.py) ----------------
 
 def cmd_programme(args: argparse.Namespace) -> int:
     """A durable queue of the programme's variants on one or more preemptible TPU slices, each run
-    supervised, with a ledger of pod-hours, results and status (experiments/launcher/run_queue.py).
-    submit: the groups (or all), a subset of --variants, the slices, a --budget in pod-hours (with
-    the plan's --plan CSV) and the --order; a preflight composes every variant first. run: the
-    controller (one at a time; run it again after any stop to carry on, here or on another
-    machine with --mirror). status: the table (and <state dir>/<name>/status.html). stop: the
-    running variants checkpoint and the controller ends. retry / skip a variant. stop, retry, skip
-    and budget are requests left for the controller, here and on the mirror: a controller on
-    another machine sees them there. repair: a state directory with a damaged file gets the
-    mirror's copy (what was in the way is kept beside it). A damaged state file is one `error:`
-    line naming it (exit 2), a state file that cannot be written one too (exit 6); nothing is
-    changed then."""
-    from experiments.launcher import queue_status, run_queue  # here: JAX, Hydra take seconds to import
+    supervised, with a ledger of pod-hours, results and status. The verbs: `programme VERB --help`;
+    at work: docs/OPERATIONS.md, "Running the whole programme unattended". A damaged state file is
+    one `error:` line naming it (exit 2), one that cannot be written one too (exit 6)."""
+    from experiments.launcher import controller, queue_state, queue_status  # here: JAX, Hydra take seconds to import
     from experiments.launcher.ledger import StateWriteError, Verb, write_text
 
     try:
-        check_args(args, {"--budget": run_queue.BUDGET, "hours": run_queue.BUDGET}, UserError)
+        check_args(args, {"--budget": queue_state.BUDGET, "hours": queue_state.BUDGET}, UserError)
         _check_programme_names(args)
-        directory = _programme_dir(args)
+        directory = Path(args.state_dir) / args.name
         if args.verb == "submit":
             return _programme_submit(args, directory)
         if args.verb == "run":
-            return run_queue.run(directory, args.mirror)
+            return controller.run(directory, args.mirror)
         if args.verb == "repair":
-            print(run_queue.repair(directory, args.mirror))
+            print(queue_state.repair(directory, args.mirror))
             return 0
-        state = run_queue.State(directory)
+        state = queue_state.State(directory)
         state.load(args.mirror)
         if args.verb == "status":
             sys.stdout.write(queue_status.text(state.sub, state.ledger))
@@ -712,10 +639,20 @@ def _check_programme_names(args: argparse.Namespace) -> None:
                             "them")
 
 
-def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
-    from experiments.launcher import run_queue  # here: JAX, Hydra take seconds to import
+def _preflight(sub) -> bool:
+    """The submission's preflight passed; else each problem is one `error:` line."""
+    from experiments.launcher import queue_state
 
-    state = run_queue.State(directory)
+    problems = queue_state.preflight(sub)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return not problems
+
+
+def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
+    from experiments.launcher import controller, queue_state  # here: JAX, Hydra take seconds to import
+
+    state = queue_state.State(directory)
     state.check_layout()
     held = [name for name in ("programme.json", "ledger.json") if (directory / name).exists()]
     if held:
@@ -723,31 +660,28 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
                            f"{args.name}` carries it on (or submit under another name)")
     if not args.slice:
         raise pod.PodError("give the slices to run on: --slice NAME (one or more)")
-    if args.mirror and run_queue.read_mirror(args.mirror):
+    if args.mirror and queue_state.read_mirror(args.mirror):
         raise UserError(f"the mirror {args.mirror} already holds a programme's state: `programme run {args.name} "
                         f"--mirror {args.mirror}` takes it over, or give another --mirror")
     state.check_writable()  # before the preflight, which composes every variant
-    variants = run_queue.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
-    planned = run_queue.read_plan(Path(args.plan)) if args.plan else {}
-    args.overrides = run_queue.with_executables(args.overrides, planned, variants)
+    variants = queue_state.choose_variants(args.groups, args.variants.split(",") if args.variants else [])
+    planned = queue_state.read_plan(Path(args.plan)) if args.plan else {}
+    args.overrides = queue_state.with_executables(args.overrides, planned, variants)
     if args.order == "cheapest":
         variants.sort(key=lambda v: (planned.get(v) or {}).get("pod_hours") or float("inf"))
-    sub = run_queue.Submission(
+    sub = queue_state.Submission(
         name=args.name, variants=variants, slices=args.slice, zone=args.zone, project=args.project,
         accelerator_type=args.accelerator_type, runtime_version=args.runtime_version, tier=args.tier,
         queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
         forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
         max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
         stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak,
-        resident=not args.no_resident)
-    run_queue.check_run_ids(sub)
-    problems = run_queue.preflight(sub)
-    for line in problems:
-        print(f"error: {line}", file=sys.stderr)
-    if problems:
+        resident=args.resident)
+    queue_state.check_run_ids(sub)
+    if not _preflight(sub):
         return EXIT_USER_ERROR
     state.create(sub)  # a write that fails: exit 6, nothing left half-submitted
-    return run_queue.run(directory, args.mirror) if args.run else 0
+    return controller.run(directory, args.mirror) if args.run else 0
 
 
 def _add_programme(sub: argparse._SubParsersAction) -> None:
@@ -769,30 +703,23 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--variants", default=None, help="only these (group/variant or variant, comma-separated)")
     q.add_argument("--slice", action="append", default=[], metavar="TPU",
                    help="a TPU VM slice to run on (repeatable: one variant per slice at a time, in parallel)")
-    q.add_argument("--zone", required=True)
-    q.add_argument("--project", default=None)
-    q.add_argument("--accelerator-type", required=True, help="e.g. v4-64 (to create the slices)")
-    q.add_argument("--runtime-version", required=True, help="TPU software version, e.g. tpu-ubuntu2204-base")
-    _add_tier(q)
+    _add_slice(q, required=True)
     q.add_argument("--queued", action="store_true", help="create each slice through a queued resource <slice>-qr")
     q.add_argument("--budget", type=float, default=None, help="pod-hours: no variant starts past it (needs --plan)")
     q.add_argument("--plan", default=None, metavar="CSV", help="the CSV of `launch.py plan` (planned pod-hours)")
     q.add_argument("--order", choices=("plan", "cheapest"), default="plan",
                    help="plan: the groups and variants in order (default); cheapest: fewest planned pod-hours first")
-    q.add_argument("--repo-dir", default=pod.DEFAULT_REPO_DIR)
     q.add_argument("--clone-url", default=None, metavar="URL", help="as supervise: the repo for fresh disks")
-    q.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE")
-    q.add_argument("--forward-env", action="append", default=[], metavar="NAME")
+    _add_env(q)
     q.add_argument("--max-restarts", type=int, default=10, help="per variant (default: %(default)s)")
     q.add_argument("--poll-seconds", type=float, default=30.0)
     q.add_argument("--backoff-seconds", type=float, default=120.0)
     q.add_argument("--stop-grace", type=float, default=30.0)
     q.add_argument("--create-attempts", type=int, default=3,
                    help="refused creates in a row before a variant gives its slice up (default: %(default)s)")
-    q.add_argument("--no-resident", action="store_true",
-                   help="start every variant in fresh trainer processes (default: a variant after another on its "
-                        "slice runs in the resident trainers the one before left: experiments/launcher/worker/"
-                        "resident.py)")
+    q.add_argument("--resident", action="store_true",
+                   help="a variant after another on its slice runs in the resident trainers the one before left "
+                        "(experiments/launcher/worker/resident.py; default: every variant in fresh trainer processes)")
     q.add_argument("--infra-streak", type=int, default=3,
                    help="the same infrastructure failure ending this many variants in a row stops the controller "
                         "(default: %(default)s)")
@@ -842,10 +769,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that take a path or a name: the empty string names nothing (as a path, the working directory).
+_NAMED = ("--accelerator-type", "--cache-dir", "--calibrate-from", "--clone-url", "--csv", "--git-ref", "--html",
+          "--log-dir", "--mirror", "--outputs", "--plan", "--project", "--queued-resource", "--repo-dir", "--root",
+          "--run-id", "--runtime-version", "--script", "--ship-from", "--slice", "--state-dir", "--topology", "--tpu",
+          "--zone")
+
+
 @_user_errors
 def check_options(args: argparse.Namespace) -> int:
     """The numbers in range (_RULES) and every --forward-env name set, before anything starts."""
     check_args(args, _RULES.get(args.command, {}), pod.PodError)
+    check_given(args, _NAMED, pod.PodError)
     pod.check_forwarded(getattr(args, "forward_env", None) or (), os.environ)
     return 0
 
@@ -854,8 +789,13 @@ def main(argv: list[str] | None = None) -> int:
     ours, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(ours)
     args.overrides = overrides
-    return check_options(args) or args.func(args)
+    try:
+        return check_options(args) or args.func(args)
+    except KeyboardInterrupt:  # a command that does not stop its own way on Ctrl-C (plan...): one line, no traceback
+        print(f"error: {interrupted(f'launch.py {args.command} stopped before it finished')}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
+    console_logging(logging.WARNING, "%(message)s")  # the process's (libraries one line each), not an in-process caller's
     sys.exit(main())

@@ -33,6 +33,38 @@ GROUP_FILE = "group.yaml"
 BASELINE = "baseline/trm_sudoku_extreme"  # the experiment every TRM group varies
 PRIMARY = "eval/exact_accuracy"
 
+# The W&B keys every run of a family logs, and what each shows: docs/EXPERIMENTS.md's table and
+# the group READMEs (experiments/readmes.py) are written from these; a group's own keys are in
+# its group.yaml (`readme.watch`). Families: experiments/compose.py `family`.
+WANDB_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "trm": (
+        (PRIMARY, "**primary**: share of held-out puzzles solved exactly (EMA weights when EMA is on)"),
+        ("eval/token_accuracy", "share of cells predicted right"),
+        ("eval/steps", "mean ACT steps in evaluation; every row runs `halt_max_steps`, so it equals that value"),
+        ("train/steps", "mean ACT step at which training rows halted (learned halting; `eval/steps` cannot show it)"),
+        ("train/lm_loss", "stablemax cross-entropy of the training rows"),
+        ("train/q_halt_accuracy", "how often the halting head's \"solved\" call is right"),
+        ("train/grad_norm", "global gradient norm"),
+        ("perf/examples_per_sec", "training throughput"),
+        ("perf/compiled_temp_gib", "per-device temporaries of the compiled train step (logged once, at start)"),
+        ("model/params", "parameter count (logged once)"),
+        ("eval_subset/exact_accuracy_stderr", "standard error of the exact accuracy on the seeded evaluation subset"),
+    ),
+    "gemma": (
+        ("eval/answer_exact_match", "**primary**: share of greedy answers whose `<answer>` matches (first "
+                                    "`data.eval_generate_examples` test prompts)"),
+        ("eval/format_adherence", "share of greedy answers in the `<reasoning>...</reasoning><answer>...</answer>` format"),
+        ("eval/loss", "held-out next-token loss on the model turns"),
+        ("train/loss", "training next-token loss on the model turns"),
+        ("train/grad_norm", "global gradient norm (before clipping at 1.0)"),
+        ("perf/examples_per_sec", "training throughput in examples"),
+        ("perf/tokens_per_sec", "training throughput in tokens"),
+        ("perf/mfu", "model FLOPs utilisation"),
+        ("perf/compiled_temp_gib", "per-device temporaries of the compiled train step (logged once)"),
+        ("model/params", "parameter count (logged once)"),
+    ),
+}
+
 
 class GroupFileError(UserError):
     """A group folder whose group.yaml is missing, malformed or names something that is not there."""
@@ -60,6 +92,7 @@ class Group:
     varies_keys: tuple[str, ...] = ()  # the resolved keys its variants may change (besides preset swaps)
     example_variants: tuple[str, ...] = ()  # run beside the baseline variant for the README's example plot
     smoke_variants: tuple[str, ...] = ()  # variants that add a code path: the tests train them for a few steps
+    readme: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # its README's own facts (experiments/readmes.py)
 
 
 # The metrics every group's table reports (EXPERIMENTS.md), beside its own `extra_metrics`.
@@ -142,6 +175,10 @@ def load_group(folder: Path) -> Group:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise GroupFileError(f"{where}: target must be a number, got {value!r}")
             spec[key] = float(value)
+        elif key == "readme":
+            if not isinstance(value, dict):
+                raise GroupFileError(f"{where}: readme must be a mapping of its README's facts (experiments/readmes.py), got {value!r}")
+            spec[key] = value
         elif key == "baseline_variant" and value is None:
             spec[key] = None
         elif not isinstance(value, str) or not value:
@@ -193,3 +230,13 @@ class _Groups(MutableMapping):
 
 
 GROUPS: MutableMapping[str, Group] = _Groups()
+
+
+def groups_named(names: list[str]) -> list[str]:
+    """The groups `names` names (none, or `all`: every group); a name of none is one UserError line
+    (a bad group.yaml: GroupFileError)."""
+    known = list(GROUPS)
+    unknown = [g for g in names if g not in known and names != ["all"]]
+    if unknown:
+        raise UserError(f"unknown group(s) {unknown}; the groups are {known} (or all)")
+    return known if names in ([], ["all"]) else names

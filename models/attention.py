@@ -112,7 +112,8 @@ class BlockStats:
     """The (q block, kv block) pairs a splash kernel visits for one head of one batch row."""
     padded: int
     block: int
-    visited: int  # pairs with any True in the mask (the kernel skips the others)
+    visited: float  # pairs with any True in the mask (the kernel skips the others); a layer mean (causal_stats)
+    q_per_kv: int = 1  # query heads per kv head (GQA): the dkv kernel's outputs are the kv heads'
 
 
 def block_stats(mask: np.ndarray) -> BlockStats:
@@ -148,6 +149,7 @@ def price_splash(name: str, types: str) -> tuple[float, float] | None:
     if kind is None or not found:
         return None
     dtype, rows, stats, head_dim = found[0]
+    rows *= stats.q_per_kv if kind == "splash_mha_dkv" else 1  # its outputs are [.., K, P, Dh]; it runs per q head
     item, length, block, visited = _ITEM[dtype], stats.padded, stats.block, stats.visited
     flops = rows * visited * SPLASH_PRODUCTS[kind] * 2 * block * block * head_dim
     row_stats = length * _LANES * 4
@@ -215,3 +217,84 @@ def splash_heads_major(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarra
     if interpret:
         return run(True)(q, k, v)
     return for_platform(q, k, v, tpu=run(False), default=run(True))
+
+
+# ---------------------------------------------------------------- causal splash (Gemma)
+
+def causal_visited(padded: int, block: int, window: Optional[int]) -> int:
+    """Block pairs a causal mask (with `window`: a key visible when key > query - window) leaves
+    non-empty, computed from the blocks' corners."""
+    q0 = np.arange(0, padded, block)[:, None]  # each q block's first row
+    k0 = np.arange(0, padded, block)[None, :]
+    seen = k0 <= q0 + block - 1  # some key at or before some query
+    if window is not None:
+        seen &= k0 + block - 1 > q0 - window  # some key inside the first query's window
+    return int(seen.sum())
+
+
+def causal_stats(padded: int, windows: list[Optional[int]], q_per_kv: int) -> BlockStats:
+    """The visited blocks of a stack whose layers have these windows (None: global), as their mean:
+    the layers' kernels have one shape, so a compiled step does not say which is which."""
+    block = block_size(padded)
+    visited = sum(causal_visited(padded, block, w) for w in windows) / len(windows)
+    return BlockStats(padded, block, visited, q_per_kv)
+
+
+_causal_kernels: dict[tuple, object] = {}
+
+
+def _causal_kernel(padded: int, heads: int, window: Optional[int], soft_cap: Optional[float], interpret: bool):
+    key = (padded, heads, window, soft_cap, interpret)
+    if key not in _causal_kernels:
+        b = block_size(padded)
+        sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+        shape = (padded, padded)
+        mask = sm.CausalMask(shape) if window is None else sm.LocalMask(shape, (window - 1, 0), 0)
+        with jax.ensure_compile_time_eval():
+            _causal_kernels[key] = sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                                      attn_logits_soft_cap=soft_cap, head_shards=1, q_seq_shards=1,
+                                                      interpret=interpret)
+    return _causal_kernels[key]
+
+
+def splash_causal(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: Optional[jax.Array] = None, *,
+                  window: Optional[int] = None, soft_cap: Optional[float] = None,
+                  interpret: bool = False) -> jax.Array:
+    """Causal attention by index in the splash kernel: q [B, T, H, Dh] (already scaled), k, v
+    [B, T, K, Dh] (K divides H; query head h reads kv head h // (H / K)) -> [B, T, H, Dh] in v's
+    dtype. `segment_ids` [B, T]: a key is visible only within its query's segment (packing);
+    `window`: only keys with index > query - window; `soft_cap`: logits tanh(s / cap) * cap.
+    The sequence is padded to a multiple of 128: no real query sees a padded key (they come
+    after it), the padded queries' rows are dropped. Per shard under a mesh (batch and heads)."""
+    batch, length, heads, head_dim = q.shape
+    padded = padded_length(length)
+
+    def heads_major(x):
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, padded - length), (0, 0)))
+
+    args = [heads_major(q), heads_major(k), heads_major(v)]
+    if segment_ids is not None:
+        args.append(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - length)), constant_values=-1))
+
+    def run(interpreted: bool):
+        def local(q, k, v, seg=None):  # one shard's batch rows and heads
+            kernel = _causal_kernel(padded, q.shape[1], window, soft_cap, interpreted)
+            if seg is None:
+                return jax.vmap(kernel)(q, k, v)
+            return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(s, s)))(q, k, v, seg)
+
+        def sharded(*args):
+            q_spec = activation_spec(("batch", "heads", None, None), args[0].shape)
+            if q_spec is None:
+                return local(*args)
+            kv_spec = activation_spec(("batch", "kv_heads", None, None), args[1].shape)
+            if kv_spec[1] != q_spec[1] and args[1].shape[1] > 1:  # groups split unlike their kv heads: keep heads whole
+                q_spec = kv_spec = jax.P(q_spec[0], None, None, None)
+            specs = (q_spec, kv_spec, kv_spec, jax.P(q_spec[0], None))[:len(args)]
+            return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=specs, out_specs=q_spec,
+                                 check_vma=False)(*args)
+        return sharded
+
+    out = run(True)(*args) if interpret else for_platform(*args, tpu=run(False), default=run(True))
+    return jnp.swapaxes(out[:, :, :length], 1, 2).astype(v.dtype)

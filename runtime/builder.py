@@ -50,6 +50,8 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
     ramp = config.curriculum.halt_exploration_prob
     exploration = (lambda step: ramp_value(ramp, step, plan.total_steps)) if ramp.on else None
     family = family_of(config.arch)
+    if family.check_platform is not None:
+        family.check_platform(config.arch, devices[0].platform, shape)
 
     def new_task(arch) -> Task:
         return family.build_task(arch, shape, init_states=init_states, exploration=exploration,

@@ -341,7 +341,7 @@ class Checkpoints:
                 move_step(source, target)
                 log.warning("checkpoint step %d in %s is unreadable (%s); moved it to %s", step, self.directory,
                             problem, target)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any failure to move it is said, then the barrier
                 failure = one_line(e)[:300] or type(e).__name__
         if jax.process_count() > 1:  # also the barrier: nobody relists before the move is done
             failed_on_0 = int(multihost_utils.broadcast_one_to_all(np.int32(bool(failure))))

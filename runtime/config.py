@@ -186,6 +186,9 @@ class RunConfig(Freezable):
     # a folder (local or gs://bucket/prefix) a run reads its train and eval steps from instead of
     # compiling them, where one of the same program is there; null = compile them.
     executables: Optional[str] = None
+    # The sha256 of the plan's manifest of that folder (`sha256:...`, which the plan prints and writes
+    # in its CSV): only files it vouches for are loaded (runtime/executables.py). Needed with executables.
+    executables_digest: Optional[str] = None
 
 
 @dataclass
@@ -204,7 +207,7 @@ class TrainConfig(Freezable):
     eval_every: int = 100  # >= 0; 0 = only at the end
     checkpoint_every: int = 100  # >= 0; 0 = only at the end
     # Also save when this many minutes have passed since the last save (> 0; null = off), decided
-    # by process 0's clock at log rows and agreed by all processes (Young's rule: docs/OPERATIONS.md).
+    # by process 0's clock at log rows and agreed by all processes (Young's rule: docs/BILL.md).
     checkpoint_every_minutes: Optional[float] = None
     # The same cadences in epochs (the reference's eval_interval); when set they replace the
     # above (>= 0; 0 = only at the end, as for the step forms).
@@ -477,8 +480,13 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     dataset_kind(config.data.name).validate(config.data)
 
     check_path_names(config)
+    check_not_empty(config)
     _check_compile_cache(config.run.compile_cache)
     check_folder("run.executables", config.run.executables, "null (compile every step)")
+    if config.run.executables is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", config.run.executables_digest or ""):
+        raise UserError(f"run.executables_digest={config.run.executables_digest!r}: give the sha256:... that `plan "
+                        "--executables` printed for the folder (its CSV's executables_digest; `programme submit --plan` "
+                        "passes it): a folder's files are loaded only where the manifest of that digest vouches for them")
     group, _, variant = (experiment or "").rpartition("/")
     if config.run.group is None:
         config.run.group = group or (experiment or "default")
@@ -506,6 +514,33 @@ def check_path_names(config: Config) -> None:
     if run_id is not None and not RUN_ID.fullmatch(str(run_id)):
         raise UserError(f"run.id={run_id!r} is not a run id: use 1-64 letters, digits, '.', '_' or '-', starting with "
                         "a letter or digit (it names the W&B run and its folders)")
+
+
+# Settings that take a topology, a path or a name, where the empty string means nothing (`if value:`
+# would read it as off, `value or default` as the default, a path join as the file system's root):
+# each with what it takes instead. run.compile_cache and run.executables: check_folder; the names of
+# folders: _PATH_NAMES.
+_NOT_EMPTY = {
+    "compile_only": "a TPU topology such as v5e-8, or leave it out to train",
+    "run.root": "a folder, local or gs://bucket/prefix",
+    "run.checkpoint.dir": "a folder, local or gs://bucket/prefix, or null (<output dir>/checkpoints)",
+    "data.path": "the dataset's folder, local or gs://bucket/prefix",
+    "data.tokenizer": "a tokenizer.model file, or null (<data.path>/tokenizer.model)",
+    "train.init_params_from": "a folder of imported parameters, or null (a random init)",
+    "distributed.coordinator_address": "worker 0's host or host:port, or null (found by the cluster's detection)",
+    "run.wandb.project": "a W&B project name",
+    "run.wandb.entity": "a W&B entity, or null (the API key's default)",
+}
+
+
+def check_not_empty(config: Config) -> None:
+    """No `_NOT_EMPTY` setting (nor a task's path) is the empty string or blank."""
+    values = {key: _get(config, key) for key in _NOT_EMPTY}
+    values |= {f"data.tasks.{name}.path": task.path for name, task in config.data.tasks.items()}
+    for key, value in values.items():
+        if isinstance(value, str) and not value.strip():
+            takes = _NOT_EMPTY.get(key, _NOT_EMPTY["data.path"])
+            raise UserError(f"{key}={value!r} is empty, which names nothing; give {takes}")
 
 
 def _check_compile_cache(value: Optional[str]) -> None:

@@ -45,13 +45,6 @@ def cpu_only_host() -> bool:
     return not any(glob.glob(pattern) for pattern in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*"))
 
 
-def _backends_started() -> bool:
-    from jax._src import xla_bridge  # no public equivalent; treat a JAX without it as started
-
-    started = getattr(xla_bridge, "backends_are_initialized", None)
-    return started is None or started()
-
-
 def _keep_freed_heap() -> bool:
     """glibc: serve large blocks from the heap (no mmap) and never trim it; False elsewhere."""
     if not sys.platform.startswith("linux"):
@@ -67,9 +60,14 @@ def _keep_freed_heap() -> bool:
 def tune_cpu_backend() -> bool:
     """Apply the settings above when JAX will run on the CPU and has not started its backends
     (they are read when the backend starts); True if applied."""
-    if os.environ.get("PODRUNNER_CPU_TUNING") == "off" or not cpu_only_host() or _backends_started():
+    if os.environ.get("PODRUNNER_CPU_TUNING") == "off" or not cpu_only_host():
         return False
     import jax  # here: pretrain_jax.py imports this module before JAX; only a CPU run needs it
+
+    from runtime.jax_internals import backends_started
+
+    if backends_started():
+        return False
 
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_experimental_ynn_fusion_type" not in flags:  # a user's own choice stands

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import jax
-from jax._src import cloud_tpu_init, clusters  # clusters: the detectors jax.distributed.initialize() runs
 
 from runtime import events, liveness
 from runtime.config import DistributedConfig
 from runtime.errors import EXIT_USER_ERROR, UserError, one_line
+from runtime.jax_internals import cluster_detected, detected_cluster, on_cloud_tpu_vm
 from runtime.watchdog import progress_phrase
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def worker_metadata(env: Mapping[str, str]) -> Optional[tuple[int, list[str]]]:
     Asked only on a TPU VM or when GCE_METADATA_IP points at a metadata server (as JAX honours
     it), so machines without one never wait on it.
     """
-    if env.get("GCE_METADATA_IP") is None and not _on_tpu_vm():
+    if env.get("GCE_METADATA_IP") is None and not on_cloud_tpu_vm():
         return None
     try:
         worker = int(metadata_attribute("agent-worker-number", env))
@@ -146,21 +146,12 @@ def metadata_attribute(key: str, env: Mapping[str, str]) -> str:
         return response.read().decode().strip()
 
 
-def _on_tpu_vm() -> bool:
-    return bool(cloud_tpu_init.running_in_cloud_tpu_vm)  # read now: set when JAX initialises libtpu
-
-
-def cluster_detected() -> bool:
-    """Whether JAX's auto-detection recognises this environment (TPU VM pod, SLURM, ...)."""
-    return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
-
-
 def detected_values(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[Optional[Explicit], str]:
     """The values JAX's cluster auto-detection would join with (its own detectors, run before joining
     so that the start-up barrier can use them), or None and why not."""
     try:
-        address, count, pid, local_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            env.get("JAX_COORDINATOR_ADDRESS"), None, None, None, None, cfg.initialization_timeout_s)
+        address, count, pid, local_ids = detected_cluster(env.get("JAX_COORDINATOR_ADDRESS"),
+                                                          cfg.initialization_timeout_s)
     except Exception as e:  # noqa: BLE001 - a detector that cannot reach its metadata
         return None, _short(e)
     if None in (address, count, pid):

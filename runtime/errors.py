@@ -24,6 +24,12 @@ EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s
 EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + 2  # SIGINT (Ctrl-C): 130
 
 
+def interrupted(what: str) -> str:
+    """The one line a command prints on Ctrl-C (SIGINT) before it exits EXIT_INTERRUPTED, as it
+    ends on SIGTERM: no traceback. `what`: what stopped, and what of it is left."""
+    return f"interrupted (SIGINT): {what}"
+
+
 class UserError(Exception):
     """Bad input the user can fix; the message is one line naming the fix."""
 
@@ -78,6 +84,14 @@ def storage_fix(fault: str | None, where: str) -> str:
 
 
 _OMEGACONF_TEMPLATES = ("$VALUE", "$KEY", "$FULL_KEY", "$OBJECT_TYPE", "$REF_TYPE")
+
+
+def end_progress_bars() -> None:
+    """Close the tqdm bars still open (each ends its line): an `error:` line printed next starts a line."""
+    from tqdm import tqdm  # here: this module is standard library only at its top
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def one_line(exc: BaseException) -> str:

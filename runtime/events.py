@@ -11,9 +11,10 @@ One JSON object per event, with `event`, `time` (Unix seconds) and `process`:
               at every log row, every commit and just before the end's event; cumulative (runtime/goodput.py)
 
 Process 0 appends them to `<output dir>/events.jsonl` (copied beside the checkpoints at every
-checkpoint, runtime/run_files.py) and prints each on stdout as `podrunner-event {json}`, the live
-stream a launcher reads; every other process prints its own `failed` only. A launcher finds the
-tag anywhere in a line (gcloud prefixes each worker's output), with `parse`.
+checkpoint, runtime/run_files.py). Where a launcher asks for them (the launch guard sets
+`wire.EVENTS_ENV`), each is also printed on stdout as an event line (runtime/wire.py), the live
+stream that launcher reads; every other process prints its own `failed` only. A person at a
+terminal sees the trainer's human lines instead.
 
 Exit codes say the same for a shell: 0 completed, EXIT_PREEMPTED (8) preempted with its
 checkpoint saved, the others in runtime/errors.py.
@@ -39,6 +40,7 @@ import threading
 import time
 from typing import Any, Mapping
 
+from runtime import wire
 from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST,
                             EXIT_RESIDENT_LOST, EXIT_STORAGE, EXIT_USER_ERROR)
 
@@ -49,7 +51,6 @@ except ImportError:  # Python 3.10 (a TPU VM's system python3): the same, by han
         __str__ = str.__str__
         __format__ = str.__format__
 
-TAG = "podrunner-event "
 FILE = "events.jsonl"
 
 
@@ -127,12 +128,11 @@ def detach() -> None:
 def emit(event: str, **fields: Any) -> dict[str, Any]:
     """Record one event (see the module docstring); a write that fails never stops the run."""
     record = {"event": event, "time": round(time.time(), 3), "process": _state["process"], **_plain(fields)}
-    text = json.dumps(record, allow_nan=False)
     with _lock:
         if _state["primary"] or event == Kind.FAILED:
-            _say(TAG + text)
+            _say(wire.event_line(record))
         if _state["path"]:
-            _append(_state["path"], text + "\n")
+            _append(_state["path"], json.dumps(record, allow_nan=False) + "\n")
     return record
 
 
@@ -152,18 +152,6 @@ def failed(exit_code: int, line: str, failure: Failure | str | None = None) -> N
 def failure_of(exc: BaseException) -> Failure | None:
     """The finer class an exception names for itself (e.g. LeaseHeld: Failure.LEASE_HELD), else None."""
     return Failure.of_label(getattr(exc, "failure", None))
-
-
-def parse(line: str) -> dict[str, Any] | None:
-    """The event in a line of a launch's output (the tag anywhere: gcloud may prefix it), else None."""
-    i = line.find(TAG)
-    if i < 0:
-        return None
-    try:
-        record = json.loads(line[i + len(TAG):])
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("event"), str) else None
 
 
 def read(path: str) -> list[dict[str, Any]]:
@@ -204,7 +192,10 @@ def _plain(value: Any) -> Any:
 
 
 def _say(text: str) -> None:
-    """stdout may be gone (a dropped ssh took the pipe's reader): the event file still has it."""
+    """On stdout only for a launcher that asked (wire.EVENTS_ENV); stdout may be gone (a dropped
+    ssh took the pipe's reader): the event file still has it."""
+    if os.environ.get(wire.EVENTS_ENV) != "1":
+        return
     try:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()

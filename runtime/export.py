@@ -11,26 +11,34 @@ On a pod, run it on every worker (like training) so each restores its shards.
 `--out` is written only when it is new, empty, or an earlier export (its EXPORT_MARKER, which
 lists the files it wrote: those are replaced, files of that earlier export the new one does
 not write are removed), unless `--overwrite` (the export's files replace those of the same
-name; nothing else is touched). A write that fails is one line, exit 6.
+name; nothing else is touched). A write that fails is one line, exit 6, and leaves `--out` as it
+found it: the files are written whole into STAGING inside it first, and take their places only
+once all are there, under a marker naming them and the earlier export's; a folder `--out` the
+export made is removed again. A staging folder left by a killed export is the next one's to clear.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import posixpath
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
-from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
-from runtime.ranges import Rule, at_least, check_args
+from runtime.atomic import write_whole
+from runtime.errors import EXIT_INTERRUPTED, StorageError, UserError, interrupted, one_line, storage_fault, storage_fix
+from runtime.ranges import Rule, at_least, check_args, check_given
+from runtime.run_log import console_logging
 from runtime.task import DataShape
 
 # fsspec, runtime.builder and runtime.registry (jax) are imported in the functions that use them: `--help` and
 # bad arguments answer in 0.1 s without them (the builder alone takes 3 s).
 
 EXPORT_MARKER = ".podrunner-export"
+STAGING = ".podrunner-export.partial"  # inside --out: the files of an export under way
 _RULES: dict[str, Rule] = {"--step": (at_least(0), ""), "--vocab-size": (at_least(1), "embedding rows")}
 
 
@@ -50,7 +58,8 @@ def earlier_export(out_dir: str, overwrite: bool) -> Optional[list[str]]:
             return []
         if not fs.isdir(root):
             raise UserError(f"--out {out_dir} is a file, not a folder; give a new folder (or an earlier export's)")
-        entries = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False))
+        entries = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)
+                         if posixpath.basename(p.rstrip("/")) != STAGING)  # a killed export's: ours
         if EXPORT_MARKER in entries:
             with fs.open(posixpath.join(root, EXPORT_MARKER)) as f:
                 return list(json.load(f).get("files", []))
@@ -70,27 +79,68 @@ def earlier_export(out_dir: str, overwrite: bool) -> Optional[list[str]]:
 def export_checkpoint(checkpoint_dir: str, out_dir: str, *, step: Optional[int] = None, overwrite: bool = False,
                       **options) -> int:
     """Export step `step` (default: the latest) of `checkpoint_dir` into `out_dir`; returns the
-    step exported. UserError (exit 2) for bad input, StorageError (exit 6) for a failed write."""
-    from runtime.builder import load_run_params  # jax: see the imports
+    step exported. UserError (exit 2) for bad input, StorageError (exit 6) for a failed write,
+    which leaves `out_dir` as it was (see the module docstring)."""
+    import jax  # see the imports
+
+    from runtime.builder import load_run_params
     from runtime.registry import family_of
 
     before = earlier_export(out_dir, overwrite)
     config, step, params = load_run_params(checkpoint_dir, step)
     task = family_of(config.arch).build_task(config.arch, DataShape(examples=0, vocab_size=1, seq_len=8))
     fs, root = _fs(out_dir)
-    try:
-        written = list(task.export(params, out_dir, data=config.data, **options) or [])
+    staging = posixpath.join(root, STAGING)
+    writer = jax.process_index() == 0  # the one that writes (every process takes part in the gathers)
+    made = writer and not fs.exists(root)
+    with _undone_on_failure(fs, root if made else staging, out_dir, undo=writer):  # Ctrl-C too
+        if writer and fs.exists(staging):  # a killed export's
+            fs.rm(staging, recursive=True)
+        written = list(task.export(params, f"{out_dir.rstrip('/')}/{STAGING}", data=config.data, **options) or [])
+    if written:
+        _put_in_place(fs, root, staging, written, before, {"checkpoint_dir": checkpoint_dir, "step": step},
+                      out_dir, made)
+    return step
+
+
+def _put_in_place(fs, root: str, staging: str, written: list[str], before: list[str], source: dict, out_dir: str,
+                  made: bool) -> None:
+    """Move the staged files over their places in `root`, marked first as this tool's (the new
+    files and the earlier export's), then drop the earlier export's files this one did not write."""
+    marker = f"{out_dir.rstrip('/')}/{EXPORT_MARKER}"
+    with _undone_on_failure(fs, root if made else staging, out_dir):
+        for name in written:
+            if fs.isdir(posixpath.join(root, name)):  # nothing moved yet: the folder is as it was
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", posixpath.join(root, name))
+        if set(written) - set(before):  # a file the marker does not name yet is about to appear
+            write_whole(marker, json.dumps({**source, "files": sorted(set(before) | set(written))}, indent=1))
+    # From here the folder is marked as this tool's: after a failure, the same export again completes it.
+    with _undone_on_failure(fs, staging, out_dir, undo=False):
+        for name in written:
+            fs.mv(posixpath.join(staging, name), posixpath.join(root, name))
         for name in sorted(set(before) - set(written)):  # an earlier export's files this one does not replace
             if fs.exists(posixpath.join(root, name)):
                 fs.rm(posixpath.join(root, name))
-        if written:
-            with fs.open(posixpath.join(root, EXPORT_MARKER), "w") as f:
-                json.dump({"checkpoint_dir": checkpoint_dir, "step": step, "files": written}, f, indent=1)
-    except OSError as e:
-        fault = storage_fault(e)
-        raise StorageError(f"cannot write the export to {out_dir} ({fault or one_line(e)[:200]}); "
-                           f"{storage_fix(fault, out_dir)} and export again") from e
-    return step
+        write_whole(marker, json.dumps({**source, "files": written}, indent=1))
+        fs.rm(staging, recursive=True)
+
+
+@contextlib.contextmanager
+def _undone_on_failure(fs, path: str, out_dir: str, *, undo: bool = True) -> Iterator[None]:
+    """When the block fails: `path` (what it wrote: the staging folder, or the folder the export
+    made) removed if `undo` and it can be, and an OSError raised as the export's StorageError."""
+    try:
+        yield
+    except BaseException as e:
+        if undo:
+            with contextlib.suppress(OSError):
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
+        if isinstance(e, OSError):
+            fault = storage_fault(e)
+            raise StorageError(f"cannot write the export to {out_dir} ({fault or one_line(e)[:200]}); "
+                               f"{storage_fix(fault, out_dir)} and export again") from e
+        raise
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -106,9 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokenizer", help="the tokenizer whose special token ids the export records (default: the "
                     "run's, from its data config)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         check_args(args, _RULES, UserError)
+        check_given(args, ("--checkpoint-dir", "--out", "--tokenizer"), UserError)  # --out '': the working directory
         step = export_checkpoint(args.checkpoint_dir, args.out, step=args.step, overwrite=args.overwrite,
                                  dtype=args.dtype, vocab_size=args.vocab_size, tokenizer=args.tokenizer)
     except UserError as e:
@@ -117,9 +167,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return UserError.exit_code
+    except KeyboardInterrupt:
+        line = interrupted(f"the export stopped; --out {args.out} is as it was (or, cut short as its files took "
+                           "their places, marked as an export that the same command completes)")
+        print(f"error: {line}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"exported step {step} of {args.checkpoint_dir} to {args.out}")
     return 0
 
 
 if __name__ == "__main__":
+    console_logging(logging.WARNING, "%(levelname)s %(message)s")  # the process's: not under an in-process caller
     sys.exit(main())

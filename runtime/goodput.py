@@ -2,7 +2,7 @@
 
 The categories use the vocabulary of Google's ml-goodput-measurement (MaxText's goodput
 library, its `BadputType`) where one fits, and the names `launch.py plan` prices by
-(experiments/bill.py), so the plan's columns and a run's measurements line up:
+(experiments/plan/bill.py), so the plan's columns and a run's measurements line up:
 
   runtime_startup     the process's start (its /proc/self/stat start time, so Python's and jax's
                       imports count) to the TPU backend and jax.distributed being up (TPU_INITIALIZATION)
@@ -34,16 +34,37 @@ library only: the tests drive it with a fake clock.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import time
 from typing import Callable, Iterator
 
 from runtime import events
 
-RUNTIME_STARTUP, DATA_LOADING, PROGRAM_STARTUP = "runtime_startup", "data_loading", "program_startup"
-CHECKPOINT_SAVE, CHECKPOINT_RESTORE, EVAL, TRAIN, OTHER = "checkpoint_save", "checkpoint_restore", "eval", "train", "other"
-CATEGORIES = (RUNTIME_STARTUP, DATA_LOADING, PROGRAM_STARTUP, CHECKPOINT_SAVE, CHECKPOINT_RESTORE, EVAL, TRAIN, OTHER)
-PRODUCTIVE = (TRAIN, EVAL)  # the issue's productive time: train steps and the evaluations the protocol asks for
+
+class Category(enum.StrEnum):
+    """Where paid time goes (the values are in events and ledgers on disk: never rename one). The
+    trainer's own, then the controller's: setup while READY (the workers' setup or check, a
+    launch's ssh), steps replayed after a disruption (WASTED_PROGRESS_FROM_DISRUPTION), a slice
+    READY with nothing running. In this order in the plan's CSV and a programme's account."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    SETUP = "setup"
+    RUNTIME_STARTUP = "runtime_startup"
+    DATA_LOADING = "data_loading"
+    PROGRAM_STARTUP = "program_startup"
+    CHECKPOINT_SAVE = "checkpoint_save"
+    CHECKPOINT_RESTORE = "checkpoint_restore"
+    WASTED_PROGRESS = "wasted_progress"
+    IDLE = "idle"
+    OTHER = "other"
+
+
+# the trainer's own (its `timing` event's), in that event's order
+CATEGORIES = (Category.RUNTIME_STARTUP, Category.DATA_LOADING, Category.PROGRAM_STARTUP, Category.CHECKPOINT_SAVE,
+              Category.CHECKPOINT_RESTORE, Category.EVAL, Category.TRAIN, Category.OTHER)
+PRODUCTIVE = (Category.TRAIN, Category.EVAL)  # train steps and the evaluations the protocol asks for
 _KEEP_SPANS = 256  # compile spans kept to merge nested ones (a trace's inner jits end before it does)
 
 
@@ -98,7 +119,7 @@ class Timing:
         finally:
             del self._open[next(i for i, e in enumerate(self._open) if e is entry)]
             elapsed = self.clock() - entry[1]
-            if category != OTHER:
+            if category != Category.OTHER:
                 self._seconds[category] += max(0.0, elapsed - entry[2])
             if self._open:
                 self._open[-1][2] += elapsed
@@ -114,7 +135,7 @@ class Timing:
         self._spans.append((lo, hi))
         del self._spans[:-_KEEP_SPANS]
         new = max(0.0, end - start - covered)
-        self._seconds[PROGRAM_STARTUP] += new
+        self._seconds[Category.PROGRAM_STARTUP] += new
         if self._open:  # the block it happened in does not count it
             self._open[-1][2] += new
 
@@ -130,11 +151,11 @@ class Timing:
         inner = 0.0  # the open block inside this one: its time is its own
         for category, start, taken in reversed(self._open):
             elapsed = now - start
-            if category != OTHER:
+            if category != Category.OTHER:
                 seconds[category] += max(0.0, elapsed - taken - inner)
             inner = elapsed
-        out = {k: round(v, 3) for k, v in seconds.items() if k != OTHER}
-        out[OTHER] = round(round(now - self.started, 3) - sum(out.values()), 3)
+        out = {k: round(v, 3) for k, v in seconds.items() if k != Category.OTHER}
+        out[Category.OTHER] = round(round(now - self.started, 3) - sum(out.values()), 3)
         return {k: out[k] for k in CATEGORIES}
 
     def cache_counts(self) -> tuple[int, int]:

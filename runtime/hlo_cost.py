@@ -163,9 +163,11 @@ def executions(comps: dict[str, list[str]], entry: str, *, unroll: bool = True,
                loops_and_calls_only: bool = False) -> tuple[dict[str, float], list[str]]:
     """({computation: times it runs per step}, the conditions of loops whose trip count is
     unreadable, each counted once). unroll=False counts every loop body once (as XLA's
-    cost_analysis does). loops_and_calls_only: follow while bodies and `call`s only (the
-    computations whose ops carry the TPU compiler's per-op estimates), not fusions, reducers or
-    async computations."""
+    cost_analysis does). loops_and_calls_only: follow while bodies, `call`s and conditionals'
+    branches only (the computations whose ops carry the TPU compiler's per-op estimates), not
+    fusions, reducers or async computations. Each of a conditional's n branches counts 1/n of
+    its runs (Gemma's local and global layers share a scanned body and pick their attention
+    kernel by `lax.cond`; models/attention.py prices both kernels at the layers' mean)."""
     counts: dict[str, float] = defaultdict(float)
     unreadable: list[str] = []
 
@@ -189,13 +191,16 @@ def executions(comps: dict[str, list[str]], entry: str, *, unroll: bool = True,
                 if cond not in path and not loops_and_calls_only:
                     visit(cond, times * (trips + 1), path + (cond,))
                 continue
-            if loops_and_calls_only and " call(" not in line:
+            branching = " conditional(" in line
+            if loops_and_calls_only and " call(" not in line and not branching:
                 continue
             callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for group in _CALLEE_LIST.findall(line)
                                               for c in group.split(",") if c.strip()]
-            for callee in dict.fromkeys(callees):
+            callees = list(dict.fromkeys(callees))
+            share = 1 / len(callees) if branching and callees else 1  # which branch runs is not in the HLO
+            for callee in callees:
                 if callee in comps and callee not in path:
-                    visit(callee, times, path + (callee,))
+                    visit(callee, times * share, path + (callee,))
 
     visit(entry, 1.0, (entry,))
     return dict(counts), unreadable
@@ -233,10 +238,18 @@ def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None, float]]:
     fusion counts as a reduce-scatter. Within one computation every op counts (XLA may give
     several the same channel_id: the n-th of a channel and size is matched across computations).
     """
+    for kind, nbytes, group, runs, _ in _collective_table(hlo).values():
+        yield kind, nbytes, group, runs
+
+
+@functools.lru_cache(maxsize=2)
+def _collective_table(hlo: str) -> dict[tuple, list]:
+    """`collective_ops`' ops by key: [kind, bytes, group, runs, channel id or None]."""
     comps, times = _runs(hlo)
-    ops: dict[tuple[str, str], list] = {}
+    ops: dict[tuple, list] = {}
     for computation, lines in comps.items():
         sizes: dict[str, int] = {}
+        channels: dict[str, re.Match | None] = {}
         nth: dict[tuple, int] = defaultdict(int)
         for line in lines:
             m = _INSTR.match(line)
@@ -244,12 +257,14 @@ def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None, float]]:
                 continue
             name, result, op, operands, attrs = m.groups()
             sizes[name] = _bytes(result)
+            channels[name] = channel = re.search(r"channel_id=(\d+)", attrs)
             kind = op.removesuffix("-done")
             if kind not in COLLECTIVES or op.endswith("-start"):  # -start/-done pairs: the done holds the result
                 continue
             if kind == "all-reduce" and computation.startswith("all-reduce-scatter"):
                 kind = "reduce-scatter"
-            channel = re.search(r"channel_id=(\d+)", attrs)
+            if channel is None and op.endswith("-done"):  # its start's
+                channel = channels.get(operands.split(",")[0].split()[-1].lstrip("%"))
             operand_bytes = sum(sizes.get(o.strip().lstrip("%"), 0) for o in re.sub(r"/\*.*?\*/", "", operands).split(","))
             nbytes = sizes[name] if op.endswith("-done") else max(sizes[name], operand_bytes)
             key = (kind, channel.group(1), nbytes) if channel else (kind, f"{computation}/{name}", nbytes)
@@ -257,11 +272,10 @@ def collective_ops(hlo: str) -> Iterator[tuple[str, int, int | None, float]]:
             key += (nth[key],)
             runs = times.get(computation, 1.0) or 1.0
             if key not in ops:
-                ops[key] = [kind, nbytes, _group_size(attrs), runs]
+                ops[key] = [kind, nbytes, _group_size(attrs), runs, channel.group(1) if channel else None]
             else:
                 ops[key][3] = max(ops[key][3], runs)
-    for kind, nbytes, group, runs in ops.values():
-        yield kind, nbytes, group, runs
+    return ops
 
 
 def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
@@ -273,16 +287,85 @@ def collective_bytes(hlo: str) -> dict[str, tuple[int, int]]:
     return {k: (int(out[k][0]), int(out[k][1])) for k in COLLECTIVES}
 
 
+def _wire_share(kind: str, n: int) -> float:
+    """The share of a collective's buffer each chip sends, by the ring algorithm over a group of n."""
+    return 1.0 if kind == "collective-permute" else (n - 1) / n * (2 if kind == "all-reduce" else 1)
+
+
 def wire_bytes(hlo: str, devices: int) -> float:
     """Bytes each chip sends per step for the HLO's collectives, by the ring algorithm over a group
     of n: all-reduce 2(n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all (n-1)/n,
     collective-permute all of it; a group not stated spans all `devices`. Every run of a loop counts."""
-    total = 0.0
-    for kind, nbytes, n, runs in collective_ops(hlo):
-        n = n or devices
-        share = 1.0 if kind == "collective-permute" else (n - 1) / n * (2 if kind == "all-reduce" else 1)
-        total += share * nbytes * runs
-    return total
+    return sum(_wire_share(kind, n or devices) * nbytes * runs for kind, nbytes, n, runs in collective_ops(hlo))
+
+
+_ASYNC_CALLS = {"AsyncCollectiveStart": 1, "AsyncCollectiveDone": -1}  # TPU's async collective fusions
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def _async_edge(op: str, attrs: str, comps: dict[str, list[str]]) -> tuple[int, str | None]:
+    """(+1 an async collective starts, -1 one is done, 0 neither; the computation holding the
+    collective it starts): `<collective>-start` / `-done` and `async-start` / `-done` ops, or TPU's
+    fusions whose root is an AsyncCollectiveStart / AsyncCollectiveDone custom call."""
+    base = op.removesuffix("-start").removesuffix("-done")
+    callee = re.search(r"\bcalls=%?([\w.\-]+)", attrs)
+    if base in COLLECTIVES or base == "async":
+        if op.endswith("-start"):
+            return 1, callee.group(1) if callee else None
+        return (-1 if op.endswith("-done") else 0), None
+    if op in ("fusion", "custom-call"):
+        target = re.search(r'custom_call_target="(\w+)"', attrs) if op == "custom-call" else None
+        if target is None and callee:
+            root = next((line for line in comps.get(callee.group(1), ()) if line.lstrip().startswith("ROOT ")), "")
+            target = re.search(r'custom_call_target="(\w+)"', root)
+        edge = _ASYNC_CALLS.get(target.group(1), 0) if target else 0
+        return edge, callee.group(1) if edge == 1 and callee else None
+    return 0, None
+
+
+def overlapped_collectives(hlo: str, devices: int) -> list[tuple[float, float, float]]:
+    """For each computation that starts collectives asynchronously: (bytes each chip sends for
+    them per run, the share of the step's estimated cycles, every loop iteration counted, of the
+    ops scheduled while any of them is in flight, times it runs per step). The compiled schedule
+    is the order of a computation's instructions; what runs between a start and its done is
+    compute that the transfer can hide behind (`hidden_collective_seconds`)."""
+    comps, entry = computations(hlo)
+    every, unreadable = executions(comps, entry, loops_and_calls_only=True)
+    total = sum(times * sum(int(c) for line in comps[name] for c in _CYCLES.findall(line)) for name, times in every.items())
+    if unreadable or total <= 0:
+        return []
+    by_channel = defaultdict(float)
+    for kind, nbytes, n, _, channel in _collective_table(hlo).values():
+        if channel is not None:
+            by_channel[channel] += _wire_share(kind, n or devices) * nbytes
+    out = []
+    for name, times in every.items():
+        in_flight, covered, launched = 0, 0, set()
+        for line in comps[name]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            edge, holder = _async_edge(m.group(3), m.group(5), comps)
+            if edge == 1:
+                in_flight += 1
+                lines = comps.get(holder, []) if holder else [line]
+                launched |= {c for held in lines for c in re.findall(r"channel_id=(\d+)", held)}
+            elif edge == -1:
+                in_flight = max(0, in_flight - 1)
+            elif in_flight:
+                covered += sum(int(c) for c in _CYCLES.findall(line))
+        if launched:
+            out.append((sum(by_channel[c] for c in launched), covered / total, times))
+    return out
+
+
+def hidden_collective_seconds(hlo: str, devices: int, compute_s: float, ici_bytes_s: float) -> float:
+    """Collective time per step that the schedule overlaps with compute: in each computation that
+    starts collectives asynchronously, per run, min(their wire time, the compute scheduled while
+    they are in flight), the compute read as its share of the step's cycles times `compute_s`.
+    Collectives that are not asynchronous, and kernels (no cycle estimate), hide nothing."""
+    return sum(runs * min(nbytes / ici_bytes_s, share * compute_s)
+               for nbytes, share, runs in overlapped_collectives(hlo, devices))
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ So before `jax.distributed.initialize`, process 0 listens on a second TCP port
 connects and says who it is (process id, host, process count). When
 `distributed.initialization_timeout_s` passes, process 0 knows exactly who is missing and tells
 the others; every process prints the same one line and exits 2. JAX's own deadline starts only
-after this barrier, so its abort never comes first. A plain TCP port is what a TPU pod's internal
-network already allows between workers (as for the coordinator's port); the hub is a star around
-process 0 (8 hosts: 7 connections), which is where JAX's coordinator lives too.
+after this barrier, so its abort never comes first. Before the go, process 0 checks that JAX's
+coordinator can listen on its port: a taken one is that same one line (exit 2), not gRPC's
+`Failed to add port` and a crash that differs from run to run. A plain TCP port is what a TPU
+pod's internal network already allows between workers (as for the coordinator's port); the hub is
+a star around process 0 (8 hosts: 7 connections), which is where JAX's coordinator lives too.
 
 The same connections then stay open as the liveness channel, with heartbeats every
 `timeout_s / 6` both ways: a process that dies has its sockets closed by the kernel at once; a
@@ -126,20 +128,42 @@ def _names(ids: Sequence[int], hosts: dict[int, str]) -> str:
     return ("process " if len(parts) == 1 else "processes ") + ", ".join(parts)
 
 
+def _bind(port: int) -> socket.socket:
+    """A socket listening on `port` on every interface (as JAX's coordinator binds); OSError if taken."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+    return socket.create_server(("", port), backlog=1024)
+
+
+def _why(e: OSError) -> str:
+    """"Address already in use", without create_server's "(while attempting to bind ...)"."""
+    return os.strerror(e.errno) if e.errno else str(e)
+
+
 def listen(port: int) -> socket.socket:
-    """Process 0's listening socket, on every interface (as JAX's coordinator binds)."""
+    """Process 0's listening socket for the barrier and the liveness channel."""
     try:
-        if socket.has_dualstack_ipv6():
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
-        return socket.create_server(("", port), backlog=1024)
+        return _bind(port)
     except OSError as e:
-        raise UserError(f"process 0 cannot listen on liveness port {port} ({e.strerror or e}); free it or set "
+        raise UserError(f"process 0 cannot listen on liveness port {port} ({_why(e)}); free it or set "
                         "distributed.liveness_port to a free port, the same on every worker")
 
 
-def gather(listener: socket.socket, count: int, timeout_s: float, known_hosts: dict[int, str]) -> list[Link]:
-    """Process 0's side of the barrier: wait until processes 1..count-1 said hello, then tell them
-    to go. On a timeout or an inconsistency, tell the ones that joined why, and raise UserError."""
+def check_coordinator_port(port: int) -> None:
+    """UserError when process 0 cannot listen on JAX's coordinator port: gRPC's own failure to
+    bind it is a crash that differs from run to run (a segfault, or another process's echo first)."""
+    try:
+        _bind(port).close()
+    except OSError as e:
+        raise UserError(f"process 0 cannot start JAX's coordinator on port {port} ({_why(e)}); free it or set "
+                        "distributed.port (launch.py --port) to a free port, the same on every worker")
+
+
+def gather(listener: socket.socket, count: int, timeout_s: float, known_hosts: dict[int, str],
+           coordinator_port: Optional[int] = None) -> list[Link]:
+    """Process 0's side of the barrier: wait until processes 1..count-1 said hello, check that JAX's
+    coordinator can take `coordinator_port`, then tell them to go. On a timeout, an inconsistency
+    or a taken port, tell the ones that joined why (each says the same line), and raise UserError."""
     deadline = time.monotonic() + timeout_s
     joined: dict[int, Link] = {}
     selector = selectors.DefaultSelector()
@@ -162,6 +186,8 @@ def gather(listener: socket.socket, count: int, timeout_s: float, known_hosts: d
                     selector.register(conn, selectors.EVENT_READ, Link(-1, "", conn))
                 else:
                     _hear_hello(key.data, selector, joined, count, deadline)
+        if coordinator_port is not None:  # now, just before JAX binds it (every port the pod needs, before JAX)
+            check_coordinator_port(coordinator_port)
     except UserError as e:
         for link in joined.values():
             link.send(fail=str(e))
@@ -273,7 +299,7 @@ def _run_exit_hooks(code: int) -> None:
         def call(hook=hook):
             try:
                 hook(code)
-            except Exception:  # the exit line is already out; nothing to add
+            except Exception:  # noqa: BLE001 - the exit line is already out; nothing to add
                 pass
         worker = threading.Thread(target=call, name="abrupt-exit-hook", daemon=True)
         worker.start()
@@ -429,8 +455,10 @@ def rendezvous(coordinator_host: str, port: int, process_id: int, count: int, *,
     global _current
     if process_id == 0:
         listener = listen(port)
+        coordinator_port = coordinator.rpartition(":")[2]
         try:
-            links = gather(listener, count, join_timeout_s, dict(enumerate(hosts)))
+            links = gather(listener, count, join_timeout_s, dict(enumerate(hosts)),
+                           int(coordinator_port) if coordinator_port.isdigit() else None)
         finally:
             listener.close()
     else:

@@ -29,7 +29,7 @@ from runtime.config import Config, Plan
 from runtime.errors import EXIT_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED, UserError, one_line
 from runtime.evaluation import evaluate
 from runtime.executables import Ahead
-from runtime.goodput import CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, TRAIN, Timing
+from runtime.goodput import Category, Timing
 from runtime.metrics_sinks import MetricsSinks
 from runtime.perf import StepTimer, formula_flops_per_step, peak_flops_per_device
 from runtime.preemption import PreemptionWatcher
@@ -37,9 +37,6 @@ from runtime.task import Evaluator
 from runtime.watchdog import Watchdog
 
 log = logging.getLogger("runtime")
-# Called once a run's first step has been dispatched (its train step compiled): a resident trainer
-# starts compiling its next job's steps then (experiments/launcher/worker/resident.py).
-TRAINING_STARTED: list[Callable[[], None]] = []
 
 
 @dataclass
@@ -64,6 +61,9 @@ class LoopContext:
     check_outputs: Optional[Callable[[str], None]] = None
     timing: Timing = field(default_factory=Timing)  # the run's time account (a fresh one: from the loop's start)
     ahead: Ahead = field(default_factory=lambda: Ahead(None, None))  # steps compiled ahead (run.executables)
+    # Called once the first step has been dispatched (its train step compiled): a resident trainer
+    # compiles its next job's steps then (runtime/job.py `run_job`).
+    on_first_step: Optional[Callable[[], None]] = None
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -83,7 +83,7 @@ class _Progress:
 
     def __init__(self, ctx: LoopContext, state, position: int):
         self.ctx, self.state = ctx, state
-        with ctx.timing.measure(DATA_LOADING):
+        with ctx.timing.measure(Category.DATA_LOADING):
             self.first_batch = ctx.feeder.train_batch(position)
         self.compiled: dict[int, Any] = {}
         self.timer: StepTimer | None = None
@@ -150,7 +150,7 @@ class _Progress:
         """An evaluation: of the whole eval set when `final`, else of train.eval_subset of it."""
         ctx = self.ctx
         jax.block_until_ready(self.state)  # the steps still running are training's time, not evaluation's
-        with self.timer.paused(), ctx.timing.measure(EVAL):
+        with self.timer.paused(), ctx.timing.measure(Category.EVAL):
             self.eval_metrics = evaluate(ctx.steps.at_step(step), self.state, ctx.eval_feeder,
                                          ctx.config.data.eval_max_examples, ctx.evaluators,
                                          lambda: watchdog.beat(done, "eval"),
@@ -160,7 +160,7 @@ class _Progress:
     def save(self, done: int) -> None:
         ctx, plan = self.ctx, self.ctx.plan
         jax.block_until_ready(self.state)  # as for an evaluation: only the save's own blocking part counts
-        with self.timer.paused(), ctx.timing.measure(CHECKPOINT_SAVE):
+        with self.timer.paused(), ctx.timing.measure(Category.CHECKPOINT_SAVE):
             position = {"next_batch": done, "examples_seen": done * plan.global_batch_size,
                         "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
                         "seed": ctx.config.train.seed, "train_examples": plan.train_examples}
@@ -194,23 +194,22 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
     save_clock = SaveClock(ctx.config.train.checkpoint_every_minutes)
     batch, step = run.first_batch, position
     try:
-        with timing.measure(TRAIN):
+        with timing.measure(Category.TRAIN):
             for step in range(position, total):
                 run.profile(step)
                 run.state, metrics = run.step_fn(step)(run.state, batch)
-                if step == position:
-                    for hook in TRAINING_STARTED:
-                        hook()
+                if step == position and ctx.on_first_step is not None:
+                    ctx.on_first_step()
                 done = step + 1  # optimizer steps taken == index of the next global batch
                 timing.step_done(done)
                 last = done == total
                 if not last:
-                    with timing.measure(DATA_LOADING):
+                    with timing.measure(Category.DATA_LOADING):
                         batch = ctx.feeder.train_batch(done)  # host work overlaps the step running on device
                 run.pending.append((done, metrics))
                 watchdog.beat(done)
                 run.profile(step, done)
-                with timing.measure(CHECKPOINT_SAVE):
+                with timing.measure(Category.CHECKPOINT_SAVE):
                     ctx.ckpt.poll()  # a save finished meanwhile: its `checkpoint` event
                 preempted = preemption.should_stop(done)
                 noticed = time.time()
@@ -219,7 +218,7 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                     if not run.drain():
                         return EXIT_NONFINITE, "nonfinite", None
                     if log_row:
-                        with timing.measure(OTHER):
+                        with timing.measure(Category.OTHER):
                             ctx.sinks.log(done, run.train_metrics | run.timer.lap(done)
                                           | curriculum_metrics(ctx.config, step, total))
                             if ctx.check_outputs is not None:
@@ -234,7 +233,7 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                     save_clock.saved()
                 if preempted:
                     watchdog.beat(done, "preemption checkpoint")
-                    with timing.measure(CHECKPOINT_SAVE):
+                    with timing.measure(Category.CHECKPOINT_SAVE):
                         ctx.ckpt.wait()
                     log.warning("preempted (SIGTERM): checkpoint saved at step %d in %s; relaunch the same command to "
                                 "resume", done, plan.checkpoint_dir)

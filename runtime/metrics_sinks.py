@@ -1,4 +1,4 @@
-"""Where training metrics go: a JSONL file, Weights & Biases and a console progress bar.
+"""Where training metrics go: a JSONL file, Weights & Biases and the console (one human line per row).
 
 Only the primary process (JAX process 0) writes anything. Every other process builds
 the same object with ``is_primary=False`` so call sites need no ``if`` around them; on
@@ -47,16 +47,39 @@ class WandbMode(StrEnum):
     offline = "offline"  # W&B files under the run directory; `wandb sync` them later
     disabled = "disabled"  # no W&B at all (wandb.init is not called); metrics.jsonl only
 
-# Metrics shown in the progress bar postfix, matched on the last "/" segment of the key;
-# "train/" keys are shown without their prefix, others keep it ("eval/loss").
-HEADLINE_NAMES = {
-    "loss": "loss",
-    "lr": "lr",
-    "learning_rate": "lr",
-    "examples_per_sec": "ex/s",
-    "examples_per_second": "ex/s",
-    "examples_per_s": "ex/s",
-}
+# The held-out metric a row's line shows, the first of these a run has logged (the programme's
+# primary metric first: experiments/programme.py PRIMARY).
+EVAL_HEADLINES = ("eval/exact_accuracy", "eval/accuracy", "eval/token_accuracy", "eval/loss")
+
+
+def _duration(seconds: float) -> str:
+    """M:SS, H:MM:SS, or days and hours past a day."""
+    s = int(round(seconds))
+    if s >= 86400:
+        return f"{s // 86400}d{s // 3600 % 24:02d}h"
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def human_line(step: int, total: int, values: Mapping[str, Any], held_out: tuple[str, float] | None) -> str:
+    """One line a person reads for a logged row (MaxText's style; under 100 columns):
+    `step 120/200  loss 1.2345  exact_accuracy 0.512  0.041 s/step  390 ex/s  MFU 12.3%  ETA 0:03`.
+    A field the row does not have is left out; `held_out` is the latest held-out metric."""
+    parts = [f"step {step}/{total}"]
+    loss = values.get("train/loss")
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        parts.append(f"loss {loss:.5g}")
+    if held_out is not None:
+        parts.append(f"{held_out[0].rpartition('/')[2]} {held_out[1]:.4g}")
+    rate = values.get("perf/steps_per_sec")
+    if isinstance(rate, (int, float)) and rate > 0:
+        parts.append(f"{1 / rate:.3g} s/step")
+        if isinstance(values.get("perf/examples_per_sec"), (int, float)):
+            parts.append(f"{values['perf/examples_per_sec']:.4g} ex/s")
+        if isinstance(values.get("perf/mfu"), (int, float)):
+            parts.append(f"MFU {100 * values['perf/mfu']:.1f}%")
+        if total > step:
+            parts.append(f"ETA {_duration((total - step) / rate)}")
+    return "  ".join(parts)
 
 
 class WandbConsole(StrEnum):
@@ -153,7 +176,8 @@ class MetricsSinks:
         self._jsonl: LineFile | None = None
         self._bar: tqdm | None = None
         self._run: Any = None  # wandb Run; imported lazily so non-primary never loads wandb
-        self._postfix: dict[str, str] = {}
+        self._total = total_steps
+        self._held_out: tuple[str, float] | None = None  # the latest held-out metric, for the lines
         if not is_primary:
             return
 
@@ -204,8 +228,7 @@ class MetricsSinks:
                                                                      f"at step {int(step)}"):
                 self._check_wandb_dir(f"at step {int(step)}")
                 self._run.log(values, step=int(step))
-        if self._bar is not None:
-            self._update_bar(int(step), values)
+        self._console(int(step), values)
 
     def set_summary(self, metrics: Mapping[str, Any]) -> None:
         """Final metrics -> W&B run summary (JSONL/bar untouched)."""
@@ -286,26 +309,29 @@ class MetricsSinks:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exit_code=0 if exc_type is None else EXIT_FAILURE)
 
-    def _update_bar(self, step: int, values: Mapping[str, bool | int | float]) -> None:
-        assert self._bar is not None
-        for key, value in values.items():
-            prefix, _, last = key.rpartition("/")
-            short = HEADLINE_NAMES.get(last)
-            if short is None or isinstance(value, bool):
-                continue
-            label = short if prefix in ("", "train") else f"{prefix}/{short}"
-            self._postfix[label] = f"{value:.4g}"
-        self._bar.set_postfix(self._postfix, refresh=False)
-        # `step` counts completed steps; never move the bar backwards.
-        if step > self._bar.n:
+    def _console(self, step: int, values: Mapping[str, bool | int | float]) -> None:
+        """One human line per row with the loss or a held-out metric; on a terminal, a progress bar
+        below the lines too (off a terminal the lines are the progress: a bar would only add noise)."""
+        held_out = next(((k, float(values[k])) for k in EVAL_HEADLINES if isinstance(values.get(k), (int, float))),
+                        None)
+        if held_out is not None:
+            self._held_out = held_out
+        if "train/loss" in values or held_out is not None:
+            line = human_line(step, self._total, values, self._held_out)
+            if self._bar is not None:
+                self._bar.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
+        if self._bar is not None and step > self._bar.n:  # `step` counts completed steps: never backwards
             self._bar.update(step - self._bar.n)
 
 
-def _progress_bar(total_steps: int, start_step: int) -> tqdm:
-    # Off a TTY (CI, pod logs) every refresh would be a new log line: refresh rarely.
-    tty = sys.stderr.isatty()
-    return tqdm(total=total_steps, initial=start_step, file=sys.stderr, dynamic_ncols=tty,
-                mininterval=0.5 if tty else 60.0, unit="step")
+def _progress_bar(total_steps: int, start_step: int) -> tqdm | None:
+    """A bar on a terminal only: off one (CI, pod logs) every refresh would be a line of its own."""
+    if not sys.stderr.isatty():
+        return None
+    return tqdm(total=total_steps, initial=start_step, file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                unit="step")
 
 
 class LineFile:

@@ -1,5 +1,6 @@
 """Preemption: on SIGTERM (TPU maintenance, spot preemption) every process stops at the same
-step, saves a checkpoint and exits 0; the next launch resumes from it.
+step, saves a checkpoint and exits 8 (`EXIT_PREEMPTED`, runtime/errors.py); the next launch
+resumes from it.
 
 With jax.distributed up, JAX's preemption service catches SIGTERM and agrees with the other
 processes on a safe step (`reached_preemption_sync_point`, called at every step by every

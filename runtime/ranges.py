@@ -8,6 +8,9 @@ builders, runtime/export.py, experiments/examples.py) and checks it with `check_
 parsing, so a nonsense number (an infinite float included) is one line rather than a hang, a
 crash or a silently odd result.
 
+An option that takes a path or a name and was given the empty string (`--out ''`: the working
+directory) is refused by `check_given`, as the schema's settings are (runtime/config.py `_NOT_EMPTY`).
+
 Names that become one component of a path (run.group, run.name, a split's folder; a programme's
 name, its slices and variants in experiments/launch.py) are checked by `name_problem`, and
 `name_error` says it in the one line every tool uses: a bad one would write outside its root,
@@ -64,6 +67,16 @@ def check_args(args: argparse.Namespace, rules: Mapping[str, Rule], error: type[
         if problem:
             raise error(f"{option} {value:g} is out of range: {problem}" if isinstance(value, float)
                         else f"{option} {value} is out of range: {problem}")
+
+
+def check_given(args: argparse.Namespace, options: tuple[str, ...], error: type[Exception]) -> None:
+    """Each of `options` ("--out") that takes a path or a name and was given is not the empty string
+    (or blank), which names nothing: as a path, the working directory; else `error` in one line."""
+    for option in options:
+        value = getattr(args, option.lstrip("-").replace("-", "_"), None)
+        if isinstance(value, str) and not value.strip():
+            raise error(f"{option} {value!r} is empty, which names nothing; give what it names, or leave {option} out "
+                        "where it has a default")
 
 
 # One path component: letters, digits and _ . = , + - (what a sweep job's name is made of), not

@@ -85,6 +85,9 @@ class ModelFamily:
     # Arch fields that choose how a step computes, not what (the attention's kernel): a checkpoint
     # resumes under any value of them.
     forms: tuple[str, ...] = ()
+    # `check_platform(arch, platform, shape)`: an explicit form the platform's devices cannot run
+    # (one `auto` would not choose there) raises UserError, before anything compiles; None: none.
+    check_platform: Callable[[Any, str, Any], None] | None = None
     # The arch field naming the pretrained weights a run starts from (read when the config is
     # validated); a run's own checkpoint holds the weights and the arch they determined, so a
     # tool reading that checkpoint (runtime.export) drops it. None: the family has none.

@@ -29,6 +29,43 @@ from runtime.errors import OutputDirError
 # retries run out; google-cloud-storage and urllib3 log retries).
 LIBRARY_LOGGERS = ("absl", "orbax", "tensorstore", "etils", "asyncio", "gcsfs", "fsspec", "google", "urllib3")
 UNRAISABLE_LOGGER = "runtime.unraisable"  # exceptions Python can only print (sys.unraisablehook)
+# On the console, these libraries' records are one line each, without their tracebacks: a failure
+# they report is one the command handles and says in its own `error:` line (gcsfs's "_request out
+# of retries" carries aiohttp's traceback, an export to an unreachable bucket printed both). Those
+# that log progress at INFO are held at WARNING. A run's log file keeps everything (library_logs_to).
+CONSOLE_QUIET = (*LIBRARY_LOGGERS, "aiohttp", "jax._src")
+_HELD_AT_WARNING = ("absl", "jax._src", "orbax", "etils")
+
+
+def console_logging(level: int, fmt: str, datefmt: str | None = None) -> None:
+    """The console log of an entry point (the trainer and compile_only, export, import_reference,
+    launch.py): records at `level` and above in `fmt`, the libraries' (CONSOLE_QUIET) one line each.
+    It replaces the root logger's handlers: command lines call it as their process starts."""
+    logging.basicConfig(format=fmt, datefmt=datefmt, force=True)
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in root.handlers:
+        handler.setFormatter(_OneLineForLibraries(fmt, datefmt))
+    for name in _HELD_AT_WARNING:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _of_library(name: str) -> bool:
+    return any(name == lib or name.startswith(lib + ".") for lib in CONSOLE_QUIET)
+
+
+class _OneLineForLibraries(logging.Formatter):
+    """A library's record as one line, without its traceback; every other record as it is."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not _of_library(record.name):
+            return super().format(record)
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None  # the record is shared with other handlers
+        try:
+            return " ".join(super().format(record).split())[:500]
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
 
 
 def run_log_path(output_dir: str, process_index: int) -> str:
@@ -52,7 +89,7 @@ class _QuietFileHandler(logging.handlers.WatchedFileHandler):
         except OSError:  # opening the file failed (its disk is gone, a folder in its place): dropped
             pass
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+    def handleError(self, record: logging.LogRecord) -> None:
         pass
 
     def check(self, when: str) -> None:

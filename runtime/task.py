@@ -116,7 +116,7 @@ class Task:
         """Host side: extra evaluations of this family (Gemma: greedy generation)."""
         return []
 
-    def export(self, params: Any, out_dir: str, **options: Any) -> None:
+    def export(self, params: Any, out_dir: str, **options: Any) -> list[str]:
         """Host side: write `params` in the family's interchange format (`python -m runtime.export`)."""
         raise UserError(f"{type(self).__name__} has no export format")
 

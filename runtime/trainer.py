@@ -5,7 +5,7 @@ resumed) -> loop -> final save.
 (runtime/goodput.py) and reported as `timing` events; its compiles go through the run's persistent
 compilation cache (runtime/compile_cache.py). Everything a user can get wrong is checked
 before the first compile (config, dataset, mesh, batch, checkpoint directory and its
-compatibility), and reported as one line by `pretrain_jax.py`. Dataset kinds and model
+compatibility), and reported as one line by `runtime/job.py`. Dataset kinds and model
 families come from the registries (runtime/registry.py); nothing here knows their names.
 """
 
@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -32,7 +32,7 @@ from runtime.errors import (EXIT_FAILURE, EXIT_PREEMPTED, EXIT_STORAGE, OutputDi
                             storage_fix)
 from runtime.evaluation import evaluate
 from runtime.executables import Ahead
-from runtime.goodput import CHECKPOINT_RESTORE, CHECKPOINT_SAVE, DATA_LOADING, EVAL, OTHER, RUNTIME_STARTUP, Timing
+from runtime.goodput import Category, Timing
 from runtime.imported import load_imported_params, load_imported_states
 from runtime.lease import Lease, hold_run_lease
 from runtime.loop import LoopContext, train_loop
@@ -42,7 +42,7 @@ from runtime.preflight import preflight
 from runtime.registry import dataset_kind, family_of
 from runtime.run_files import RunFiles
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
-from runtime.run_log import library_logs_to, run_log_path
+from runtime.run_log import console_logging, library_logs_to, run_log_path
 from runtime.sharding import batch_sharding, describe
 from runtime.task import EvalContext
 from runtime.train_step import lr_schedule, warmup_cosine
@@ -51,11 +51,9 @@ log = logging.getLogger("runtime")
 
 
 def setup_logging(is_primary: bool) -> None:
-    """Process 0 logs progress; the others only warnings and errors."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
-    logging.getLogger().setLevel(logging.INFO if is_primary else logging.WARNING)
-    for noisy in ("absl", "jax._src", "orbax", "etils"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """Process 0 logs progress; the others only warnings and errors (libraries: one line each)."""
+    console_logging(logging.INFO if is_primary else logging.WARNING, "%(asctime)s %(levelname)s %(message)s",
+                    "%H:%M:%S")
 
 
 def ensure_dataset(config: Config, info: ProcessInfo) -> None:
@@ -76,14 +74,13 @@ def new_run_id(config: Config) -> str:
     return f"{name}-{int(token[0]):08x}"
 
 
-def choose_run_id(config: Config, meta: dict | None, directory: str, step: int | None) -> str:
+def choose_run_id(config: Config, meta: dict | None, directory: str, step: int | None, proposed: str | None) -> str:
     """The run's id (W&B run, manifest, checkpoints), said in one `run id X (why)` line.
 
     Resuming: the checkpoint's id. A given run.id must equal it (a different one is a UserError:
-    it would split one run's history in two). Fresh: run.id, else the launcher's proposal in
-    $PODRUNNER_RUN_ID (launch.py pod without --run-id: a proposal only, so relaunching a run
+    it would split one run's history in two). Fresh: run.id, else the launcher's `proposed` one,
+    its $PODRUNNER_RUN_ID (launch.py pod without --run-id: a proposal only, so relaunching a run
     resumes it under its own id), else a new random one."""
-    proposed = os.environ.get(PROPOSED_RUN_ID_ENV)
     if meta is not None:
         saved = meta["run_id"]
         if config.run.id and config.run.id != saved:
@@ -301,12 +298,16 @@ def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: i
                         console=wb.console, git_commit=git_commit)
 
 
-def run(config: Config, started: float | None = None) -> int:
+def run(config: Config, started: float | None = None, *, environ: Mapping[str, str] | None = None,
+        on_first_step: Callable[[], None] | None = None) -> int:
     """The run; `started`: when its process began (Unix time, runtime.goodput.process_start), where
-    its timing account starts; None: now (a run inside a longer process)."""
+    its timing account starts; None: now (a run inside a longer process). `environ`: the job's
+    environment, where the launcher's proposed run id is read (None: this process's).
+    `on_first_step`: called once the first step was dispatched (runtime/job.py)."""
+    proposed = (os.environ if environ is None else environ).get(PROPOSED_RUN_ID_ENV)
     timing = Timing(started=started)
     with compile_cache.watching(timing):
-        with timing.measure(RUNTIME_STARTUP, since=timing.started):  # the imports, the backend, jax.distributed
+        with timing.measure(Category.RUNTIME_STARTUP, since=timing.started):  # imports, backend, jax.distributed
             setup_logging(is_primary=True)
             info = initialize(config.distributed)
             setup_logging(info.is_primary)
@@ -322,7 +323,8 @@ def run(config: Config, started: float | None = None) -> int:
             with (library_logs_to(run_log_path(output_dir, info.process_index)) as check_run_log,
                   compile_cache.configured(config.run.compile_cache, checkpoint_dir, config.run.root) as cache):
                 try:
-                    return run_leased(config, info, checkpoint_dir, lease, preemption, timing, check_run_log)
+                    return run_leased(config, info, checkpoint_dir, lease, preemption, timing, check_run_log,
+                                      proposed_run_id=proposed, on_first_step=on_first_step)
                 finally:
                     hits, misses = timing.cache_counts()
                     log.info("compile cache %s: %d hits, %d misses in this run", cache or "off", hits, misses)
@@ -352,9 +354,10 @@ def preempted_early(preemption: PreemptionWatcher, step: int, timing: Timing) ->
 
 
 def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None,
-               preemption: PreemptionWatcher, timing: Timing, check_run_log: Callable[[str], None] | None = None) -> int:
+               preemption: PreemptionWatcher, timing: Timing, check_run_log: Callable[[str], None] | None = None,
+               *, proposed_run_id: str | None = None, on_first_step: Callable[[], None] | None = None) -> int:
     kind = dataset_kind(config.data.name)
-    with timing.measure(DATA_LOADING):
+    with timing.measure(Category.DATA_LOADING):
         ensure_dataset(config, info)
         train_split, eval_split = (kind.load_split(config.data, s) for s in (config.data.train_split,
                                                                              config.data.eval_split))
@@ -364,24 +367,24 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
                        on_commit=lambda step: (timing.emit(), committed(step, files)))  # the account at each commit
     looked = timing.clock()
     start_step, meta = resume_point(config, ckpt, shape.examples)
-    with timing.measure(CHECKPOINT_RESTORE if start_step is not None else OTHER, since=looked):
+    with timing.measure(Category.CHECKPOINT_RESTORE if start_step is not None else Category.OTHER, since=looked):
         pass  # a fresh start restored nothing: its look for a checkpoint is not a restore
     config = resolve_compute_dtype(config, jax.default_backend(), ((meta or {}).get("config") or {}).get("arch"))
-    run_id = choose_run_id(config, meta, ckpt.directory, start_step)
+    run_id = choose_run_id(config, meta, ckpt.directory, start_step, proposed_run_id)
     if lease is not None:
         lease.set_run_id(run_id)
     init_states = read_init_states(config, meta)
     plan, mesh, steps = plan_and_build(config, devices=jax.devices(), num_processes=info.process_count, shape=shape,
                                        init_states=init_states)
     check_host_memory(steps.abstract_state, info.platform)
-    ahead = Ahead(config.run.executables, mesh, timing)
+    ahead = Ahead(config.run.executables, mesh, timing, config.run.executables_digest)
     if preempted_early(preemption, start_step or 0, timing):
         ckpt.close()
         return EXIT_PREEMPTED
     evaluators = run_evaluators(config, kind, steps, EvalContext(config=config, eval_split=eval_split, mesh=mesh,
                                                                  global_batch=plan.global_batch_size,
                                                                  output_dir=plan.output_dir))
-    with timing.measure(CHECKPOINT_RESTORE if start_step is not None else OTHER):
+    with timing.measure(Category.CHECKPOINT_RESTORE if start_step is not None else Category.OTHER):
         state, start_step, meta = initial_state(config, steps, ckpt, (start_step, meta), shape.examples)
     change = schedule_change(config, plan, meta, start_step, announce=info.is_primary)
     log.info("parameters (%d):\n%s", sum(x.size for x in jax.tree.leaves(state.params)), describe(state.params))
@@ -410,7 +413,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         if info.is_primary:
             write_manifest(manifest, plan.output_dir, plan.checkpoint_dir)
         if config.train.eval_only:
-            with timing.measure(EVAL):
+            with timing.measure(Category.EVAL):
                 steps.eval = ahead.wrap(steps.eval, "eval step")
                 final = evaluate(steps, state, eval_feeder, config.data.eval_max_examples, evaluators)
             sinks.log(position, final)
@@ -424,9 +427,9 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
                           init_states=init_states, evaluators=evaluators, preemption=preemption,
-                          check_outputs=check_run_log, timing=timing, ahead=ahead)
+                          check_outputs=check_run_log, timing=timing, ahead=ahead, on_first_step=on_first_step)
         exit_code, status, final = train_loop(ctx, state, position)
-        with timing.measure(CHECKPOINT_SAVE):
+        with timing.measure(Category.CHECKPOINT_SAVE):
             ckpt.wait()  # the run is done only when its last checkpoint is committed
         if status == "completed":
             log.info("completed: step %d of %d, its checkpoint committed", plan.total_steps, plan.total_steps)
@@ -535,5 +538,5 @@ def record_end(manifest: dict, plan, sinks: MetricsSinks, *, exit_code: int, sta
 def _best_effort(action, what: str) -> None:
     try:
         action()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a best-effort step: one warning, the run goes on
         log.warning("%s failed: %s", what, storage_fault(e) or one_line(e)[:300])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules: helpers, gcs_emulator, wandb_offline
-from helpers import (CPU_XLA_FLAGS, FAKE_GCLOUD_DIR, LAUNCH, POD_SECRET, POD_STUB, POD_WORKERS,  # noqa: E402
+from helpers import (CPU_XLA_FLAGS, FAKE_GCLOUD_DIR, LAUNCH, POD_SECRET, POD_STUB, POD_WORKERS,
                      REFERENCE_EXTRA, REFERENCE_STEPS, SUITE_DEVICES, base_overrides, make_fake_workers, train,
                      train_losses, use_cpu_devices)
 
@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # never probe for a TPU (libtpu m
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={SUITE_DEVICES} {CPU_XLA_FLAGS}")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # else gcsfs stalls on the emulator
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -192,7 +192,7 @@ def reset_gcs_client_caches() -> None:
         with contextlib.suppress(Exception):
             from etils.epath import backend  # pylint: disable=import-outside-toplevel
 
-            backend._FileSystemSpecBackend._get_filesystem.cache_clear()  # noqa: SLF001
+            backend._FileSystemSpecBackend._get_filesystem.cache_clear()
     mod = sys.modules.get("orbax.checkpoint._src.path.gcs_utils")
     if mod is not None and hasattr(mod.get_bucket, "cache_clear"):
         mod.get_bucket.cache_clear()
@@ -236,13 +236,13 @@ def shorten_client_retries(
             return await real_asyncio.sleep(delay * gcsfs_backoff_scale, *args, **kwargs)
 
     retries = {"max_retries": tensorstore_max_retries, "initial_delay": "20ms", "max_delay": "100ms"}
-    ctx_dicts = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]  # noqa: SLF001
+    ctx_dicts = [tsu._BASE_TS_CONTEXT, tsu._DEFAULT_OCDBT_TS_CONTEXT]
     saved_ctx = [d.get("gcs_request_retries") for d in ctx_dicts]
-    saved_timeout = multihost._DEFAULT_BARRIER_TIMEOUT  # noqa: SLF001
+    saved_timeout = multihost._DEFAULT_BARRIER_TIMEOUT
     gretry.asyncio = _ScaledAsyncio()
     for d in ctx_dicts:
         d["gcs_request_retries"] = retries
-    multihost._DEFAULT_BARRIER_TIMEOUT = orbax_signal_timeout_secs  # noqa: SLF001
+    multihost._DEFAULT_BARRIER_TIMEOUT = orbax_signal_timeout_secs
     try:
         yield
     finally:
@@ -252,7 +252,7 @@ def shorten_client_retries(
                 d.pop("gcs_request_retries", None)
             else:
                 d["gcs_request_retries"] = old
-        multihost._DEFAULT_BARRIER_TIMEOUT = saved_timeout  # noqa: SLF001
+        multihost._DEFAULT_BARRIER_TIMEOUT = saved_timeout
 
 
 class Emulator:
@@ -586,4 +586,4 @@ def gcs_emulator_fixture(scope: str = "function", *, apply_env: bool = True):
 def _kill_leftovers() -> None:
     for emu in list(_LIVE.values()):
         with contextlib.suppress(Exception):
-            emu._kill()  # noqa: SLF001
+            emu._kill()

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bill
-from experiments.launcher import account, gcloud, ledger, pod, queue_status, run_queue, supervise
+from experiments.launcher import account, controller, gcloud, ledger, queue_state, queue_status, supervise
 from experiments.launcher.account import launch_timing, replayed_steps, unpaid_part, variant_account
-from experiments.launcher.ledger import (InFlight, LaunchRecord, LaunchTiming, Outcome, Status, SupervisionRecord,
-                                         VariantRecord, VariantState)
-from runtime import events
+from experiments.launcher.controller import Controller
+from experiments.launcher.ledger import (Cause, InFlight, LaunchRecord, LaunchTiming, Outcome, Status,
+                                         SupervisionRecord, VariantRecord, VariantState)
+from experiments.plan.calibrate import calibrate
+from runtime import events, wire
 from runtime.errors import EXIT_PREEMPTED
 
 V1 = Path(__file__).resolve().parent / "data" / "programme-v1"
@@ -49,7 +50,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    for module in (ledger, account, supervise, run_queue):
+    for module in (ledger, account, supervise, queue_state, controller):
         monkeypatch.setattr(module, "time", fake)
     return fake
 
@@ -117,8 +118,8 @@ def test_a_variants_categories_add_up_to_its_paid_time():
 
 def test_a_running_variant_counts_its_launch_under_way_as_far_as_its_last_checkpoint():
     now_on = {"runtime_startup": 5.0, "program_startup": 10.0, "train": 30.0}
-    sup = SupervisionRecord(launch=InFlight(started=0.0, setup=4.0, first_step=0, last_step=30,
-                                            timing=timing(100.0, step=30, steps_run=30, **now_on)))
+    sup = SupervisionRecord(launch=InFlight(started=0.0, setup=4.0, first_step=0, last_step=30, timing=launch_timing(
+        [timing(100.0, step=30, steps_run=30, **now_on)], setup=4.0)))
     got = variant_account(VariantRecord(state=VariantState.RUNNING, supervision=sup), paid=60.0)
     assert got.seconds["train"] == 30.0 and got.seconds["setup"] == 4.0
     assert got.seconds["other"] == pytest.approx(60.0 - 49.0)
@@ -163,7 +164,7 @@ def supervisor_for(tmp_path: Path, clock: Clock, states: list[str], *, record: S
     spec = supervise.Spec(gcloud.Target("t1", ZONE), "run-1", [], accelerator_type="v4-16", log_dir=tmp_path / "logs",
                           poll_s=5.0, storage_backoff_s=120.0, at_end="keep",
                           events_file=str(events_file) if events_file else None)
-    sup = supervise.Supervision(spec, io.StringIO())
+    sup = supervise.FileSupervision(spec, io.StringIO())
     if record is not None:
         sup.record = record
     return supervise.Supervisor(spec, sup, sup.record.slice, run=FakeCloud(clock, states), sleep=clock.advance)
@@ -175,7 +176,7 @@ def trainer(clock: Clock, said: list[dict], code: int = 0):
         clock.advance(2.0)  # the ssh, before the trainer says anything
         for event in said:
             clock.advance(10.0)
-            on_line("t1v-n-w-0: " + events.TAG + json.dumps({"process": 0, **event, "time": clock.now}))
+            on_line("t1v-n-w-0: " + wire.event_line({"process": 0, **event, "time": clock.now}))
         clock.advance(1.0)
         return code
     return launch_pod
@@ -216,7 +217,7 @@ def test_a_launch_after_the_workers_were_set_up_says_so(tmp_path, clock, monkeyp
     def versions(argv, on_line, **_):
         clock.advance(3.0)
         for host in ("w0", "w1"):
-            on_line(pod.VERSIONS_TAG + json.dumps({"host": host, "ok": False, "problem": "jax is missing"}))
+            on_line(wire.versions_line({"host": host, "ok": False, "problem": "jax is missing"}))
         return 0
 
     monkeypatch.setattr(supervise.pod, "run_gcloud", versions)
@@ -280,7 +281,7 @@ def test_a_launch_that_ran_while_no_supervisor_watched_is_recorded_from_the_runs
     assert (unwatched.started, unwatched.ended, unwatched.first_step, unwatched.last_step) == (t0 + 10, t0 + 47, 4, 10)
     # the slice went down under it: a preemption; else this supervisor stopped it: none
     assert unwatched.outcome == Outcome.PREEMPTED and supervisor.sup.record.preemptions == (1 if down else 0)
-    assert unwatched.cause == ("preempted" if down else "stopped: its supervisor had died")
+    assert unwatched.cause == ("preempted" if down else Cause.SUPERVISOR_DIED)
     assert unwatched.timing.setup == 6.0 and unwatched.timing.seconds["train"] == 7.0
     assert replayed_steps(supervisor.sup.record.launches) == [0, 2, 0]  # steps 5 and 6 run again
     # preempted: the clock stopped at the notice (t0 + 42), 4 s before its last account of the 6 s
@@ -306,16 +307,16 @@ def test_a_launch_left_in_flight_that_ran_to_the_end_is_not_launched_again(tmp_p
     assert supervisor.run() == 0
     (done,) = supervisor.sup.record.launches
     assert done.unwatched and done.outcome == Outcome.COMPLETED and supervisor.sup.record.status == Status.COMPLETED
-    assert done.metrics == {"eval/exact_accuracy": 0.5} and supervisor.sup.record.end.last_step == 16
+    assert done.metrics == {"eval/exact_accuracy": 0.5} and supervisor.sup.record.said("last_step") == 16
 
 
 def test_a_launch_left_in_flight_whose_run_completed_meanwhile_is_recorded_without_a_launch(tmp_path, clock,
                                                                                            monkeypatch):
     """The controller died while a launch ran, and the run completed before the next one looked: that
     one launches nothing (the run is complete) but records the launch from the run's events."""
-    sub = run_queue.Submission(name=NAME, variants=["exp08/a"], slices=["s1"], zone=ZONE, accelerator_type="v4-8",
-                               runtime_version="v", checkpoint_dirs={"exp08/a": str(tmp_path / "ckpt")})
-    state = run_queue.State(tmp_path / NAME, io.StringIO())
+    sub = queue_state.Submission(name=NAME, variants=["exp08/a"], slices=["s1"], zone=ZONE, accelerator_type="v4-8",
+                                 runtime_version="v", checkpoint_dirs={"exp08/a": str(tmp_path / "ckpt")})
+    state = queue_state.State(tmp_path / NAME, io.StringIO())
     state.create(sub)
     t0 = clock.now
     said = [{"event": "started", "time": t0 - 40, "step": 8, "run_id": "r", "total": 16},
@@ -326,11 +327,11 @@ def test_a_launch_left_in_flight_whose_run_completed_meanwhile_is_recorded_witho
     held = state.ledger.variants["exp08/a"].supervision
     held.in_flight, held.launch = True, InFlight(started=t0 - 50, setup=2.0)
     monkeypatch.setattr(supervise.Supervisor, "run", lambda self: pytest.fail("a complete run was launched"))
-    controller = run_queue.Controller(state, alert=lambda title, text: None)
+    controller = Controller(state, alert=lambda title, text: None)
     controller.run_variant(controller.take("s1"), "s1")
     record = state.ledger.variants["exp08/a"]
     (found,) = record.supervision.launches
-    assert record.state == VariantState.COMPLETED and not record.supervision.in_flight and record.total == 16
+    assert record.state == VariantState.COMPLETED and not record.supervision.in_flight and record.said("total") == 16
     assert found.unwatched and found.outcome == Outcome.COMPLETED and (found.first_step, found.last_step) == (8, 16)
     assert (found.timing.setup, found.timing.seconds["train"], found.ended) == (2.0, 20.0, t0 - 9)
 
@@ -345,7 +346,7 @@ def one_launch(clock: Clock, seconds: float):
         clock.advance(seconds)
         with self.sup.changing() as record:
             record.launches.append(ran(0, 10, {"train": seconds / 2}, steps_run=10, setup=1.0))
-        return self.finish(Status.COMPLETED, 0, last_step=10)
+        return self.finish(Status.COMPLETED, 0)
     return run
 
 
@@ -354,11 +355,11 @@ def test_the_variants_and_the_idle_stretches_add_up_to_the_slices_ready_time(tmp
     slice kept READY 30 s with nothing on it), then c starts; its controller dies 40 s into it, the
     next one resumes it (charging it those 40 s too) and it runs 20 s more; 5 s later s1 is deleted."""
     variants = ["exp08/a", "exp08/b", "exp08/c"]
-    sub = run_queue.Submission(name=NAME, variants=variants, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
-                               runtime_version="v")
-    state = run_queue.State(tmp_path / NAME, io.StringIO())
+    sub = queue_state.Submission(name=NAME, variants=variants, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
+                                 runtime_version="v")
+    state = queue_state.State(tmp_path / NAME, io.StringIO())
     state.create(sub)
-    controller = run_queue.Controller(state, alert=lambda title, text: None)
+    controller = Controller(state, alert=lambda title, text: None)
     monkeypatch.setattr(supervise, "tpu_state", lambda spec, run: (supervise.TpuState.MISSING, 0))  # at the release
     monkeypatch.setattr(supervise.Supervisor, "run", one_launch(clock, 100.0))
     controller.run_variant(controller.take("s1"), "s1")
@@ -369,9 +370,9 @@ def test_the_variants_and_the_idle_stretches_add_up_to_the_slices_ready_time(tmp
     assert controller.take("s1") == "exp08/c"
     clock.advance(40.0)  # ... and the controller dies
     state.save()
-    state = run_queue.State(tmp_path / NAME, io.StringIO())
+    state = queue_state.State(tmp_path / NAME, io.StringIO())
     state.load()
-    controller = run_queue.Controller(state, alert=lambda title, text: None)
+    controller = Controller(state, alert=lambda title, text: None)
     controller.recover()
     monkeypatch.setattr(supervise.Supervisor, "run", one_launch(clock, 20.0))
     assert controller.take("s1") == "exp08/c"  # its own slice's
@@ -391,7 +392,7 @@ def test_the_variants_and_the_idle_stretches_add_up_to_the_slices_ready_time(tmp
     assert sum(whole.total.seconds.values()) == pytest.approx(whole.total.paid)
     assert whole.total.seconds["train"] == pytest.approx((100 + 50 + 20) / 2)
     # the plan's calibration reads this ledger: each launch's setup (the workers checked), the idle stretches
-    cal = bill.calibrate(tmp_path / NAME)
+    cal = calibrate(tmp_path / NAME)
     assert cal.launches == 3 and cal.figures["setup_check"].seconds == 1.0
     assert cal.figures["between_variants"].seconds == pytest.approx((7 + 30) / 2)
 
@@ -404,10 +405,10 @@ def test_a_ledger_of_schema_1_or_2_is_read_and_shown_without_timings(tmp_path, s
     path = tmp_path / NAME / "ledger.json"
     if schema == 2:  # the same records, marked as version 2 wrote them
         path.write_text(json.dumps({"schema": 2, **json.loads(path.read_text())}))
-    state = run_queue.State(tmp_path / NAME, io.StringIO())
+    state = queue_state.State(tmp_path / NAME, io.StringIO())
     state.load()
     read = state.ledger
-    assert read.schema == ledger.SCHEMA == 3
+    assert read.schema == ledger.SCHEMA
     assert all(launch.timing is None for r in read.variants.values() for launch in r.supervision.launches)
     assert read.slices["s1"].idle_seconds == 0.0 and read.slices["s1"].free is None
     out = queue_status.text(state.sub, read)
@@ -422,9 +423,9 @@ def test_a_ledger_of_schema_1_or_2_is_read_and_shown_without_timings(tmp_path, s
 
 def test_status_shows_goodput_badput_idle_and_the_page_the_failure_lines(tmp_path):
     done, bad = "exp08/ema0.99", "exp08/off"
-    sub = run_queue.Submission(name=NAME, variants=[done, bad], slices=["s1"], zone=ZONE, accelerator_type="v4-8",
-                               runtime_version="v")
-    state = run_queue.State(tmp_path / NAME, io.StringIO())
+    sub = queue_state.Submission(name=NAME, variants=[done, bad], slices=["s1"], zone=ZONE, accelerator_type="v4-8",
+                                 runtime_version="v")
+    state = queue_state.State(tmp_path / NAME, io.StringIO())
     state.create(sub)
     book = state.ledger
     book.variants[done].__dict__.update(state="completed", ready_seconds=1800.0, supervision=SupervisionRecord(
@@ -437,7 +438,7 @@ def test_status_shows_goodput_badput_idle_and_the_page_the_failure_lines(tmp_pat
     book.slices["s1"].clock.ready_seconds = 1800.0 + 360.0 + 1440.0
     out = queue_status.text(sub, book, now=2e9)
     cells = {c[0]: c for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines()) if len(c) > 2}
-    assert cells[done][6:9] == ["-/-", "55%", "program_startup 20%, other 11%, runtime_startup 10%"]
+    assert cells[done][6:9] == ["10/-", "55%", "program_startup 20%, other 11%, runtime_startup 10%"]
     assert cells[bad][7:9] == ["75%", "other 25%"]
     # the programme: 1 pod-hour paid, of it 0.4 idle; productive 900 + 90 + 270 s
     assert cells["programme total"][2:5] == ["1.000/0.000", "35%", "idle 40%, program_startup 10%, other 8%"]

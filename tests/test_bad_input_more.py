@@ -37,7 +37,7 @@ def run_in_process(overrides: list[str]) -> Trained:
     OmegaConf, YAML) turned into its line by `config_error` as the script's main() does."""
     try:
         return train(overrides, check=False)
-    except Exception as e:  # noqa: BLE001 - only the errors the script turns into a line
+    except Exception as e:
         error = config_error(e)
         if error is None:
             raise

@@ -7,16 +7,17 @@ import re
 
 import pytest
 
-from helpers import assert_exit_one_line, run_pretrain
-from runtime import events
+from helpers import assert_exit_one_line, child_env, run_pretrain
+from runtime import wire
 from runtime.compile_only import collective_bytes, slice_shape, TOPOLOGIES
 from runtime.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR
 
 
 def compile_only(tmp_path, topology: str, *extra: str):
     # generate_if_missing (the default data config) with no dataset: shapes come from the builder's constants.
+    # Its events on stdout, as a launch guard asks for them (runtime/wire.py EVENTS_ENV).
     return run_pretrain([f"compile_only={topology}", f"run.root={tmp_path}/runs", f"data.path={tmp_path}/data",
-                         *extra], check=False, timeout=180)
+                         *extra], check=False, timeout=180, env=child_env(**{wire.EVENTS_ENV: "1"}))
 
 
 def table(stdout: str) -> dict[str, str]:
@@ -73,7 +74,7 @@ def test_oversize_model_does_not_fit(tmp_path):
     assert len(said) == 1, proc.stdout
     m = re.fullmatch(r"does not fit: ([\d.]+) GiB per chip > 15.75 GiB HBM of TPU v5e", said[0])
     assert m and float(m.group(1)) > 15.75, said
-    failed = [e for e in map(events.parse, proc.stdout.splitlines()) if e and e["event"] == "failed"]
+    failed = [e for e in map(wire.event, proc.stdout.splitlines()) if e and e["event"] == "failed"]
     assert [(e["exit_code"], e["failure"], e["line"]) for e in failed] == [(EXIT_DOES_NOT_FIT, "does-not-fit", said[0])]
     assert to_bytes(table(proc.stdout)["arguments"]) > 20 * 2**30
 

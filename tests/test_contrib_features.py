@@ -226,7 +226,8 @@ def test_cycle_term_gives_no_gradient_to_z_H_before():
 
     @jax.jit
     def run(zh):
-        model_delta = lambda z: _cycle_delta(model, params, batch, c.replace(z_H=z)).sum()
+        def model_delta(z):
+            return _cycle_delta(model, params, batch, c.replace(z_H=z)).sum()
         return (model_delta(zh), manual(zh, True), jax.grad(model_delta)(zh), jax.grad(lambda z: manual(z, True))(zh),
                 jax.grad(lambda z: manual(z, False))(zh))
 
@@ -267,7 +268,8 @@ def test_local_global_mask_pattern():
     assert m.shape == (22, 22) and m.dtype == bool
     assert (m == m.T).all() and m.diagonal().all()
     assert m[:prefix].all() and m[:, :prefix].all()
-    pos = lambda r, c: prefix + r * width + c
+    def pos(r, c):
+        return prefix + r * width + c
     assert m[pos(1, 1), pos(0, 0)] and m[pos(1, 1), pos(2, 2)] and m[pos(1, 1), pos(0, 2)]
     assert not m[pos(1, 1), pos(1, 3)] and not m[pos(1, 1), pos(3, 1)] and not m[pos(0, 0), pos(2, 0)]
     assert not m[pos(0, 4), pos(1, 0)]  # no wrap-around between rows
@@ -354,7 +356,8 @@ def test_splash_form_of_the_windowed_trm_equals_xla():
 
 def test_attention_window_config_errors():
     batch = make_batch(b=1, seq=12)
-    init = lambda cfg: init_params(TRM(cfg, VOCAB, 12, PUZZLES), jax.random.key(0), batch)
+    def init(cfg):
+        return init_params(TRM(cfg, VOCAB, 12, PUZZLES), jax.random.key(0), batch)
     with pytest.raises(ValueError, match="mlp_t"):
         init(small_trm(mlp_t=True, attention_window=3))
     with pytest.raises(ValueError, match="grid_width"):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 
 import pytest
 
@@ -49,9 +47,11 @@ def test_dead_worker_brings_the_pod_down(sudoku_dir, tmp_path):
     wait_for_step(out / "metrics.jsonl", 5, procs)
     os.kill(procs[2].pid, signal.SIGKILL)
     results = finish(procs[:2], 90)
-    for code, log, seconds in results:
-        # The promise is "within 60 s"; on an idle machine they exit about 0.1 s after the kill.
-        assert code == EXIT_PEER_LOST and seconds < 60, (code, seconds, log[-3000:])
+    for code, log, _ in results:
+        # The event, not a clock: each survivor exits with its own code (finish() would SIGKILL one
+        # still running) and names the cause, the closed connection of the liveness channel (not a
+        # heartbeat timeout, and not a collective that hangs until its own deadline).
+        assert code == EXIT_PEER_LOST, (code, log[-3000:])
         error_line(log, "error: process 2 (host ", ") stopped answering at step ", "connection closed")
     manifest = json.loads((out / "run_manifest.json").read_text())  # process 0 recorded how it ended
     assert (manifest["status"], manifest["exit_code"]) == ("failed", EXIT_PEER_LOST), manifest
@@ -67,27 +67,12 @@ def test_workers_that_never_join_are_named(sudoku_dir, tmp_path):
     one line, once initialization_timeout_s has passed, instead of JAX's abort minutes later."""
     procs = start_pod(3, 2, base_overrides(sudoku_dir, tmp_path) + ["distributed.initialization_timeout_s=8"],
                       ids=[0, 1])
-    lines: list[list[tuple[float, str]]] = [[], []]
-
-    def read(proc, into) -> None:
-        for line in proc.stdout:
-            into.append((time.monotonic(), line))
-
-    readers = [threading.Thread(target=read, args=(p, into)) for p, into in zip(procs, lines)]
-    for r in readers:
-        r.start()
-    ended = []
-    for p, r in zip(procs, readers):
-        p.wait(timeout=180)
-        r.join()
-        ended.append(time.monotonic())
-    began = next(t for t, line in lines[0] if "waiting up to 8s for all to join" in line)
-    for p, into, end in zip(procs, lines, ended):
-        log = "".join(line for _, line in into)
+    for i, p in enumerate(procs):
+        log = p.communicate(timeout=180)[0]
         assert p.returncode == EXIT_USER_ERROR, (p.returncode, log[-3000:])
+        assert i or "waiting up to 8s for all to join" in log, log[-3000:]  # process 0 says what it waits for
+        # The event: our 8 s join deadline fired (its own line); JAX's own wait would say nothing for minutes.
         error_line(log, "process 2 did not join within 8s (2 of 3 joined: 0, 1)")
-        # 8.6 s on an idle machine (the 8 s wait, then the line); JAX's own wait would be minutes.
-        assert end - began < 60, (end - began, log[-3000:])
 
 
 def test_preemption_watcher_restores_the_previous_sigterm_handler():

@@ -8,7 +8,6 @@ while each compile stays small.
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -131,13 +130,15 @@ def test_trm_sudoku_baseline_figure():
     assert task.flops_per_example() == pytest.approx(42.7e9, rel=0.01)
 
 
-def test_timer_reports_model_flops_rate():
+def test_timer_reports_model_flops_rate(monkeypatch):
+    now = iter([100.0, 100.0, 105.0])  # an injected clock: 10 steps in 5 s
+    monkeypatch.setattr("runtime.perf.time.perf_counter", lambda: next(now))
     timer = StepTimer(global_batch=4, seq_len=8, flops_per_step=2e12, peak_flops=4e12)
     timer.lap(0)
-    time.sleep(0.01)
     out = timer.lap(10)
-    assert out["perf/tflops_per_sec_per_device"] == pytest.approx(2 * out["perf/steps_per_sec"])
-    assert out["perf/mfu"] == pytest.approx(out["perf/steps_per_sec"] / 2)
+    assert out["perf/steps_per_sec"] == pytest.approx(2.0)
+    assert out["perf/tflops_per_sec_per_device"] == pytest.approx(4.0)  # 2 steps/s x 2 TFLOP
+    assert out["perf/mfu"] == pytest.approx(1.0)  # 4 of a peak of 4 TFLOP/s
 
 
 @pytest.mark.slow

@@ -14,14 +14,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import gc  # noqa: E402
-import inspect  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
+import gc
+import inspect
+import signal
+import threading
+import time
+import types
 
-import pytest  # noqa: E402
+import pytest
 
 try:  # tests/ as a package or as a plain folder on sys.path (conftest.py adds it)
     from .gcs_emulator import Emulator, shorten_client_retries, start_gcs_emulator
@@ -324,7 +324,7 @@ def test_orbax_long_outage_mid_async_save_fails_then_new_manager_resumes(emu):
     # background error (AsyncCheckpointer keeps its own); it must work after that.
     try:
         mngr.save(3, args=_save_args(3))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"old manager: next save re-raised {type(e).__name__}; retrying once")
         mngr.save(3, args=_save_args(3))
     mngr.wait_until_finished()

@@ -277,7 +277,8 @@ VERSION_ONLY = {"post_attention_norm": 2, "post_ffw_norm": 2, "query_norm": 3, "
 
 def boxed_names(cfg):
     boxed = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    def is_box(x):
+        return isinstance(x, nn.LogicallyPartitioned)
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_box):
         assert is_box(leaf), path

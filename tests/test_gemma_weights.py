@@ -11,23 +11,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
+import dataclasses
+import json
+import shutil
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from safetensors.numpy import load_file, save_file  # noqa: E402
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
 
-from helpers import raises_one_line  # noqa: E402
-from models.gemma import weights as W  # noqa: E402
-from models.gemma.checkpoint_arch import model_differences  # noqa: E402
-from models.gemma.config import GemmaConfig  # noqa: E402
-from models.gemma.hf_config import arch_from_hf  # noqa: E402
+from helpers import raises_one_line
+from models.gemma import weights as W
+from models.gemma.checkpoint_arch import model_differences
+from models.gemma.config import GemmaConfig
+from models.gemma.hf_config import arch_from_hf
 
 BF16 = ml_dtypes.bfloat16
 CFGS = {  # Gemma 1 K == H (Kaggle qkv_einsum) and K == 1; Gemma 2 (vocab 67: not divisible); Gemma 3 K == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import types
 
 import jax
 import numpy as np
@@ -333,8 +332,9 @@ def test_a_resume_hits_the_cache_and_every_start_accounts_its_time(sudoku_dir, t
     (a, b) = last
     assert (a["step"], a["steps_run"], b["step"], b["steps_run"]) == (8, 8, 8, 4)
     assert a["hits"] == 0 and a["misses"] > 0  # a fresh cache
-    assert b["hits"] > 0 and b["misses"] < a["misses"]  # the resume finds its programs
-    assert b["seconds"]["program_startup"] < a["seconds"]["program_startup"]
+    # The resume finds its programs (the event: the cache's own hit and miss counts, not how long
+    # the start-up took, which depends on the machine's load).
+    assert b["hits"] > 0 and b["misses"] < a["misses"]
     for category in ("data_loading", "program_startup", "checkpoint_save", "eval", "train", "other"):
         assert a["seconds"][category] > 0, category
     assert any((tmp_path / "cache").iterdir())  # the run's own cache, not the test session's

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from experiments.launch import main as launch
-from experiments.launcher import run_queue, supervise
+from experiments.launcher import queue_state, supervise
+from experiments.launcher.controller import Controller
 from experiments.launcher.gcloud import Target
 from experiments.launcher.ledger import LaunchRecord, Outcome, StateWriteError, Status
 from helpers import base_overrides, cli_refused, compose_config, fill, raises_one_line, tree_hash
@@ -69,7 +70,7 @@ def test_the_forms_a_trm_has_are_accepted(data, tmp_path):
 
 
 # ======================================================== the run queue's own state and inputs
-# `launch.py programme ...` in this process (experiments/launcher/run_queue.py): a damaged state file,
+# `launch.py programme ...` in this process (experiments/launcher/queue_state.py, controller.py): a damaged state file,
 # a state write that fails, a name or number that makes no sense, each one `error:` line with its
 # exit code, no traceback, and every file of the state directory and the mirror as it was.
 
@@ -104,7 +105,7 @@ def states(tmp_path) -> Path:
 def mirrored(states, tmp_path) -> Path:
     """The programme with a mirror (as gs://, through fsspec) holding its snapshot; returns the mirror."""
     mirror = tmp_path / "bucket" / NAME
-    state = run_queue.State(states / NAME, io.StringIO())
+    state = queue_state.State(states / NAME, io.StringIO())
     state.load()
     state.sub.mirror = str(mirror)
     state.save_submission()
@@ -210,7 +211,7 @@ def test_the_line_names_the_mirror_and_repair_restores_from_it(capsys, states, m
     assert len(aside) == 1 and (aside[0] / "ledger.json").read_bytes() == damaged
     snapshot = json.loads((mirrored / "state.json").read_text())
     assert json.loads(ledger.read_text()) == snapshot["ledger"]
-    run_queue.State(states / NAME, io.StringIO()).load()  # reads again
+    queue_state.State(states / NAME, io.StringIO()).load()  # reads again
 
     unchanged(capsys, tmp_path, programme(states, "repair", "--mirror", str(mirrored)), EXIT_USER_ERROR,
               "nothing to repair", added=False)
@@ -309,7 +310,7 @@ def test_a_read_only_state_directory_is_one_line(capsys, on_disk, disk, verb):
 
 def test_a_full_disk_under_status_budget_and_submit_is_one_line_and_changes_nothing(capsys, on_disk, disk, tmp_path):
     """The state directory and its mirror (elsewhere) as they were; submit leaves nothing behind."""
-    state = run_queue.State(on_disk / NAME, io.StringIO())
+    state = queue_state.State(on_disk / NAME, io.StringIO())
     state.load()
     state.sub.mirror = str(tmp_path / "bucket" / NAME)
     state.save_submission()
@@ -331,9 +332,9 @@ def test_a_log_line_or_record_that_cannot_be_written_leaves_the_file_whole(on_di
     where it was), supervise's record is replaced whole: a full or read-only disk leaves them
     byte-identical. The logs are padded to a block boundary first, so the next line needs a new
     block (a line that fits in the last block's slack is no fault: it is written)."""
-    state = run_queue.State(on_disk / NAME, io.StringIO())
+    state = queue_state.State(on_disk / NAME, io.StringIO())
     state.load()
-    sup = supervise.Supervision(supervise.Spec(Target("t", "z"), "r1", [], log_dir=disk / "logs"), io.StringIO())
+    sup = supervise.FileSupervision(supervise.Spec(Target("t", "z"), "r1", [], log_dir=disk / "logs"), io.StringIO())
     sup.event("started")
     sup.save()
     block = os.statvfs(disk).f_bsize
@@ -358,13 +359,13 @@ def test_a_log_line_or_record_that_cannot_be_written_leaves_the_file_whole(on_di
 def test_a_ledger_save_that_fails_during_run_is_one_line_and_keeps_the_ledger(capsys, on_disk, disk, monkeypatch):
     """The disk fills once the controller holds its lease: its first save fails; the ledger and the
     controller's log stay byte-identical (what the lease leaves beside them may be added)."""
-    recover = run_queue.Controller.recover
+    recover = Controller.recover
 
     def fills_first(self):
         fill(disk, leave=0)
         return recover(self)
 
-    monkeypatch.setattr(run_queue.Controller, "recover", fills_first)
+    monkeypatch.setattr(Controller, "recover", fills_first)
     unchanged(capsys, disk, programme(on_disk, "run"), EXIT_STORAGE,
               f"cannot write the ledger {on_disk / NAME / 'ledger.json'} (no space left on device)", added=True)
     assert not (on_disk / NAME / ".lease.json").exists()  # given back
@@ -397,6 +398,8 @@ SUBMIT = ["exp08", "--zone", "z", "--accelerator-type", "v4-8", "--runtime-versi
     (["budget", NAME, "1e400"], ["hours inf is out of range: it must be a finite number"]),
     (["budget", NAME, "inf"], ["hours inf is out of range"]),
     (["budget", NAME, "nan"], ["hours nan is out of range"]),
+    (["budget", NAME, "1e308"], ["hours 1e+308 is out of range: it must be >= 0 and <= 1000000 (pod-hours)"]),
+    (["submit", "p", *SUBMIT, "--slice", "s1", "--budget", "1e308"], ["--budget 1e+308 is out of range"]),
     (["skip", NAME, "../../x"], ["'../../x' names no variant", "a variant is GROUP/VARIANT"]),
     (["retry", NAME, "exp08/" + "v" * 300], ["names no variant", "300 characters long"]),
     (["skip", NAME, "exp08/nope"], ["programme prog has no variant 'exp08/nope'"]),
@@ -406,6 +409,16 @@ def test_a_name_or_number_that_makes_no_sense_is_one_line(capsys, states, tmp_pa
     read or written: no preflight, no folder made, the state as it was."""
     verb, rest = argv[0], argv[1:]
     unchanged(capsys, tmp_path, ["programme", verb, *rest, "--state-dir", str(states)], EXIT_USER_ERROR, *needles)
+
+
+def test_a_budget_past_what_the_page_can_draw_already_in_a_ledger_is_shown_without_its_line(capsys, states):
+    """A programme.json holding a budget `programme budget` now refuses (written before it did): status
+    prints the table and writes the page, its picture without the budget's line."""
+    edit(states / NAME / "programme.json", lambda data: data.update(budget=1e308))
+    edit(states / NAME / "ledger.json", lambda data: data.update(history=[]))  # the budget's line alone: no scale
+    assert launch(programme(states, "status")) == 0
+    assert "budget 1e+308 pod-hours" in capsys.readouterr().out
+    assert (states / NAME / "status.html").read_text().count("data:image/png;base64,") == 2
 
 
 def test_the_trainer_refuses_a_name_longer_than_a_folder_name_as_the_programme_does(tmp_path):
@@ -438,7 +451,7 @@ def test_a_command_line_mistake_is_one_error_line_not_usage_and_a_line(capsys, s
 @pytest.mark.parametrize("request_,reason", [
     ({"verb": "budget", "value": "abc"}, 'value: input should be a valid number, got "abc"'),
     ({"verb": "budget"}, "value: missing (a budget request holds the pod-hours)"),
-    ({"verb": "budget", "value": -2}, "value: -2 is out of range: it must be >= 0 (pod-hours)"),
+    ({"verb": "budget", "value": -2}, "value: -2 is out of range: it must be >= 0 and <= 1000000 (pod-hours)"),
     ({"verb": "budget", "value": "1e400"}, "value: input should be a finite number"),
     ({"verb": "skip"}, "variant: missing (a skip request names its variant)"),
     ({"verb": "explode"}, 'verb: input should be'),
@@ -459,7 +472,7 @@ def test_a_request_that_cannot_be_applied_is_one_ignored_line_once(states, mirro
             text = request_ if isinstance(request_, str) else json.dumps({"id": "r1", **request_})
             path.write_text(text.replace('"1e400"', "1e400"))
     said = io.StringIO()
-    state = run_queue.State(states / NAME, said)
+    state = queue_state.State(states / NAME, said)
     state.load()
     budget = state.sub.budget
     assert state.commands(mirror=True) == [] and state.commands(mirror=True) == []  # the mirror polled twice
@@ -487,7 +500,7 @@ def test_a_save_that_fails_in_a_slice_thread_stops_the_controller_in_one_line(ca
         with self.sup.changing() as record:
             record.launches.append(LaunchRecord(started=1.0, ended=2.0, code=0, outcome=Outcome.COMPLETED,
                                                 cause="completed", last_step=10, total=10))
-        return self.finish(Status.COMPLETED, 0, last_step=10)
+        return self.finish(Status.COMPLETED, 0)
 
     monkeypatch.setattr(supervise.Supervisor, "run", completes)
     cli_refused(capsys, launch, programme(on_disk, "run"), EXIT_STORAGE, "cannot write the ", f"{state}",

@@ -112,6 +112,51 @@ def test_step_estimate_takes_kernels_out_of_the_loop_weight():
     assert flat.compute_s == pytest.approx(0.011)  # no loops: optimal_seconds as the compiler gave it
 
 
+def test_each_branch_of_a_conditional_counts_its_share_of_the_runs():
+    """Which branch runs is not in the HLO: each of two counts half (Gemma's local and global
+    attention kernels, picked per layer by lax.cond, both priced at the layers' mean)."""
+    branch = """%{name} (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %k = f32[8]{{0}} custom-call(%p), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config":{{"body":"x","cost_estimate":{{"flops":"100","bytes_accessed":"8"}}}}}}
+}}
+"""
+    hlo = looped(limit=4, body_op="%pred = pred[] constant(true)\n  %c = f32[8]{0} conditional(%pred, %f, %f), "
+                                   "branch_computations={%left, %right}")
+    hlo = hlo.replace("%body (b:", branch.format(name="left") + "\n" + branch.format(name="right") + "\n%body (b:")
+    assert sorted(k.runs for k in hlo_cost.kernels(hlo)) == [2.0, 2.0]  # 4 iterations, half each
+
+
+ASYNC_GATHER = """HloModule m
+
+%fused (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  ROOT %n = f32[256]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %ags = (f32[256]{0}, f32[1024]{0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %g = f32[256]{0} fusion(%a), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"300"}
+  %agd = f32[1024]{0} all-gather-done(%ags)
+  %h = f32[256]{0} fusion(%g), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"100"}
+  ROOT %ar = f32[256]{0} all-reduce(%h), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%fused
+}
+"""
+
+
+@pytest.mark.parametrize("compute_s,hidden", [(2.0, 1.0), (1e-6, 0.75e-6)])
+def test_an_async_collective_is_hidden_behind_the_compute_between_its_start_and_done(compute_s, hidden):
+    """The all-gather's 3 KiB on the wire (3/4 of 4 KiB) overlap the fusion scheduled between its
+    start and done (300 of the step's 400 cycles): hidden up to that compute's time; the
+    synchronous all-reduce after it hides nothing."""
+    gather_wire = 1024 * 4 * 3 / 4
+    assert hlo_cost.overlapped_collectives(ASYNC_GATHER, devices=4) == [(gather_wire, 0.75, 1.0)]
+    seconds = hlo_cost.hidden_collective_seconds(ASYNC_GATHER, 4, compute_s=compute_s, ici_bytes_s=gather_wire)
+    assert seconds == pytest.approx(hidden)  # min(1 s of wire, 3/4 of the compute)
+    sync = ASYNC_GATHER.replace("all-gather-start", "all-gather").replace("%agd = f32[1024]{0} all-gather-done(%ags)", "")
+    assert hlo_cost.overlapped_collectives(sync, devices=4) == []
+
+
 # ------------------------------------------------------------- compiled for a TPU topology
 
 
@@ -381,3 +426,37 @@ def test_an_fsdp_einsum_is_gathered_then_multiplied_not_split_into_a_collective_
     w = jax.ShapeDtypeStruct((2048, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
     hlo = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("fsdp"))).lower(x, w).compile().as_text()
     assert "all-gather" in hlo and "collective-permute" not in hlo and not re.search(r"\bwhile\(", hlo)
+
+
+@pytest.mark.slow
+def test_a_compiled_fsdp_loop_prices_its_async_gathers_as_overlapped():
+    """An FSDP layer loop compiled for v5e-8 gathers the next weights asynchronously (TPU's async
+    collective fusions) while a layer computes: the estimate's collective time is the wire time
+    less what those gathers overlap, and never below the collectives left synchronous."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from runtime.compile_only import cost_figures, topology_devices
+
+    gen, _, devices = topology_devices("v5e-8")
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    w1 = jax.ShapeDtypeStruct((2, 512, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp", None)))
+    w2 = jax.ShapeDtypeStruct((2, 2048, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, "fsdp")))
+    x = jax.ShapeDtypeStruct((64, 128, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+
+    def loss(w1, w2, x):
+        def layer(h, w):
+            return h + jnp.einsum("btf,fd->btd", jax.nn.gelu(jnp.einsum("btd,df->btf", h, w[0])), w[1]), None
+        return jnp.mean(jax.lax.scan(layer, x, (w1, w2))[0].astype(jnp.float32) ** 2)
+
+    c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w1, w2, x).compile()
+    hlo = c.as_text()
+    step = CompiledStep(hbm_bytes=1.0, total_bytes=0.0, **cost_figures(hlo, c.cost_analysis(), gen, devices=8))
+    est = estimate_step(step, gen, model_flops=None)
+    windows = hlo_cost.overlapped_collectives(hlo, devices=8)
+    assert windows and all(runs == 2 for _, _, runs in windows)  # in the layer loops, every iteration
+    ici = gen.ici_gbytes_s * 1e9
+    async_s = sum(runs * nbytes for nbytes, _, runs in windows) / ici
+    assert 0 < step.hidden_collective_s <= async_s < step.wire_bytes / ici
+    assert est.collective_s == pytest.approx(step.wire_bytes / ici - step.hidden_collective_s)

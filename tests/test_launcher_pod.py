@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 from experiments.launcher.pod import PodError, Target, remote_path, resolve_run_id, send_secrets
-from runtime import events
-from experiments.launcher.worker import VERSIONS_TAG
+from runtime import wire
 from helpers import LAUNCH, POD_SECRET as SECRET, REPO, POD_WORKERS as WORKERS, pid_alive, target, wait_for
 
 HF_SECRET = "hf-secret-2b8d $(touch pwned) `touch pwned2` 'q' \"d\" $HOME"  # also a quoting test
@@ -343,7 +342,7 @@ def test_status_reports_alive_and_last_step(pod):
     log = w1 / "podrunner-logs" / "r7" / "worker-t1v-n-my-tpu-w-1.log"
     log.parent.mkdir(parents=True)
     log.write_text("process 1/2, local devices 4\n" + "".join(  # the trainer's events (runtime/events.py), not its prose
-        events.TAG + json.dumps({"event": "checkpoint", "step": s}) + "\n" for s in (6, 7)) + "step 99 of some line\n")
+        wire.event_line({"event": "checkpoint", "step": s}) + "\n" for s in (6, 7)) + "step 99 of some line\n")
     wait_for(lambda: Path(f"/proc/{stale.pid}/cmdline").read_bytes().startswith(b"python"), timeout=30,
              what="the stand-in to exec")
 
@@ -406,7 +405,7 @@ def test_setup_verifies_imports_against_the_pins(tmp_path):
     r = subprocess.run([sys.executable, "-m", "experiments.launcher.worker.versions", "h1", "--imports"], cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
     assert r.returncode == 1, r.stdout + r.stderr
-    row = json.loads(r.stdout.split(VERSIONS_TAG, 1)[1])
+    row = wire.versions(r.stdout)
     assert row["ok"] is False and "numpy" in row["problem"] and "no-such-dist not installed" in row["problem"]
     assert "tqdm" not in row["problem"]
 

@@ -23,6 +23,9 @@ from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAM_SCOPE = ("experiments",)  # where remote and local commands are composed
+# Writes documentation: the commands in its strings are printed in a group's README for a person
+# to read and type, never run by the code.
+PROGRAM_EXEMPT = ("experiments/readmes.py",)
 EXIT_SCOPE = ("runtime", "experiments", "models", "data_pipeline", "bench", "pretrain_jax.py")
 EXIT_CODES_HOME = "runtime/errors.py"
 SHELL_SCOPE = ("setup_tpu.sh", "scripts", "experiments")
@@ -118,6 +121,8 @@ def python_program(text: str) -> bool:
 def programs_in_strings(root: Path = REPO) -> list[str]:
     found = []
     for file in python_files(root, PROGRAM_SCOPE):
+        if file.relative_to(root).as_posix() in PROGRAM_EXEMPT:
+            continue
         for line, text in strings(parsed(file)[0]):
             whats = [what for pattern, what in SHELL_PROGRAM if pattern.search(text)]
             if python_program(text):

@@ -18,6 +18,7 @@ import pytest
 
 from helpers import (REPO, assert_user_error, base_overrides, error_line, fill, finish, launch_pretrain, read_jsonl,
                      resumed_step, saved_steps, small_disk, start_pod, train, wait_for, wait_for_step)
+from runtime import lease as lease_module
 from runtime.errors import EXIT_PREEMPTED, StorageError
 from runtime.lease import LEASE_FILE, Lease, LeaseHeld, LocalStore
 
@@ -47,13 +48,14 @@ def dead_pid() -> int:
 # ---------------------------------------------------------------------------------- local
 
 
-def test_acquire_renew_release(tmp_path):
+def test_acquire_renew_release(tmp_path, monkeypatch):
+    wall = iter(range(1_000_000, 1_000_100))  # the heartbeat's wall clock, stepped by hand (a gate, no sleep)
+    monkeypatch.setattr(lease_module, "_now", lambda: float(next(wall)))
     held = lease(tmp_path, run_id="r-1").acquire()
     try:
         first = record(tmp_path)
         assert (first["host"], first["pid"], first["run"], first["run_id"]) == (socket.gethostname(), os.getpid(),
                                                                                  "test/t", "r-1")
-        time.sleep(0.01)
         held.set_run_id("r-2")  # a renewal: new heartbeat, same token
         second = record(tmp_path)
         assert second["run_id"] == "r-2" and second["heartbeat"] > first["heartbeat"]

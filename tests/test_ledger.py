@@ -11,6 +11,7 @@ variant completed and one queued (its programme.json's mirror, a temporary folde
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -24,10 +25,11 @@ from pathlib import Path
 import pytest
 
 from experiments.launch import main as launch
-from experiments.launcher import ledger, run_queue, supervise
+from experiments.launcher import ledger, queue_state, supervise
+from experiments.launcher.controller import Controller, Stop, VariantSupervision
 from experiments.launcher.ledger import (TRANSITIONS, IllegalTransition, LaunchRecord, Move, Outcome, RecordError,
                                          Status, VariantRecord, VariantState, load_ledger, move)
-from runtime import distributed, events
+from runtime import distributed, events, wire
 from runtime.config import DistributedConfig
 from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_INTERRUPTED, EXIT_NONFINITE,
                             EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_RESIDENT_LOST, EXIT_USER_ERROR, StorageError,
@@ -41,9 +43,9 @@ NAME, DONE, QUEUED = "prog", "exp08/ema0.99", "exp08/off"
 
 
 def table(heading: str) -> list[list[str]]:
-    """The rows of the first markdown table whose header row starts with `heading` in OPERATIONS.md,
-    each its cells (backticks removed)."""
-    lines = OPERATIONS.read_text().splitlines()
+    """The rows of the first markdown table whose header row starts with `heading` in OPERATIONS.md
+    (the failure classes) or RUNNING.md (the states), each its cells (backticks removed)."""
+    lines = "\n".join(p.read_text() for p in (OPERATIONS, OPERATIONS.with_name("RUNNING.md"))).splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {heading} |"))
     rows = []
     for line in lines[start + 2:]:
@@ -58,7 +60,7 @@ def completes(self: supervise.Supervisor) -> int:
     with self.sup.changing() as record:
         record.launches.append(LaunchRecord(started=1.0, ended=2.0, code=0, outcome=Outcome.COMPLETED,
                                             cause="completed", last_step=10, total=10))
-    return self.finish(Status.COMPLETED, 0, last_step=10)
+    return self.finish(Status.COMPLETED, 0)
 
 
 # --- a ledger written before the records were typed ----------------------------------------------
@@ -76,17 +78,24 @@ def test_a_ledger_written_before_is_read_shown_and_carried_on(tmp_path, monkeypa
     assert re.search(rf"^{re.escape(QUEUED)} +queued +0 ", out, re.M) and "controller: budget (budget: " in out, out
 
     assert launch(["programme", "budget", NAME, "5", "--state-dir", str(states)]) == 0  # the queue goes on
-    state = run_queue.State(states / NAME, io.StringIO())
+    state = queue_state.State(states / NAME, io.StringIO())
     state.load()
     assert state.ledger.schema == ledger.SCHEMA and state.ledger.variants[QUEUED].state == VariantState.QUEUED
     monkeypatch.setattr(supervise.Supervisor, "run", completes)
     monkeypatch.setattr(supervise, "tpu_state", lambda spec, run: (supervise.TpuState.MISSING, 0))  # its release
-    assert run_queue.Controller(state, alert=lambda title, text: None, sleep_s=0.01).run() == 0
+    assert Controller(state, alert=lambda title, text: None, sleep_s=0.01).run() == 0
 
     now = json.loads((states / NAME / "ledger.json").read_text())
     assert now["schema"] == ledger.SCHEMA and now["controller"]["status"] == "done"
     assert {v: r["state"] for v, r in now["variants"].items()} == {DONE: "completed", QUEUED: "completed"}
-    assert holds(now["variants"][DONE], v1["variants"][DONE])  # nothing the old ledger held is lost or changed
+    # Nothing the old ledger held is lost or changed; what a variant copied from its launches is derived
+    # from them since schema 4 (its `progress`: the launch under way's, none here).
+    old = copy.deepcopy(v1["variants"][DONE])
+    copies = {name: old.pop(name) for name in ("last_step", "total", "wandb_run_id")}
+    old["supervision"].pop("progress"), old["supervision"]["end"].pop("last_step")
+    assert holds(now["variants"][DONE], old)
+    done = ledger.load_ledger(json.dumps(now), "ledger.json").variants[DONE]
+    assert {name: done.said(name) for name in copies} == copies and copies["last_step"] == 10
     assert now["slices"]["s1"]["clock"] == v1["slices"]["s1"]["clock"] and now["history"][:3] == v1["history"]
 
 
@@ -99,10 +108,35 @@ def holds(new, old) -> bool:
     return new == old
 
 
+def test_a_schema_3_record_is_migrated_to_say_each_fact_once():
+    """Schema 3 kept copies: a variant's last step, total and W&B run (of its launches), a running
+    supervision's `progress` beside its launch under way (whose `timing` was the raw event), an end's
+    last step. Read now, each is said once: the launch under way holds what `progress` said, and a
+    variant's step only where no launch says it (found complete beside its checkpoints)."""
+    event = {"event": "timing", "time": 50.0, "step": 30, "steps_run": 30, "wall": 45.0, "seconds": {"train": 30.0}}
+    running = {"state": "running", "supervision": {
+        "in_flight": True, "progress": {"step": 30, "total": 100, "wandb_run_id": "w2"},
+        "launch": {"started": 0.0, "setup": 4.0, "first_step": 0, "last_step": 30, "timing": event}},
+        "last_step": 20, "total": 100, "wandb_run_id": "w2"}
+    launched = {"started": 0.0, "ended": 1.0, "code": 0, "outcome": "completed", "cause": "completed",
+                "last_step": 8, "total": 8, "wandb_run_id": "w1"}
+    found = {"state": "completed", "last_step": 10, "total": 8, "wandb_run_id": "w1", "supervision": {
+        "status": "completed", "launches": [launched], "end": {"status": "completed", "code": 0, "last_step": 8}}}
+    book = ledger.load_ledger(json.dumps({"schema": 3, "variants": {"a/run": running, "a/found": found}}), "ledger.json")
+    assert book.schema == ledger.SCHEMA
+    run, done = book.variants["a/run"], book.variants["a/found"]
+    assert (run.said("last_step"), run.said("total"), run.said("wandb_run_id")) == (30, 100, "w2")
+    timing = run.supervision.launch.timing
+    assert (timing.setup, timing.steps_run, timing.seconds, timing.time) == (4.0, 30, {"train": 30.0}, 50.0)
+    assert (done.said("last_step"), done.found_step, done.said("total"), done.said("wandb_run_id")) == (10, 10, 8, "w1")
+    sup = ledger.load_supervision(json.dumps({"schema": 3, **found["supervision"]}), "supervision.json")
+    assert sup.end == ledger.End(status=Status.COMPLETED, code=0) and sup.said("last_step") == 8
+
+
 def test_an_old_mirror_of_three_files_is_taken_over_and_the_new_one_is_one_snapshot(tmp_path):
     old_mirror = tmp_path / "bucket-old" / NAME  # a mirror the code before wrote: the three files
     shutil.copytree(V1, old_mirror)
-    here = run_queue.State(tmp_path / "here" / NAME, io.StringIO())
+    here = queue_state.State(tmp_path / "here" / NAME, io.StringIO())
     here.load(str(old_mirror))
     assert here.ledger.variants[DONE].supervision.launches[0].metrics == {"eval/exact_accuracy": 0.25}
 
@@ -113,7 +147,7 @@ def test_an_old_mirror_of_three_files_is_taken_over_and_the_new_one_is_one_snaps
     assert sorted(snapshot) == ["ledger", "schema", "seq", "submission"] and snapshot["seq"] == here.ledger.seq
     assert snapshot["ledger"] == json.loads((here.dir / "ledger.json").read_text())
     assert not (mirror / "ledger.json").exists() and (mirror / "controller.log").exists()
-    there = run_queue.State(tmp_path / "there" / NAME, io.StringIO())
+    there = queue_state.State(tmp_path / "there" / NAME, io.StringIO())
     there.load(str(mirror))  # from the snapshot
     assert ledger.as_json(there.ledger) == ledger.as_json(here.ledger) and there.sub == here.sub
 
@@ -206,19 +240,20 @@ DECISION = {Policy.PERMANENT: Outcome.FATAL, Policy.BACK_OFF: Outcome.BACKOFF, P
 
 
 @pytest.mark.parametrize("failure", list(Failure), ids=str)
-def test_every_failure_class_is_emitted_decided_by_its_policy_and_documented(failure, capsys):
+def test_every_failure_class_is_emitted_decided_by_its_policy_and_documented(failure, capsys, monkeypatch):
     assert set(TRAINER) == set(Failure)  # a new class needs its way here
+    monkeypatch.setenv(wire.EVENTS_ENV, "1")  # as the launch guard asks for the events on stdout
     code, line, named = TRAINER[failure]()
     events.detach()  # a fresh process: its first failure is reported
     try:
         events.failed(code, line, named)
     finally:
         events.detach()
-    said = [e for e in map(events.parse, capsys.readouterr().out.splitlines()) if e]
+    said = [e for e in map(wire.event, capsys.readouterr().out.splitlines()) if e]
     assert [(e["event"], e["failure"], e["exit_code"]) for e in said] == [("failed", failure.value, code)]
 
     seen = supervise.LaunchEvents()
-    seen.line("t1v-n-w-0: " + events.TAG + json.dumps(said[0]))  # as gcloud prefixes a worker's line
+    seen.line("t1v-n-w-0: " + wire.event_line(said[0]))  # as gcloud prefixes a worker's line
     outcome = supervise.classify(code, seen, supervise.TpuState.READY)
     assert outcome == DECISION[failure.policy] and supervise.cause(code, outcome, seen) == failure.cause
 
@@ -246,11 +281,11 @@ def test_slices_changing_their_records_while_saves_run_leave_every_saved_ledger_
     was made under the lock a save copies the ledger under, a save raised "dictionary changed size
     during iteration" now and then, or wrote a launch without its preemption."""
     variants = [f"exp08/v{i}" for i in range(SLICES * PER_SLICE)]
-    sub = run_queue.Submission(name="p", variants=variants, slices=[f"s{i}" for i in range(SLICES)], zone="z",
-                               accelerator_type="v4-8", runtime_version="v", create_attempts=0)
-    state = run_queue.State(tmp_path / "p", io.StringIO())
+    sub = queue_state.Submission(name="p", variants=variants, slices=[f"s{i}" for i in range(SLICES)], zone="z",
+                                 accelerator_type="v4-8", runtime_version="v", create_attempts=0)
+    state = queue_state.State(tmp_path / "p", io.StringIO())
     state.create(sub)
-    controller = run_queue.Controller(state, alert=lambda title, text: None)
+    controller = Controller(state, alert=lambda title, text: None)
 
     written: list[str] = []
     real_replace = os.replace
@@ -265,9 +300,9 @@ def test_slices_changing_their_records_while_saves_run_leave_every_saved_ledger_
     def launch_pod(target, overrides, *, run_id, on_line, **_):  # the trainer's events, every other launch preempted
         launches[target.tpu] += 1
         preempted = launches[target.tpu] % 2 == 1
-        on_line(events.TAG + json.dumps({"event": "started", "run_id": run_id, "step": 0, "total": 100}))
-        on_line("t1v-n-w-0: " + events.TAG + json.dumps({"event": "checkpoint", "step": 50}))
-        on_line(events.TAG + json.dumps({"event": "preempted" if preempted else "completed", "step": 50}))
+        on_line(wire.event_line({"event": "started", "run_id": run_id, "step": 0, "total": 100}))
+        on_line("t1v-n-w-0: " + wire.event_line({"event": "checkpoint", "step": 50}))
+        on_line(wire.event_line({"event": "preempted" if preempted else "completed", "step": 50}))
         return EXIT_PREEMPTED if preempted else 0
 
     def gcloud(argv):  # a process that answers as gcloud does (the caller waits for it, as for gcloud)
@@ -286,7 +321,7 @@ def test_slices_changing_their_records_while_saves_run_leave_every_saved_ledger_
     def slice_thread(slice_name: str, mine: list[str]) -> None:
         try:
             for variant in mine:
-                sup = run_queue.VariantSupervision(state, variant, slice_name)
+                sup = VariantSupervision(state, variant, slice_name)
                 supervisor = supervise.Supervisor(sub.spec(variant, slice_name, state.dir), sup,
                                                   controller.clock(slice_name), run=gcloud, owns_slice=False,
                                                   report=lambda line: None)
@@ -294,9 +329,9 @@ def test_slices_changing_their_records_while_saves_run_leave_every_saved_ledger_
                 for _ in range(LAUNCHES):  # every other one preempted
                     supervisor.launch_once(2)
                 supervisor.create(["gcloud", "compute", "tpus", "tpu-vm", "create", slice_name], "tpu-created")
-                supervisor.finish(Status.COMPLETED, 0, last_step=50)
+                supervisor.finish(Status.COMPLETED, 0)
                 sup.stream.close()
-        except BaseException as e:  # noqa: BLE001 - the test's verdict
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=slice_thread, args=(s, variants[i::SLICES])) for i, s in enumerate(sub.slices)]
@@ -305,7 +340,7 @@ def test_slices_changing_their_records_while_saves_run_leave_every_saved_ledger_
         try:
             while any(t.is_alive() for t in threads):
                 state.save()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     switch = sys.getswitchinterval()
@@ -348,9 +383,9 @@ def test_programme_stop_from_another_machine_reaches_the_controller_through_the_
     request on the mirror, its running variant checkpoints (here: its supervision is interrupted)
     and is queued again, and the controller ends with exit 0, having applied the request once."""
     mirror = tmp_path / "bucket" / NAME  # as gs://, through fsspec
-    sub = run_queue.Submission(name=NAME, variants=[DONE, QUEUED], slices=["s1"], zone="z", accelerator_type="v4-8",
-                               runtime_version="v", mirror=str(mirror))
-    state = run_queue.State(tmp_path / "here" / NAME, io.StringIO())
+    sub = queue_state.Submission(name=NAME, variants=[DONE, QUEUED], slices=["s1"], zone="z", accelerator_type="v4-8",
+                                 runtime_version="v", mirror=str(mirror))
+    state = queue_state.State(tmp_path / "here" / NAME, io.StringIO())
     state.create(sub)
     launched = threading.Event()
 
@@ -360,7 +395,7 @@ def test_programme_stop_from_another_machine_reaches_the_controller_through_the_
         return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
 
     monkeypatch.setattr(supervise.Supervisor, "run", runs_until_interrupted)
-    controller = run_queue.Controller(state, alert=lambda title, text: None, sleep_s=0.01, mirror_poll_s=0.0)
+    controller = Controller(state, alert=lambda title, text: None, sleep_s=0.01, mirror_poll_s=0.0)
     ended: list[int] = []
     running = threading.Thread(target=lambda: ended.append(controller.run()))
     running.start()
@@ -371,7 +406,7 @@ def test_programme_stop_from_another_machine_reaches_the_controller_through_the_
         assert "stop: asked" in capsys.readouterr().out
         running.join(60)
     finally:
-        controller.halt(run_queue.Stop("the test ended", 1))
+        controller.halt(Stop("the test ended", 1))
         running.join(60)
     assert ended == [0]
     record = json.loads((state.dir / "ledger.json").read_text())

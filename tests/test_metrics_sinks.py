@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.metrics_sinks import JSONL_NAME, MetricsSinks
+from runtime.metrics_sinks import JSONL_NAME, MetricsSinks, human_line
 
 try:
     from wandb_offline import read_offline_runs  # tests/ on sys.path (rootdir-style tests)
@@ -121,11 +121,22 @@ def test_offline_run_round_trip(tmp_path, capsys):
     assert (run.path / "files" / "run_manifest.json").read_text() == '{"git": "abc"}'
     assert run.exit_code == 0
 
-    # Progress bar went to stderr with the headline metrics; stdout untouched.
+    # Off a terminal (pytest captures it): one human line per row on stdout, no bar on stderr.
     captured = capsys.readouterr()
-    assert "loss=" in captured.err and "ex/s=" in captured.err and "lr=" in captured.err
-    assert "2/10" in captured.err  # the bar follows the logged step
-    assert captured.out == ""
+    assert captured.out.splitlines() == ["step 0/10  loss 2.5", "step 1/10  loss 2",
+                                         "step 2/10  loss nan  exact_accuracy 0.25"]
+    assert "step" not in captured.err
+
+
+def test_a_row_is_one_human_line_under_100_columns():
+    values = {"train/loss": 1.23456, "perf/steps_per_sec": 25.0, "perf/examples_per_sec": 400.0,
+              "perf/mfu": 0.123, "train/lr": 1e-4}
+    line = human_line(120, 200, values, ("eval/exact_accuracy", 0.512))
+    assert line == "step 120/200  loss 1.2346  exact_accuracy 0.512  0.04 s/step  400 ex/s  MFU 12.3%  ETA 0:03"
+    slow = human_line(10, 1_000_000, {"train/loss": 1e6, "perf/steps_per_sec": 0.01, "perf/examples_per_sec": 0.5,
+                                      "perf/mfu": 0.5}, ("eval/token_accuracy", 0.123456))
+    assert len(slow) < 100 and slow.endswith("100 s/step  0.5 ex/s  MFU 50.0%  ETA 1157d09h"), slow  # 999,990 x 100 s
+    assert human_line(3, 3, {"train/loss": 0.5, "perf/steps_per_sec": 2.0}, None) == "step 3/3  loss 0.5  0.5 s/step"
 
 
 def test_resume_appends_and_keeps_run_id(tmp_path):

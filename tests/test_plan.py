@@ -16,16 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bill, plan
+from experiments.plan import bill, calibrate, planner, price, report
+from experiments.plan.bill import Program, Start
 from experiments.compose import compose
 from experiments.launcher.account import launch_timing
 from experiments.launcher.ledger import (LaunchRecord, LaunchTiming, Ledger, Outcome, SliceRecord, SupervisionRecord,
                                          VariantRecord, VariantState, to_text)
-from experiments.launcher.run_queue import read_plan, with_executables
+from experiments.launcher.queue_state import read_plan, with_executables
 from helpers import launch_in_process
 from runtime.compile_only import TOPOLOGIES, CompiledStep, StepEstimate, estimate_step, optimal_seconds, wire_bytes
 from runtime.config import derive, validate
+from runtime import executables
 from runtime.errors import UserError
+from runtime.goodput import Category
 
 V1 = Path(__file__).resolve().parent / "data" / "programme-v1"  # a ledger of schema 1
 
@@ -74,12 +77,12 @@ def test_hlo_key_blanks_values_but_not_trip_counts_or_special_values():
     return %cst_0 : tensor<f32>
   }}"""
 
-    base = plan.hlo_key(hlo(), "v4-64")
-    assert plan.hlo_key(hlo(lr="3.000000e-04", warmup="500", init='"0x2C3E01BF"'), "v4-64") == base
-    assert plan.hlo_key(hlo(index='"0x0100000000000000"'), "v4-64") != base  # integer array data (indices) stays
-    assert plan.hlo_key(hlo(trips="12"), "v4-64") != base  # a loop's trip count
-    assert plan.hlo_key(hlo(one="9.900000e-01"), "v4-64") != base  # x * 1.0 simplifies away; x * 0.99 does not
-    assert plan.hlo_key(hlo(), "v5e-8") != base
+    base = planner.hlo_key(hlo(), "v4-64")
+    assert planner.hlo_key(hlo(lr="3.000000e-04", warmup="500", init='"0x2C3E01BF"'), "v4-64") == base
+    assert planner.hlo_key(hlo(index='"0x0100000000000000"'), "v4-64") != base  # integer array data (indices) stays
+    assert planner.hlo_key(hlo(trips="12"), "v4-64") != base  # a loop's trip count
+    assert planner.hlo_key(hlo(one="9.900000e-01"), "v4-64") != base  # x * 1.0 simplifies away; x * 0.99 does not
+    assert planner.hlo_key(hlo(), "v5e-8") != base
 
 
 def test_optimal_seconds_adds_back_unmodelled_ops_and_refuses_non_times():
@@ -131,7 +134,7 @@ def tiny_group(tmp_path_factory):
     args = ["exp08", "--topology", "v5e-8", "--mtbf", "8h", "--cache-dir", str(tmp / "cache"), "--csv",
             str(tmp / "plan.csv"), "--", *TINY]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan, "COMPILES_PER_PROCESS", 1)
+        patch.setattr(planner, "COMPILES_PER_PROCESS", 1)
         first = run_plan("--jobs", "2", *args)
     second = run_plan("--jobs", "1", *args)
     with open(tmp / "plan.csv") as f:
@@ -181,7 +184,7 @@ def test_step_time_floor_and_model_flops(tiny_group):
 @pytest.mark.slow
 def test_cache_key_merges_values_not_shapes(tmp_path):
     base = ("train.global_batch_size=64",)
-    key = lambda *extra: plan.lower(plan.Job("example", "small", base + extra), "v5e-8").key  # noqa: E731
+    key = lambda *extra: planner.lower(planner.Job("example", "small", base + extra), "v5e-8").key  # noqa: E731
     same = key()  # (train.steps=5 would not merge: at or below the warmup a constant becomes exactly 1.0)
     assert same and key("optim.lr=0.123", "optim.b2=0.9", "train.seed=7", "train.steps=500") == same
     assert key("arch.hidden=96") != same
@@ -194,32 +197,37 @@ def test_executables_keeps_each_program_and_prices_it_as_a_read(tiny_group, tmp_
     topology and kept (runtime/executables.py); the plan prices those steps as a read at every
     start. (One variant, on tiny_group's cache: only the keeping compiles.)"""
     *_, cache = tiny_group
-    jobs = [plan.Job("exp08", "off", tuple(TINY))]
-    rows = plan.Planner("v5e-8", cache, progress=lambda line: None).plan(jobs)
+    jobs = [planner.Job("exp08", "off", tuple(TINY))]
+    rows = planner.Planner("v5e-8", cache, progress=lambda line: None).plan(jobs)
     assert rows[0].fits and rows[0].compile_s > 0
     lines: list[str] = []
-    kept = plan.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe"), progress=lines.append)
+    kept = planner.keep_ahead(jobs, rows, "v5e-8", str(tmp_path / "exe"), progress=lines.append, cache_root=cache)
     assert kept == {rows[0].lowered.exact, rows[0].lowered.eval_exact}, lines
     assert len(list((tmp_path / "exe").glob("*.jaxexe"))) == 2
+    digest = rows[0].executables_digest
+    assert digest and f"run.executables_digest={digest}" in lines[-1]
+    assert len(executables.read_manifest(str(tmp_path / "exe"), digest)) == 2
     hit = bill.FIGURES["compile_cache_hit"].seconds
-    compiled = plan.price_programme(rows).rows[0].bill
-    ahead = plan.price_programme(rows, ahead=kept).rows[0].bill
+    compiled = price.price_programme(rows).rows[0].bill
+    ahead = price.price_programme(rows, ahead=kept).rows[0].bill
     assert compiled.seconds["program_startup"] == pytest.approx(rows[0].compile_s + rows[0].eval_compile_s)
     assert ahead.seconds["program_startup"] == pytest.approx(2 * hit)
     assert ahead.total_s < compiled.total_s and ahead.train_s == compiled.train_s
-    priced = plan.price_programme(rows, what_if=frozenset({"executables"})).rows[0].bill  # without keeping them
-    assert priced.seconds == ahead.seconds
     # The CSV names the folder, and a programme submitted with it runs with run.executables=FOLDER.
-    plan.price_programme(rows, ahead=kept, ahead_folder="gs://b/exe")
-    plan.write_csv(rows, tmp_path / "plan.csv")
+    report.write_csv(rows, tmp_path / "plan.csv")
     planned = read_plan(tmp_path / "plan.csv")
-    assert planned["exp08/off"]["executables"] == "gs://b/exe"
-    assert with_executables(["a=1"], planned, ["exp08/off"]) == ["a=1", "run.executables=gs://b/exe"]
+    folder = str(tmp_path / "exe")
+    assert planned["exp08/off"]["executables"] == folder and planned["exp08/off"]["executables_digest"] == digest
+    assert with_executables(["a=1"], planned, ["exp08/off"]) == [
+        "a=1", f"run.executables={folder}", f"run.executables_digest={digest}"]
     assert with_executables(["run.executables=mine"], planned, ["exp08/off"]) == ["run.executables=mine"]
     code, out, err = run_plan("exp08", "--topology", "v5e-8", "--executables", "s3://b/exe")
     assert code == 2 and err.startswith("error: --executables='s3://b/exe': it can be a local folder or on gs:// only")
     with pytest.raises(UserError, match="in 2 folders"):
-        with_executables([], planned | {"g/v": {"executables": "gs://c/exe"}}, ["exp08/off", "g/v"])
+        with_executables([], planned | {"g/v": {"executables": "gs://c/exe", "executables_digest": digest}},
+                         ["exp08/off", "g/v"])
+    with pytest.raises(UserError, match="no digest of its manifest"):  # a plan's CSV of before the manifests
+        with_executables([], {"g/v": {"executables": "gs://c/exe"}}, ["g/v"])
 
 
 def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path, monkeypatch):
@@ -229,19 +237,19 @@ def test_does_not_fit_names_a_change_a_compile_shows_to_fit(tmp_path, monkeypatc
     each such try costing 10-20 s of compile: the search through candidates that do not fit is
     test_the_search_tries_each_change_until_one_fits. The search is of train steps only, so the
     eval step, 8 s of compile, is left out here: tiny_group's rows price theirs.)"""
-    lower = plan.lower
-    monkeypatch.setattr(plan, "lower", lambda job, topology: dataclasses.replace(lower(job, topology), eval_key=""))
-    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
-    job = plan.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8",
+    lower = planner.lower
+    monkeypatch.setattr(planner, "lower", lambda job, topology: dataclasses.replace(lower(job, topology), eval_key=""))
+    planning = planner.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    job = planner.Job("example", "small", ("arch.hidden=11584", "arch.layers=1", "arch.heads=8",
                                         "train.global_batch_size=16"))
-    (row,) = planner.plan([job])
-    assert row.fits is False and row.total_gib > 15.75 and planner.compiled(job).stopped
-    tried = [j for j in planner.lowered if j != job]
+    (row,) = planning.plan([job])
+    assert row.fits is False and row.total_gib > 15.75 and planning.compiled(job).stopped
+    tried = [j for j in planning.lowered if j != job]
     assert [j.overrides[len(job.overrides):] for j in tried] == [("mesh.data=1", "mesh.fsdp=-1")]
-    assert plan.fix_candidates(planner.lowered[job], planner.compiled(job)) == [("mesh.data=1", "mesh.fsdp=-1")]
-    fix = plan.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
-    assert fix == tried[-1] and planner.compiled(fix).fits
-    assert row.train_h == pytest.approx(planner.lowered[fix].steps * row.estimate.total_s / 3600)
+    assert planner.fix_candidates(planning.lowered[job], planning.compiled(job)) == [("mesh.data=1", "mesh.fsdp=-1")]
+    fix = planner.Job(job.group, job.variant, job.overrides + tuple(row.change.split()))
+    assert fix == tried[-1] and planning.compiled(fix).fits
+    assert row.train_h == pytest.approx(planning.lowered[fix].steps * row.estimate.total_s / 3600)
 
 
 def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
@@ -253,19 +261,18 @@ def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
     compiled: list[tuple[str, ...]] = []
 
     def lower(job, topology):
-        return plan.Lowered(key=f"k{len(job.overrides)}{job.overrides[-1:]}".replace(" ", ""), steps=100,
+        return planner.Lowered(key=f"k{len(job.overrides)}{job.overrides[-1:]}".replace(" ", ""), steps=100,
                             global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
 
-    def compile_job(job, topology, kind=plan.TRAIN):
+    def compile_job(job, topology, kind=planner.TRAIN):
         change = job.overrides[1:]
         compiled.append(change)
         return CompiledStep(hbm_bytes=15.75 * gib, total_bytes=sizes[change] * gib, optimal_s=0.5)
 
-    monkeypatch.setattr(plan, "lower", lower)
-    monkeypatch.setattr(plan, "compile_job", compile_job)
-    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: True)
-    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
-    (row,) = planner.plan([plan.Job("g", "v", ("x=1",))])
+    monkeypatch.setattr(planner, "lower", lower)
+    monkeypatch.setattr(planner, "compile_job", compile_job)
+    planning = planner.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    (row,) = planning.plan([planner.Job("g", "v", ("x=1",))])
     assert compiled == list(sizes)  # the job, then each change in order until one fits
     assert row.fits is False and row.change == "mesh.data=1 mesh.fsdp=-1" and row.total_gib == 40
     assert row.estimate.total_s == pytest.approx(0.5) and row.train_h == pytest.approx(100 * 0.5 / 3600)
@@ -278,56 +285,67 @@ def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeyp
         pass
 
     def lower(job, topology):
-        return plan.Lowered(key=job.variant, steps=10, global_batch=8, per_device_batch=1, remat=False)
+        return planner.Lowered(key=job.variant, steps=10, global_batch=8, per_device_batch=1, remat=False)
 
-    def compile_job(job, topology, kind=plan.TRAIN):
+    def compile_job(job, topology, kind=planner.TRAIN):
         if job.variant == "bad":
             raise MosaicError("INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector type for load\nmore")
         return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=2**30, optimal_s=0.1)
 
-    monkeypatch.setattr(plan, "lower", lower)
-    monkeypatch.setattr(plan, "compile_job", compile_job)
-    planner = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
-    bad, good = planner.plan([plan.Job("g", "bad"), plan.Job("g", "good")])
+    monkeypatch.setattr(planner, "lower", lower)
+    monkeypatch.setattr(planner, "compile_job", compile_job)
+    planning = planner.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None)
+    bad, good = planning.plan([planner.Job("g", "bad"), planner.Job("g", "good")])
     assert bad.note == ("compile failed: MosaicError: INTERNAL: Mosaic failed to compile TPU kernel: Invalid vector "
                         "type for load") and bad.train_h is None
     assert good.fits and good.train_h == pytest.approx(10 * 0.1 / 3600)
 
 
-def test_fix_candidates_in_order(monkeypatch):
+def test_fix_candidates_in_order():
     """remat, then the batch per chip divided by the power of two that covers the overshoot (and
-    twice that), as gradient accumulation where the schema has it, else a smaller global batch;
-    then FSDP."""
-    low = plan.Lowered(key="k", global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
+    twice that) as gradient accumulation; then FSDP."""
+    low = planner.Lowered(key="k", global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
     step = CompiledStep(hbm_bytes=15.75 * 2**30, total_bytes=40 * 2**30, stopped=True)
     fsdp = ("mesh.data=1", "mesh.fsdp=-1")
-    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: False)
-    assert plan.fix_candidates(low, step) == [("arch.remat=true",), ("train.global_batch_size=16",),
-                                              ("train.global_batch_size=8",), fsdp]
-    monkeypatch.setattr(plan, "grad_accum_in_schema", lambda: True)
-    assert plan.fix_candidates(low, step)[1:3] == [("train.grad_accum_steps=4",), ("train.grad_accum_steps=8",)]
+    assert planner.fix_candidates(low, step) == [("arch.remat=true",), ("train.grad_accum_steps=4",),
+                                                 ("train.grad_accum_steps=8",), fsdp]
     done = dataclasses.replace(low, remat=None, per_device_batch=1, fsdp_over_all=True)
-    assert plan.fix_candidates(done, step) == []  # no knob, one example per chip, already FSDP
+    assert planner.fix_candidates(done, step) == []  # no knob, one example per chip, already FSDP
 
 
 @pytest.mark.slow
 def test_steps_of_an_epoch_schedule_over_a_set_not_here_are_unknown(tmp_path):
     """An SFT set that is not on this machine has no size, so train.epochs gives no step count
     (and the row no pod-hours) until data.path points at the built set; train.steps always does."""
-    job = plan.Job("gemma_sft", "tiny_cpu", (f"data.path={tmp_path}/absent", "train.global_batch_size=8"))
-    by_epochs = plan.lower(dataclasses.replace(job, overrides=job.overrides + ("train.steps=null", "train.epochs=2")),
+    job = planner.Job("gemma_sft", "tiny_cpu", (f"data.path={tmp_path}/absent", "train.global_batch_size=8"))
+    by_epochs = planner.lower(dataclasses.replace(job, overrides=job.overrides + ("train.steps=null", "train.epochs=2")),
                            "v5e-8")
     assert by_epochs.key and by_epochs.steps == 0 and "steps unknown" in by_epochs.note
-    assert plan.lower(job, "v5e-8").steps == 600
+    assert planner.lower(job, "v5e-8").steps == 600
     assert not (tmp_path / "absent").exists()
 
 
-# ------------------------------------------------------------------ the bill (experiments/bill.py)
+# ------------------------------------------------------------------ the bill (experiments/plan/bill.py)
 
 
 def figures(**seconds: float) -> dict[str, bill.Figure]:
     """Every figure at 0 s but those given, so each formula can be checked alone."""
     return {name: bill.Figure(seconds.get(name, 0.0), f.category, f.paid, "test") for name, f in bill.FIGURES.items()}
+
+
+def test_every_figure_is_a_measurement_or_a_public_figure_and_no_bound_is_central():
+    """Each source (and each high end's) is a command with its date, or an address with the number
+    it quotes; a low end (the table's figure) never rests on a bound."""
+    kinds = re.compile(r"^(measured: `[^`]+` \(\d{4}-\d\d-\d\d|public: https://\S+ .*\d)")
+    for name, f in bill.FIGURES.items():
+        for source in (f.source, f.high_source) if f.high is not None else (f.source,):
+            assert kinds.match(source), (name, source)
+            assert "public: https://" not in source or re.search(r"public: https://\S+\s[^;]*?\d", source), name
+        assert not re.search(r"upper bound|at most", f.source, re.IGNORECASE), name
+        assert f.high is None or f.high > f.seconds, name
+    low, high = bill.ends(bill.FIGURES)
+    assert low["runtime_init"].seconds == 7.3 and high["runtime_init"].seconds == 14.5
+    assert high["runtime_init"].source == bill.FIGURES["runtime_init"].high_source and high["launch"] == low["launch"]
 
 
 # 1000 steps of 0.1 s; 4 evaluations (3 on 2 batches, the last on 10) of a 0.5 s eval step;
@@ -349,13 +367,15 @@ def test_train_eval_and_the_first_starts_costs():
     assert b.total_s == pytest.approx(sum(b.seconds.values()))
     assert b.total_s == pytest.approx(b.train_s + b.eval_s + b.startup_s + b.checkpoint_s)
     assert b.goodput == pytest.approx(108 / b.total_s)
-    assert b.seconds[bill.SETUP] == pytest.approx(102) and b.seconds[bill.PROGRAM_STARTUP] == pytest.approx(50)
-    later = bill.price(dataclasses.replace(VARIANT, first_on_slice=False), f)  # the slice is set up: the check only
+    assert b.seconds[Category.SETUP] == pytest.approx(102) and b.seconds[Category.PROGRAM_STARTUP] == pytest.approx(50)
+    later = bill.price(dataclasses.replace(VARIANT, start=Start.COLD), f)  # the slice is set up: the check only
     assert later.startup_s == pytest.approx(b.startup_s - 100 + 1)
-    hit = bill.price(dataclasses.replace(VARIANT, compile_cache=True, train_cached=True, eval_cached=True), f)
-    assert hit.seconds[bill.PROGRAM_STARTUP] == pytest.approx(0.5)  # both steps from the cache
-    cache_no_hit = bill.price(dataclasses.replace(VARIANT, compile_cache=True), f)
-    assert cache_no_hit.seconds[bill.PROGRAM_STARTUP] == pytest.approx(50)  # a program not seen before compiles
+    resident = bill.price(dataclasses.replace(VARIANT, start=Start.RESIDENT), figures(resident_start=0.5))
+    assert resident.seconds[Category.RUNTIME_STARTUP] == 0.5  # the hand-over, not the runtime's start
+    hit = bill.price(dataclasses.replace(VARIANT, train=Program.CACHED, eval=Program.AHEAD), f)
+    assert hit.seconds[Category.PROGRAM_STARTUP] == pytest.approx(0.5)  # both steps read, not compiled
+    no_eval = bill.price(dataclasses.replace(VARIANT, evaluations=0), f)
+    assert no_eval.seconds[Category.PROGRAM_STARTUP] == pytest.approx(30)  # no evaluation: no eval step
 
 
 def test_evaluation_counts_and_unknown_sizes():
@@ -366,12 +386,11 @@ def test_evaluation_counts_and_unknown_sizes():
 
 
 def test_checkpoint_interval_by_steps_or_minutes_whichever_first():
-    f = figures()
-    assert bill.save_count(VARIANT, f) == (4, pytest.approx(27))
+    assert bill.save_count(VARIANT) == (4, pytest.approx(27))
     by_time = dataclasses.replace(VARIANT, checkpoint_minutes=0.25)  # 15 s < 27 s
-    assert bill.save_count(by_time, f) == (8, pytest.approx(15))  # ceil(108 / 15)
-    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0), f) == (1, pytest.approx(108))
-    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0, checkpoint_minutes=60), f)[0] == 1
+    assert bill.save_count(by_time) == (8, pytest.approx(15))  # ceil(108 / 15)
+    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0)) == (1, pytest.approx(108))
+    assert bill.save_count(dataclasses.replace(VARIANT, checkpoint_every=0, checkpoint_minutes=60))[0] == 1
 
 
 def test_recovery_at_an_mtbf_and_youngs_rule():
@@ -389,11 +408,13 @@ def test_recovery_at_an_mtbf_and_youngs_rule():
     assert b.total_s == pytest.approx(base.total_s / (1 - cost / mtbf))
     assert b.preemptions == pytest.approx(b.total_s / mtbf)
     assert b.recovery_s == pytest.approx(b.preemptions * cost) == pytest.approx(b.total_s - base.total_s)
-    assert b.seconds[bill.WASTED_PROGRESS] == pytest.approx(b.preemptions * 13.5)
-    assert b.seconds[bill.CHECKPOINT_RESTORE] == pytest.approx(b.preemptions * 5)
+    assert b.seconds[Category.WASTED_PROGRESS] == pytest.approx(b.preemptions * 13.5)
+    assert b.seconds[Category.CHECKPOINT_RESTORE] == pytest.approx(b.preemptions * 5)
     assert b.young_interval_s == pytest.approx(math.sqrt(2 * 2 * 3600))
     cached = bill.price(dataclasses.replace(VARIANT, compile_cache=True), f, mtbf)
     assert cached.restart_s == pytest.approx(restart - 50 + 2)  # a restart loads both steps from the cache
+    ahead = bill.price(dataclasses.replace(VARIANT, train=Program.AHEAD), f, mtbf)
+    assert ahead.restart_s == pytest.approx(restart - 30 + 1)  # kept ahead: read at every start
     with pytest.raises(UserError, match="more than --mtbf"):
         bill.price(VARIANT, f, mtbf_s=100.0)
 
@@ -402,10 +423,6 @@ def test_recovery_at_an_mtbf_and_youngs_rule():
 def test_parse_hours(text, seconds):
     assert bill.parse_hours(text) == seconds
 
-
-def test_schedule_takes_the_slice_that_frees_first():
-    assert bill.schedule([5, 1, 1, 1, 3], 2) == [0, 1, 1, 1, 1]
-    assert bill.schedule([1, 1, 1], 1) == [0, 0, 0]
 
 
 def trainer_event(*, saves=0, hits=0, misses=1, **seconds) -> dict:
@@ -447,7 +464,7 @@ def test_calibration_takes_the_ledgers_medians(tmp_path):
                 (launch_timing([trainer_event(runtime_startup=0.04, program_startup=4, hits=2, misses=0)], setup=3),
                  "warm:k1")],
     }, gaps={"s1": [2.0, 9.0], "s2": [4.0]})
-    cal = bill.calibrate(tmp_path)
+    cal = calibrate.calibrate(tmp_path)
     assert cal.launches == 8
     f = cal.figures
     # the process's own start: cold launches only; a warm one pays the hand-over
@@ -462,72 +479,71 @@ def test_calibration_takes_the_ledgers_medians(tmp_path):
     assert f["launch"] == bill.FIGURES["launch"]  # not measured: the plan's own
     assert cal.program_startup == {"g/a": 40, "g/b": 55}  # launches that compiled
     # a row of g/a is priced with its own measured start-up, split as the plan's compiles are
-    row = plan.Row("g", "a", estimate=StepEstimate(0.1, "", 0.0, None, 1.0), steps=1000, compile_s=30.0,
-                   eval_compile_s=10.0, lowered=plan.Lowered(protocol=plan.Protocol(evaluations=1)))
-    costs = plan.variant_costs(row, cal.program_startup)
+    row = planner.Row("g", "a", estimate=StepEstimate(0.1, "", 0.0, None, 1.0), steps=1000, compile_s=30.0,
+                   eval_compile_s=10.0, lowered=planner.Lowered(protocol=planner.Protocol(evaluations=1)))
+    costs = price.variant_costs(row, cal.program_startup)
     assert costs.compile_train_s == pytest.approx(40 * 0.75) and costs.compile_eval_s == pytest.approx(40 * 0.25)
 
 
 def test_calibration_of_a_ledger_without_timings_changes_nothing(tmp_path):
     """A ledger of schema 1 (no timings, no idle stretches) calibrates nothing; a damaged one is one line."""
     (tmp_path / "ledger.json").write_bytes((V1 / "ledger.json").read_bytes())
-    cal = bill.calibrate(tmp_path)
+    cal = calibrate.calibrate(tmp_path)
     assert cal.figures == bill.FIGURES and cal.launches == 0 and cal.program_startup == {}
     (tmp_path / "ledger.json").write_text("{half")
     with pytest.raises(UserError, match=r"--calibrate-from .*: the ledger .* is truncated or garbled"):
-        bill.calibrate(tmp_path)
+        calibrate.calibrate(tmp_path)
     (tmp_path / "ledger.json").write_text(json.dumps({"schema": 3, "variants": {"g/a": {"supervision": {
         "launches": [{"timing": {"setup": 1.0}}]}}}}))
     with pytest.raises(UserError, match=r"launches\[0\]\.started: missing"):
-        bill.calibrate(tmp_path)
+        calibrate.calibrate(tmp_path)
 
 
-def priced_rows() -> list[plan.Row]:
+def priced_rows() -> list[planner.Row]:
     """Three made-up rows: a and b the same program (a cache hit for b), c another, d unplanned."""
     def row(variant, exact, steps=1000):
-        low = plan.Lowered(key="k", exact=exact, eval_exact=exact + "e", protocol=plan.Protocol(
+        low = planner.Lowered(key="k", exact=exact, eval_exact=exact + "e", protocol=planner.Protocol(
             evaluations=2, eval_batch=64, batches=1, final_batches=3, examples=150, checkpoint_every=500,
             compile_cache=True))
-        return plan.Row("g", variant, fits=True, total_gib=1.0, hbm_gib=16.0, steps=steps, compile_s=30.0,
+        return planner.Row("g", variant, fits=True, total_gib=1.0, hbm_gib=16.0, steps=steps, compile_s=30.0,
                         estimate=StepEstimate(0.1, "", 0.0, None, 1.0),
                         eval_estimate=StepEstimate(0.5, "", 0.0, None, 1.0),
                         eval_compile_s=20.0, lowered=low)
-    return [row("a", "p1"), row("b", "p1"), row("c", "p2", steps=2000), plan.Row("h", "d", note="not planned")]
+    return [row("a", "p1"), row("b", "p1"), row("c", "p2", steps=2000), planner.Row("h", "d", note="not planned")]
 
 
 def test_programme_cache_hits_first_on_slice_and_wall_clock():
     f = figures(setup_check=1, setup_fresh=100, compile_cache_hit=2)
     rows = priced_rows()
-    prog = plan.price_programme(rows, f, slices=2, resident=False)  # the cache alone (no compiles ahead)
+    prog = price.price_programme(rows, f, slices=2, resident=False)  # the cache alone (no compiles ahead)
     a, b, c, d = (r.bill for r in rows)
-    assert d is None and rows[3].pod_hours is None
-    assert a.seconds[bill.PROGRAM_STARTUP] == 50 and b.seconds[bill.PROGRAM_STARTUP] == 4  # b: a's programs
-    assert c.seconds[bill.PROGRAM_STARTUP] == 50
-    assert a.seconds[bill.SETUP] == 100 and b.seconds[bill.SETUP] == 100 and c.seconds[bill.SETUP] == 1
+    assert d is None  # not planned: no bill
+    assert a.seconds[Category.PROGRAM_STARTUP] == 50 and b.seconds[Category.PROGRAM_STARTUP] == 4  # b: a's programs
+    assert c.seconds[Category.PROGRAM_STARTUP] == 50
+    assert a.seconds[Category.SETUP] == 100 and b.seconds[Category.SETUP] == 100 and c.seconds[Category.SETUP] == 1
     hours = [a.total_s / 3600, b.total_s / 3600, c.total_s / 3600]
     assert hours[1] < hours[0]  # b's compiles came from the cache: its slice frees first, and c runs there
     assert prog.slice_hours == pytest.approx([hours[0], hours[1] + hours[2]])
     assert prog.wall_days == pytest.approx(max(prog.slice_hours) / 24)
-    one = plan.price_programme(rows, f, slices=1, resident=False)
-    assert rows[1].bill.seconds[bill.SETUP] == 1 and one.slice_hours == pytest.approx([sum(
+    one = price.price_programme(rows, f, slices=1, resident=False)
+    assert rows[1].bill.seconds[Category.SETUP] == 1 and one.slice_hours == pytest.approx([sum(
         r.bill.total_s for r in rows[:3]) / 3600])
 
 
 def test_csv_carries_every_column_and_the_queue_reads_the_all_in_total(tmp_path):
     rows = priced_rows()
-    plan.price_programme(rows, figures(setup_fresh=100), mtbf_s=8 * 3600)
+    price.price_programme(rows, figures(setup_fresh=100), mtbf_s=8 * 3600)
     path = tmp_path / "plan.csv"
-    plan.write_csv(rows, path)
+    report.write_csv(rows, path)
     with open(path) as f:
         lines = list(csv.DictReader(f))
-    assert set(plan.CSV_FIELDS) <= set(lines[0])
+    assert set(report.CSV_FIELDS) <= set(lines[0])
     a = lines[0]
     parts = sum(float(a[c]) for c in ("train_h", "eval_h", "startup_h", "checkpoint_h", "recovery_h"))
     assert float(a["total_h"]) == pytest.approx(parts) == pytest.approx(float(a["pod_hours"]))
     assert float(a["train_h"]) == pytest.approx(1000 * 0.1 / 3600)
     assert float(a["eval_h"]) == pytest.approx(0.5 * (1 * 1 + 3) / 3600)  # eval step x (1 x 1 + 3) batches
-    assert float(a["whole_set_eval_h"]) == pytest.approx(0.5 * 2 * 3 / 3600)  # both on the whole set
-    assert sum(float(a[f"{c}_h"]) for c in bill.CATEGORIES) == pytest.approx(float(a["total_h"]))
+    assert sum(float(a[f"{c}_h"]) for c in Category) == pytest.approx(float(a["total_h"]))
     assert float(a["goodput"]) == pytest.approx((float(a["train_h"]) + float(a["eval_h"])) / float(a["total_h"]))
     assert a["evaluations"] == "2" and a["eval_examples"] == "150" and float(a["preemptions"]) > 0
     total = next(r for r in lines if r["group"] == "ALL")
@@ -535,8 +551,8 @@ def test_csv_carries_every_column_and_the_queue_reads_the_all_in_total(tmp_path)
     assert lines[3]["pod_hours"] == ""  # not planned
     planned = read_plan(path)
     assert planned["g/a"]["pod_hours"] == pytest.approx(float(a["total_h"])) and planned["h/d"]["pod_hours"] is None
-    out = plan.markdown(plan.price_programme(rows, figures(), slices=1), "v5e-8", "cmd")
-    assert "| **programme total** |" in out and "goodput" in out and "| figure | seconds | paid | source |" in out
+    out = report.markdown(price.price_programme(rows, figures(), slices=1), "v5e-8", "cmd")
+    assert "| **programme total** |" in out and "goodput" in out and "| figure | seconds (low-high) | paid | source |" in out
 
 
 def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
@@ -545,7 +561,7 @@ def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
     the 8,192-puzzle subset (2 batches); a built set's own rows where it is here (40 test puzzles)."""
     def protocol(*overrides):
         config = validate(compose("exp02a/L6", overrides), "exp02a/L6")
-        return plan.protocol(config, derive(config, num_processes=8, num_devices=32, train_examples=1_001_000,
+        return planner.protocol(config, derive(config, num_processes=8, num_devices=32, train_examples=1_001_000,
                                             epoch_examples=1000))
 
     p = protocol()
@@ -560,87 +576,82 @@ def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
     assert built.examples == 40 and built.final_batches == 1 and str(sudoku_dir) in built.source
 
 
-def test_a_variant_after_another_on_its_slice_starts_in_the_resident_trainers_it_left():
-    """What `programme` does (experiments/launcher/worker/resident.py). On two slices a and b start
-    cold on fresh slices; c takes the slice that frees first, b's (b's compiles are a's cache
-    hits), and starts in the trainers b left: the hand-over instead of the runtime start-up, the
-    rest as a cold start (setup check, launch, data, idle). b's launch named c, the queue's next,
-    and c's 50 s of compiles ran while b's 102 s of steps did: two cache hits at c's start. A
-    restart after a preemption is cold. --no-resident prices every start cold and compiling."""
+def test_with_resident_a_variant_after_another_on_its_slice_starts_in_the_trainers_it_left():
+    """`--resident` (what `programme submit --resident` runs: experiments/launcher/worker/resident.py).
+    On two slices a and b start on fresh slices; c takes the slice that frees first, b's (b's
+    compiles are a's cache hits), and is handed to the trainers b left: the hand-over instead of
+    the runtime start-up, the rest as a cold start (setup check, launch, data, idle). b's launch
+    named c, the queue's next, and c's 50 s of compiles ran while b's 102 s of steps did: two cache
+    hits at c's start. A restart after a preemption is cold. Without --resident (the default)
+    every later start is cold and compiles."""
     f = figures(setup_check=1, setup_fresh=100, launch=2, runtime_init=30, resident_start=0.5, data_load=5,
                 between_variants=7, compile_cache_hit=2)
     rows = priced_rows()
-    prog = plan.price_programme(rows, f, slices=2)
+    prog = price.price_programme(rows, f, slices=2, resident=True)
     a, b, c = (r.bill for r in rows[:3])
-    assert a.seconds[bill.RUNTIME_STARTUP] == b.seconds[bill.RUNTIME_STARTUP] == 30
-    assert c.seconds[bill.RUNTIME_STARTUP] == 0.5 and c.seconds[bill.PROGRAM_STARTUP] == 4
-    assert (c.seconds[bill.SETUP], c.seconds[bill.DATA_LOADING], c.seconds[bill.IDLE]) == (1 + 2, 5, 7)
-    assert "Resident trainers: a variant that follows" in plan.markdown(prog, "v5e-8", "cmd")
-    cold = plan.price_programme(rows, f, slices=2, resident=False)
-    assert rows[2].bill.seconds[bill.RUNTIME_STARTUP] == 30 and rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 50
+    assert a.seconds[Category.RUNTIME_STARTUP] == b.seconds[Category.RUNTIME_STARTUP] == 30
+    assert c.seconds[Category.RUNTIME_STARTUP] == 0.5 and c.seconds[Category.PROGRAM_STARTUP] == 4
+    assert (c.seconds[Category.SETUP], c.seconds[Category.DATA_LOADING], c.seconds[Category.IDLE]) == (1 + 2, 5, 7)
+    assert "handed to the resident trainers" in report.markdown(prog, "v5e-8", "cmd")
+    cold = price.price_programme(rows, f, slices=2)
+    assert rows[2].bill.seconds[Category.RUNTIME_STARTUP] == 30 and rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 50
     assert rows[2].bill.total_s == pytest.approx(c.total_s + 29.5 + 46)
-    assert "Resident trainers: none (--no-resident)" in plan.markdown(cold, "v5e-8", "cmd")
-    preempted = plan.price_programme(rows, f, slices=2, mtbf_s=3600.0).rows[2].bill
+    assert "every variant in fresh trainer processes (no --resident)" in report.markdown(cold, "v5e-8", "cmd")
+    preempted = price.price_programme(rows, f, slices=2, mtbf_s=3600.0, resident=True).rows[2].bill
     assert preempted.restart_s == pytest.approx(100 + 2 + 30 + 5 + 2 + 2)  # fresh slice: setup, launch, runtime, ...
-    assert preempted.seconds[bill.RUNTIME_STARTUP] == pytest.approx(0.5 + preempted.preemptions * 30)
+    assert preempted.seconds[Category.RUNTIME_STARTUP] == pytest.approx(0.5 + preempted.preemptions * 30)
     # b longer than a: c takes a's slice, but b's launch named it (on the other slice): c compiles
     rows[1].steps = 5000
-    plan.price_programme(rows, f, slices=2)
-    assert rows[2].bill.seconds[bill.RUNTIME_STARTUP] == 0.5 and rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 50
+    price.price_programme(rows, f, slices=2, resident=True)
+    assert rows[2].bill.seconds[Category.RUNTIME_STARTUP] == 0.5
+    assert rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 50
     # one slice: c follows b; compiles that outlast b's steps are not ready when c starts
     rows[1].steps = 1000
     rows[2].compile_s = 150.0
-    plan.price_programme(rows, f, slices=1)
-    assert rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 170
+    price.price_programme(rows, f, slices=1, resident=True)
+    assert rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 170
 
 
-def test_what_if_levers_the_code_does_not_have():
-    """long-lived-trainer: b and c follow a in its process (one slice): no setup, runtime start-up
-    or idle; b's programs are a's (compiled in that process: free), c's the residents compiled
-    ahead (cache hits; with compile-ahead, in memory: free).
-    shared-programs: c has a's cache key, so with the cache its compiles are hits. dedupe: b
-    trains a's run, so it costs nothing."""
-    f = figures(setup_check=1, setup_fresh=100, runtime_init=30, data_load=5, between_variants=7,
-                compile_cache_hit=2)
+def test_the_line_above_the_table_gives_the_programme_at_both_ends_and_what_each_lever_buys():
+    """The table is priced at the figures' low end; the line above it also at the high end (the
+    figures with a `high`), and what resident hand-overs and steps kept ahead save at the low end."""
+    f = figures(setup_check=1, setup_fresh=100, runtime_init=30, resident_start=0.5, compile_cache_hit=2)
+    f["runtime_init"] = dataclasses.replace(f["runtime_init"], high=90.0, high_source="test high")
     rows = priced_rows()
-    plan.price_programme(rows, f, slices=1, what_if=frozenset({"long-lived-trainer"}))
-    a, b, c = (r.bill for r in rows[:3])
-    assert a.seconds[bill.SETUP] == 100 and a.seconds[bill.RUNTIME_STARTUP] == 30 and a.seconds[bill.IDLE] == 7
-    for later in (b, c):
-        assert later.seconds[bill.SETUP] == later.seconds[bill.RUNTIME_STARTUP] == later.seconds[bill.IDLE] == 0
-        assert later.seconds[bill.DATA_LOADING] == 0  # the same dataset, loaded once
-    assert b.seconds[bill.PROGRAM_STARTUP] == 0 and c.seconds[bill.PROGRAM_STARTUP] == 4
-    ahead = plan.price_programme(rows, f, slices=1, what_if=frozenset({"long-lived-trainer", "compile-ahead"}))
-    assert ahead.rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 0  # c's 50 s compiled while b's 102 s of steps ran
-    with pytest.raises(UserError, match="needs --what-if long-lived-trainer"):
-        plan.price_programme(rows, f, what_if=frozenset({"compile-ahead"}))
-    plan.price_programme(rows, f, slices=1, what_if=frozenset({"shared-programs"}))
-    assert rows[2].bill.seconds[bill.PROGRAM_STARTUP] == 4  # two hits: a ran its key's programs
-    out = plan.markdown(plan.price_programme(rows, f, what_if=frozenset({"shared-programs"})), "v5e-8", "cmd")
-    assert "**What-if, not what runs today**: shared-programs" in out
-    rows[1].lowered = dataclasses.replace(rows[1].lowered, run_key="same")
-    rows[0].lowered = dataclasses.replace(rows[0].lowered, run_key="same")
-    plan.price_programme(rows, f, what_if=frozenset({"dedupe"}))
-    assert rows[1].bill.total_s == 0 and rows[1].same_as == "g/a" and rows[0].bill.total_s > 0
-    with pytest.raises(UserError, match="--what-if faster is not a lever"):
-        plan.price_programme(rows, f, what_if=frozenset({"faster"}))
+    prog = price.price_programme(rows, f, slices=1)
+    top = prog.again(figures=bill.ends(f)[1])
+    assert top.total_h == pytest.approx(prog.total_h + 3 * 60 / 3600)  # every start is cold: 60 s more each
+    assert [r.bill.total_s for r in prog.rows[:3]] != [r.bill.total_s for r in top.rows[:3]]  # prog's rows untouched
+    warm = prog.again(resident=True)
+    kept = prog.again(ahead=frozenset({"p1", "p1e", "p2", "p2e"}))
+    line = report.both_ends(prog)
+    assert line.startswith(f"**Programme: {prog.total_h:.2f} pod-hours all in, goodput {100 * prog.goodput:.1f}% at the "
+                           f"figures' low end; {top.total_h:.2f} pod-hours, {100 * top.goodput:.1f}% at the high end** "
+                           "(runtime_init 30-90 s)")
+    saved, on_kept = prog.total_h - warm.total_h, kept.total_h - kept.again(resident=True).total_h
+    assert f"resident hand-overs (`--resident`, off here) buy {saved:.2f} pod-hours, " \
+           f"{100 * saved / prog.total_h:.2f}% of the paid time ({on_kept:.2f} pod-hours, " \
+           f"{100 * on_kept / kept.total_h:.2f}% of the paid time with the programs kept ahead)" in line
+    assert f"the 4 programs kept ahead (`--executables`) {prog.total_h - kept.total_h:.2f} pod-hours" in line
+    out = report.markdown(prog, "v5e-8", "cmd")
+    assert out.index(line) < out.index("| variant |") and "| runtime_init | 30-90 |" in out
 
 
 def test_an_eval_step_that_does_not_fit_is_its_rows_note(tmp_path, monkeypatch):
     """The train step fits, the eval step (at its eval batch) does not: the row says so and how to
     fix it, and its eval_h is not priced (no figure rather than a wrong one)."""
     def lower(job, topology):
-        return plan.Lowered(key="t", eval_key="e", exact="t", eval_exact="e", steps=100, global_batch=8,
-                            per_device_batch=1, protocol=plan.Protocol(evaluations=2, eval_batch=4096, batches=1,
+        return planner.Lowered(key="t", eval_key="e", exact="t", eval_exact="e", steps=100, global_batch=8,
+                            per_device_batch=1, protocol=planner.Protocol(evaluations=2, eval_batch=4096, batches=1,
                                                                         final_batches=2, examples=5000))
 
-    def compile_job(job, topology, kind=plan.TRAIN):
-        return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=(40 if kind == plan.EVAL else 1) * 2**30, optimal_s=0.1)
+    def compile_job(job, topology, kind=planner.TRAIN):
+        return CompiledStep(hbm_bytes=16 * 2**30, total_bytes=(40 if kind == planner.EVAL else 1) * 2**30, optimal_s=0.1)
 
-    monkeypatch.setattr(plan, "lower", lower)
-    monkeypatch.setattr(plan, "compile_job", compile_job)
-    (row,) = plan.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None).plan([plan.Job("g", "v")])
+    monkeypatch.setattr(planner, "lower", lower)
+    monkeypatch.setattr(planner, "compile_job", compile_job)
+    (row,) = planner.Planner("v5e-8", tmp_path, workers=1, progress=lambda line: None).plan([planner.Job("g", "v")])
     assert row.fits and row.eval_estimate is None
     assert "the eval step does not fit at 4096 rows (40.00 GiB per chip): lower train.eval_batch_size" in row.eval_note
-    plan.price_programme([row], figures())
+    price.price_programme([row], figures())
     assert not row.bill.eval_known and row.bill.eval_s == 0 and row.bill.train_s == pytest.approx(10)

@@ -25,19 +25,19 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from experiments import plan
-from experiments.launcher import queue_status, run_queue, supervise
-from experiments.launcher.account import programme_account
-from experiments.launcher.ledger import (LaunchRecord, Mark, Outcome, Progress, ReadyClock, Status, SupervisionRecord,
+from experiments.launcher import queue_state, queue_status, supervise
+from experiments.launcher.account import live_ready_seconds, programme_account
+from experiments.launcher.controller import Alerts, Controller, Stop
+from experiments.launcher.ledger import (InFlight, LaunchRecord, Mark, Outcome, ReadyClock, Status, SupervisionRecord,
                                          load_ledger)
-from experiments.launcher.run_queue import live_ready_seconds
+from experiments.plan import planner, report
 from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, launch_in_process, logged_metrics, make_fake_workers,
                      read_jsonl, train, wait_for)
 from runtime import events, hydra_compose
 from runtime.checkpointing import Checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
-import fake_tpu  # noqa: E402
+import fake_tpu
 
 # Every test here drives the launcher against the fake TPU control plane, with worker processes:
 # the slow tier (see pyproject.toml).
@@ -122,9 +122,11 @@ def stub_programme(tmp_path):
 
 def write_plan(path: Path, hours: dict[str, float], executables: str = "") -> Path:
     """A plan CSV as `launch.py plan` writes it, with these variants' pod-hours (and the folder
-    its steps compiled ahead are in, as `plan --executables` names it)."""
-    rows = [plan.Row(v.split("/")[0], v.split("/")[1], steps=10, executables=executables) for v in hours]
-    plan.write_csv(rows, path)
+    its steps compiled ahead are in and its manifest's digest, as `plan --executables` names them)."""
+    digest = "sha256:" + "0" * 64 if executables else ""
+    rows = [planner.Row(v.split("/")[0], v.split("/")[1], steps=10, executables=executables,
+                        executables_digest=digest) for v in hours]
+    report.write_csv(rows, path)
     text = path.read_text().splitlines()
     head = text[0].split(",")
     fixed = [text[0]]
@@ -186,8 +188,8 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
              "launch " in (stub_programme.state_dir / NAME / "controller.log").read_text(),
              timeout=60, what="the first controller's launch", procs=[first])
     # While the launch runs, status shows it: the step of its last checkpoint, its run id, READY time so far.
-    progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("progress") or {}  # noqa: E731
-    wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
+    progress = lambda: stub_programme.ledger()["variants"][EMA[0]]["supervision"].get("launch") or {}  # noqa: E731
+    wait_for(lambda: progress().get("last_step") == 5, timeout=60, what="the checkpoint of step 5", procs=[first])
     row = next(l for l in stub_programme.command("status").stdout.splitlines() if l.startswith(EMA[0] + " "))
     assert " running " in row and " 5/10 " in row and progress()["wandb_run_id"] in row, row
     ledger = load_ledger(json.dumps(stub_programme.ledger()), "ledger.json")
@@ -239,8 +241,8 @@ def test_preflight_is_one_line_per_variant_and_commands_steer_the_queue(stub_pro
     stub_programme.env = dict(bad, STUB_BAD="exp08/ema0.995")
     r = stub_programme.command("run", timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
-    record = stub_programme.ledger()["variants"]["exp08/ema0.995"]
-    assert record["state"] == "failed" and record["line"] == "exp08/ema0.995: the stub's bad input"
+    record = load_ledger(json.dumps(stub_programme.ledger()), "ledger.json").variants["exp08/ema0.995"]
+    assert record.state == "failed" and record.verdict() == "exp08/ema0.995: the stub's bad input"
     assert stub_programme.command("retry", "nope/x").returncode == 2
 
 
@@ -366,7 +368,8 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     ledger = programme.ledger()
     states = {v: r["state"] for v, r in ledger["variants"].items()}
     assert states == {v: "failed" if v == BAD else "completed" for v in E2E_VARIANTS}, (states, seed_note)
-    assert "not found" in ledger["variants"][BAD]["line"] and ledger["variants"][BAD]["failure"] == "bad input"
+    book = load_ledger(json.dumps(ledger), "ledger.json")
+    assert "not found" in book.variants[BAD].verdict() and book.variants[BAD].failure == "bad input"
     # Each completed variant's metrics (all but wall-clock ones), from beside its checkpoints, equal an
     # uninterrupted run's at every step.
     # Here the variants differ only in their data folder, and every folder links to one set: one
@@ -390,7 +393,6 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     assert sum(r["supervision"].get("preemptions", 0) for r in ledger["variants"].values()) >= 2
     # Where the paid time went: each variant's categories add up to its READY time, the measured ones
     # within it; the variants' and the slices' idle time add up to the slices' READY time.
-    book = load_ledger(json.dumps(ledger), "ledger.json")
     accounts = programme_account(book)
     assert accounts.total.paid == pytest.approx(billed, rel=0.01)  # 1 host a slice
     assert abs(accounts.unattributed) <= 0.01 * accounts.total.paid, accounts.unattributed
@@ -405,8 +407,8 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
             rows.exists()) else Counter()
         assert spent.replayed == sum(n - 1 for n in steps.values()), (variant, steps, seed_note)
     assert accounts.variants[killed].replayed >= 1, (killed, seed_note)  # the trainer killed past its checkpoint
-    # The first compile in the programme missed the (empty) cache; a restart of its variant read it:
-    # hits, and its program start-up fell.
+    # The first compile in the programme missed the (empty) cache; a restart of its variant read it
+    # (the event: the cache's own hit and miss counts, not how long the start-up took).
     compiled = [(launch.started, variant, launch) for variant, record in book.variants.items()
                 for launch in record.supervision.launches
                 if launch.timing and launch.timing.hits + launch.timing.misses]
@@ -418,16 +420,10 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     cold = started[0][1]
     ran = [launch.timing for launch in book.variants[cold].supervision.launches
            if launch.timing and launch.timing.steps_run]
-    assert len(ran) > 1 and ran[-1].seconds["program_startup"] < ran[0].seconds["program_startup"], (cold, ran)
-    # A variant that followed a completed one on its slice ran in that slice's resident trainer
-    # (experiments/launcher/worker/resident.py): without the process's start-up a cold launch pays.
-    # (Most orders of this test's events give one; the controller's restart may end the resident
-    # its orphaned launch left, and then every launch is cold: tests/test_resident.py runs warm always.)
-    ran = [launch for record in book.variants.values() for launch in record.supervision.launches
-           if launch.timing and launch.timing.steps_run]
-    warm = [launch.timing.seconds["runtime_startup"] for launch in ran if (launch.resident or "").startswith("warm:")]
-    fresh = [launch.timing.seconds["runtime_startup"] for launch in ran if launch.resident == "cold"]
-    assert fresh and all(w < 0.1 * min(fresh) for w in warm), (warm, fresh, seed_note)
+    assert len(ran) > 1 and ran[0].misses > 0 and ran[-1].hits > 0 and ran[-1].misses < ran[0].misses, (cold, ran)
+    # Resident trainers are opt-in (`programme submit --resident`, tests/test_resident.py): every launch
+    # here started its own trainer processes.
+    assert all(launch.resident is None for record in book.variants.values() for launch in record.supervision.launches)
 
 
 def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
@@ -455,20 +451,22 @@ def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
 def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, monkeypatch):
     """wandb.alert (W&B online only): on a variant failed for good, and on a controller that stops
     on a failure. In process, the supervision replaced by its outcome."""
-    sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
+    sub = queue_state.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-16",
                                    runtime_version="v", overrides=["++run.wandb.mode=online", "run.wandb.project=p1",
                                                                    "run.wandb.tags=[mine]"])
     # Each run is tagged with the programme's name, beside the user's tags.
     assert list(hydra_compose.composed(sub.overrides_of(EMA[1])).run.wandb.tags) == ["mine", NAME]
-    assert not run_queue.Alerts(sub).online  # no API key here
+    assert not Alerts(sub).online  # no API key here
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
-    online = run_queue.Alerts(sub)
+    online = Alerts(sub)
     assert online.online and online.wandb.project == "p1"  # as the runs' composed config says, whatever the form
-    assert not run_queue.Alerts(run_queue.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
-    state = run_queue.State(tmp_path / NAME)
+    assert not Alerts(queue_state.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
+    assert not sub.spec(EMA[0], "s1", tmp_path).resident  # fresh trainer processes, unless submitted --resident
+    assert queue_state.Submission(**{**sub.__dict__, "resident": True}).spec(EMA[0], "s1", tmp_path).resident
+    state = queue_state.State(tmp_path / NAME)
     state.create(sub)
     alerts: list[tuple[str, str]] = []
-    controller = run_queue.Controller(state, alert=lambda title, text: alerts.append((title, text)))
+    controller = Controller(state, alert=lambda title, text: alerts.append((title, text)))
 
     def fails_for_good(self) -> int:
         self.sup.record.launches.append(LaunchRecord(started=0.0, ended=1.0, code=2, outcome=Outcome.FATAL,
@@ -479,7 +477,7 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     controller.run_variant(EMA[0], "s1")
     assert alerts == [(f"{NAME}: {EMA[0]} failed", "error: bad data")]
     assert state.ledger.variants[EMA[0]].state == "failed"
-    controller.halt(run_queue.Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
+    controller.halt(Stop("the same infrastructure failure ended 3 variants in a row (quota: q)", 1))
     assert controller.finish() == 1 and alerts[-1][0] == f"{NAME}: the controller stopped"
 
 
@@ -494,10 +492,11 @@ def test_cheapest_order_and_programme_stop(stub_programme, tmp_path):
     assert list(stub_programme.ledger()["variants"]) == [EMA[1], EMA[0]]
     submitted = json.loads((stub_programme.state_dir / NAME / "programme.json").read_text())
     assert f"run.executables={tmp_path / 'exe'}" in submitted["overrides"]  # the runs read what the plan priced
+    assert submitted["resident"] is False  # resident trainers are opt-in: `programme submit --resident`
     gate = tmp_path / "gate"
     controller = stub_programme.start(STUB_GATE=str(gate))
-    progress = lambda: stub_programme.ledger()["variants"][EMA[1]]["supervision"].get("progress") or {}  # noqa: E731
-    wait_for(lambda: progress().get("step") == 5, timeout=60, what="the checkpoint of step 5", procs=[controller])
+    progress = lambda: stub_programme.ledger()["variants"][EMA[1]]["supervision"].get("launch") or {}  # noqa: E731
+    wait_for(lambda: progress().get("last_step") == 5, timeout=60, what="the checkpoint of step 5", procs=[controller])
     assert stub_programme.command("stop").returncode == 0
     out = controller.communicate(timeout=120)[0]
     assert controller.returncode == 0, out[-3000:]
@@ -518,12 +517,12 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
     (from the run's `started` event, else the config's or the plan's steps). In process; a
     launch would fail the test."""
     ckpt = tmp_path / "ckpt"
-    sub = run_queue.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
+    sub = queue_state.Submission(name=NAME, variants=EMA, slices=["s1"], zone=ZONE, accelerator_type="v4-8",
                                    runtime_version="v", checkpoint_dirs={v: str(ckpt / v) for v in EMA},
                                    total_steps={EMA[1]: 10})
-    state = run_queue.State(tmp_path / NAME)
+    state = queue_state.State(tmp_path / NAME)
     state.create(sub)
-    controller = run_queue.Controller(state, alert=lambda title, text: None)
+    controller = Controller(state, alert=lambda title, text: None)
     assert controller.already_complete(EMA[0]) is None  # nothing there yet
 
     def save(variant: str, step: int) -> None:
@@ -554,7 +553,7 @@ def test_a_variant_whose_run_is_complete_is_never_launched(tmp_path, monkeypatch
         assert controller.take("s1") == variant
         controller.run_variant(variant, "s1")
     record = state.ledger.variants
-    assert [(record[v].state, record[v].last_step) for v in EMA] == [("completed", 8), ("completed", 10)]
+    assert [(record[v].state, record[v].said("last_step")) for v in EMA] == [("completed", 8), ("completed", 10)]
     assert record[EMA[1]].metrics == {"eval/exact_accuracy": 0.1}
 
 
@@ -564,20 +563,22 @@ def test_status_table_totals_eta_and_page(tmp_path):
     the measured variants compare with theirs; shared over the slices), failures' lines, the page.
     (Goodput from the launches' accounts: tests/test_account.py; these have none.)"""
     done, running, queued, bad = "exp08/ema0.99", "exp08/off", "exp08/ema0.995", "exp04a/puzzles100"
-    sub = run_queue.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
+    sub = queue_state.Submission(name=NAME, variants=[done, running, queued, bad], slices=["s1", "s2"], zone=ZONE,
                                    accelerator_type="v4-8", runtime_version="v",
                                    planned={v: {"pod_hours": h, "steps": 100}
                                             for v, h in ((done, 0.5), (running, 1.0), (queued, 2.0), (bad, 0.25))})
-    state = run_queue.State(tmp_path / NAME)
+    state = queue_state.State(tmp_path / NAME)
     state.create(sub)
     now = 1_000_000.0
     v = state.ledger.variants
     primary = queue_status.primary_of("exp08")
-    v[done].__dict__.update(state="completed", attempts=1, ready_seconds=3600.0, last_step=100, total=100,
-                            metrics={primary: 0.75}, wandb_run_id="w1")
+    v[done].__dict__.update(state="completed", attempts=1, ready_seconds=3600.0, metrics={primary: 0.75},
+                            supervision=SupervisionRecord(launches=[LaunchRecord(0.0, 1.0, 0, Outcome.COMPLETED,
+                                                                                 "completed", last_step=100, total=100,
+                                                                                 wandb_run_id="w1")]))
     v[running].__dict__.update(state="running", attempts=2, slice="s1", ready_seconds=0.0, mark=Mark(3600.0, 3600.0),
                                supervision=SupervisionRecord(preemptions=1, restarts=0,
-                                                             progress=Progress(step=50, total=100)))
+                                                             launch=InFlight(started=0.0, last_step=50, total=100)))
     state.ledger.slices["s1"].__dict__.update(variant=running, clock=ReadyClock(  # done ran there first
         ready_since=now - 1800, hosts=1, ready_seconds=3600.0, host_seconds=3600.0))
     v[bad].__dict__.update(state="failed", attempts=1, line="exp04a/puzzles100: dataset not found")
@@ -598,3 +599,10 @@ def test_status_table_totals_eta_and_page(tmp_path):
     page = queue_status.page(sub, state.ledger)
     assert page.count("<tr class='completed'>") == 1 and page.count("<img alt=") == 2
     assert "<li>exp04a/puzzles100: exp04a/puzzles100: dataset not found</li>" in page
+
+
+def test_resident_trainers_are_opt_in_on_the_command_line():
+    from experiments.launch import build_parser
+
+    argv = ["programme", "submit", NAME, "exp08", "--zone", ZONE, "--accelerator-type", "v4-8", "--runtime-version", "v"]
+    assert not build_parser().parse_args(argv).resident and build_parser().parse_args([*argv, "--resident"]).resident

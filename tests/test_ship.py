@@ -156,6 +156,7 @@ def test_ship_runs_code_that_exists_only_in_the_working_tree(pod, project, tmp_p
     (tmp_path / "mine").mkdir()
     pack = pack_tree(project, tmp_path / "mine")
     shipped_dir = lambda home: home / "podrunner-shipped" / pack.tree_hash  # noqa: E731
+    launch_log = (tmp_path / "outputs" / "launch-logs" / "s1" / "launch.log").read_text()
     for i, home in enumerate(pod.homes):
         info = json.loads((home / "shipped_run.json").read_text())
         assert info["marker"] == MARKER and info["argv"] == ["train.steps=5", "run.id=s1"] and info["venv"] == "1"
@@ -166,7 +167,10 @@ def test_ship_runs_code_that_exists_only_in_the_working_tree(pod, project, tmp_p
         assert not (shipped_dir(home) / "stray.ckpt").exists() and not (shipped_dir(home) / "old.py").exists()
         assert (shipped_dir(home) / ".venv").resolve() == (home / "repo" / ".venv").resolve()
         assert not list(home.glob(".podrunner-ship-*"))  # the copied pack is removed once unpacked
-        assert f"podrunner-start host=t1v-n-my-tpu-w-{i} tree={pack.tree_hash} launch_id=s1" in r.stdout
+        # Each worker's start line names the shipped tree: in the launch's log (a person's console
+        # shows no tagged lines, runtime/wire.py for_people).
+        start = f"podrunner-start host=t1v-n-my-tpu-w-{i} tree={pack.tree_hash} launch_id=s1"
+        assert start in launch_log and start not in r.stdout
     assert "committed code" not in r.stdout and "WARNING" not in r.stdout + r.stderr
     calls = pod.gcloud_calls()  # the secrets' scp, the tree's, then the one ssh
     assert [c[4] for c in calls] == ["scp", "scp", "ssh"] and calls[1][6].startswith("my-tpu:.podrunner-ship-")

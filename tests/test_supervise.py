@@ -23,13 +23,15 @@ from pathlib import Path
 import pytest
 
 from experiments.launcher import pod, supervise
+from experiments.launcher.ledger import Cause
 from experiments.launcher.pod import Target
+from runtime import wire
 from gcs_emulator import start_gcs_emulator
 from helpers import (LAUNCH, REFERENCE_EXTRA, REFERENCE_STEPS, base_overrides, error_line, fake_plane, gcloud_calls,
                      make_fake_workers, reached, read_jsonl, train_losses, wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
-import fake_tpu  # noqa: E402
+import fake_tpu
 
 # Every test here drives the launcher against the fake TPU control plane, with worker processes:
 # the slow tier (see pyproject.toml).
@@ -215,8 +217,7 @@ def test_a_killed_supervisor_carries_on_where_it_was(stub_plane):
     assert result.returncode == 0, result.stdout + result.stderr
     record = stub_plane.record()
     # the launch left running is stopped and recorded (`unwatched`), as no preemption nor restart
-    assert [launch["cause"] for launch in record["launches"]] == ["worker lost", "stopped: its supervisor had died",
-                                                                  "completed"]
+    assert [launch["cause"] for launch in record["launches"]] == ["worker lost", Cause.SUPERVISOR_DIED, "completed"]
     assert [launch["unwatched"] for launch in record["launches"]] == [False, True, False]
     assert record["restarts"] == 1 and record["preemptions"] == 0 and "resumed=True" in result.stdout
     events = stub_plane.events()
@@ -317,19 +318,19 @@ def test_dry_run_with_ship_and_clone_url(plane):
 
 def test_state_is_mirrored_beside_gs_checkpoints(tmp_path, sudoku_dir):
     """A supervisor on another machine (no local record) carries on from the copy on gs://."""
-    assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path))[0] is None  # local checkpoints
+    assert supervise.state_mirror(base_overrides(sudoku_dir, tmp_path)) is None  # local checkpoints
     overrides = base_overrides(sudoku_dir, tmp_path) + ["run.checkpoint.dir=gs://sup-bucket/ckpt/t"]
-    uri = supervise.state_mirror(overrides)[0]
+    uri = supervise.state_mirror(overrides)
     assert uri == "gs://sup-bucket/ckpt/t/supervision.json"
     with start_gcs_emulator(tmp_path) as emu:
         emu.apply_env()
         emu.create_bucket("sup-bucket")
         spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, overrides, log_dir=tmp_path / "here", state_mirror=uri)
-        first = supervise.Supervision(spec, io.StringIO())
+        first = supervise.FileSupervision(spec, io.StringIO())
         first.record.restarts = 3
         first.save()
         spec.log_dir = tmp_path / "elsewhere"
-        assert supervise.Supervision(spec, io.StringIO()).record.restarts == 3
+        assert supervise.FileSupervision(spec, io.StringIO()).record.restarts == 3
 
 
 def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, monkeypatch):
@@ -344,7 +345,7 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
 
     def versions(argv, on_line):
         for r in next(answers):
-            on_line(pod.VERSIONS_TAG + json.dumps(r))
+            on_line(wire.versions_line(r))
         return 0
 
     def setup_pod(target, *, git_ref, on_versions, **_):
@@ -363,7 +364,8 @@ def test_setup_keeps_the_first_commit_and_a_failed_setup_backs_off(tmp_path, mon
     monkeypatch.setattr(supervise.Supervisor, "ensure_ready", lambda self: 2)
     monkeypatch.setattr(supervise.Supervisor, "launch_once", lambda self, hosts: (*next(outcomes), None))
     spec = supervise.Spec(Target(TPU, ZONE), RUN_ID, [], log_dir=tmp_path, storage_backoff_s=7.0)
-    assert supervise.supervise(spec, stream=io.StringIO(), sleep=sleeps.append) == 0
+    sup = supervise.FileSupervision(spec, io.StringIO())
+    assert supervise.Supervisor(spec, sup, sup.record.slice, sleep=sleeps.append).run() == 0
     assert setups == ["c0ffee", "c0ffee"]  # both setups after the first launch pin the recorded commit
     assert sleeps == [7.0]  # after the failed setup only (the "restart" launch relaunches at once)
     record = json.loads((tmp_path / RUN_ID / "supervision.json").read_text())

@@ -1,34 +1,9 @@
 """Where the paid time went, from the ledger (experiments/launcher/ledger.py): each variant's READY
-time and the programme's, by category, adding up to what was paid; and the goodput.
-
-Paid time is READY time, what GCP bills (pod-hours; host-hours are that times the hosts, chip-hours
-that times the chips). A variant's is its slice's READY time while it held it
-(`VariantRecord.ready_seconds`); the programme's is every slice's. The categories are
-experiments/bill.py's (ml-goodput-measurement's vocabulary), so a run's account and the plan's
-bill line up:
-
-  setup            measured by the supervisor: the READY seconds before each launch (the describe
-                   that saw the slice READY, the workers' versions check, setup, stale processes
-                   stopped; a setup that failed counts towards the next launch)
-  runtime_startup, data_loading, program_startup, checkpoint_save, checkpoint_restore, eval, train
-                   the trainer's, from each launch's last `timing` event (runtime/goodput.py), less
-                   what it spent after its slice stopped being billed (`LaunchTiming.unpaid`)
-  wasted_progress  steps a launch ran again after a disruption: the steps past the one it started
-                   from, up to the furthest any earlier launch reached, at this launch's train
-                   seconds per step; taken out of its `train`
-  idle             READY with no variant on the slice (between variants, while the controller is
-                   stopped, before the slice is deleted): the programme's, per slice
-  other            the remainder: the trainer's own `other` (preflight, the lease, W&B, log rows),
-                   the ssh around each launch, the waits between launches, a launch that ended
-                   before its last `timing` event (killed), the time of launches that reported none;
-                   for the programme also the READY time a ledger before schema 3 did not attribute
-
-Goodput = productive / paid, productive = train (kept steps) + eval (the evaluations the
-variant's protocol asks for). A variant none of whose launches reported an account is not
-measured: its goodput is unknown (shown as "-"), its paid time all `other`.
-
-The controller keeps the marks this reads (`charge`, `idle_from`, `idle_until`), changed under
-the ledger's lock.
+time and the programme's, by runtime/goodput.py's `Category` (the plan's bill uses the same),
+adding up to what was paid; and the goodput, (train + eval) / paid. What each category holds and
+who measures it: docs/BILL.md, "What a programme paid for". A variant none of whose launches
+reported an account is not measured (its goodput "-", its paid time all `other`). The controller
+keeps the marks this reads (`charge`, `idle_from`, `idle_until`), changed under the ledger's lock.
 """
 
 from __future__ import annotations
@@ -37,14 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from experiments.bill import CATEGORIES, IDLE, SETUP, WASTED_PROGRESS
-from experiments.launcher.ledger import (InFlight, LaunchRecord, LaunchTiming, Ledger, Mark, Outcome, ReadyClock,
-                                         SliceRecord, VariantRecord, VariantState)
+from experiments.launcher.ledger import (InFlight, LaunchRecord, LaunchTiming, Ledger, Mark, ReadyClock, SliceRecord,
+                                         VariantRecord, VariantState)
 from runtime import goodput
-from runtime.goodput import OTHER, TRAIN
+from runtime.goodput import Category
 
 PRODUCTIVE = goodput.PRODUCTIVE  # train (kept steps) and eval
-TRAINER = tuple(c for c in goodput.CATEGORIES if c != OTHER)  # the trainer's own (its `other`: in the remainder)
+TRAINER = tuple(c for c in goodput.CATEGORIES if c != Category.OTHER)  # the trainer's (its `other`: in the remainder)
 
 
 # --- one launch ------------------------------------------------------------------------------------
@@ -97,7 +71,7 @@ def launch_timing(timings: list[Mapping[str, Any]], *, setup: float = 0.0, setup
                         unpaid=unpaid_part(timings, billed_until))
 
 
-def replayed_steps(launches: Iterable[LaunchRecord]) -> list[int]:
+def replayed_steps(launches: Iterable[LaunchRecord | InFlight]) -> list[int]:
     """Per launch, the steps it ran that an earlier launch had run: past the step it started from, up
     to the furthest step any launch before it reached (at most the steps it ran)."""
     out, reached = [], None
@@ -114,8 +88,8 @@ def replayed_steps(launches: Iterable[LaunchRecord]) -> list[int]:
 
 @dataclass
 class Account:
-    """Seconds by category (every one of CATEGORIES) that add up to `paid`."""
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    """Seconds by category (every `Category`) that add up to `paid`."""
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(Category, 0.0))
     paid: float = 0.0
     measured: bool = False  # a launch reported the trainer's account
     replayed: int = 0  # steps run again
@@ -132,51 +106,42 @@ class Account:
     def badput(self, n: int = 3) -> list[tuple[str, float]]:
         """The `n` largest categories that are not productive (above zero), largest first."""
         bad = sorted(((c, s) for c, s in self.seconds.items() if c not in PRODUCTIVE and s > 0),
-                     key=lambda item: (-item[1], CATEGORIES.index(item[0])))
+                     key=lambda item: (-item[1], tuple(Category).index(item[0])))
         return bad[:n]
 
     def __add__(self, other: "Account") -> "Account":
-        return Account({c: self.seconds[c] + other.seconds[c] for c in CATEGORIES}, self.paid + other.paid,
+        return Account({c: self.seconds[c] + other.seconds[c] for c in Category}, self.paid + other.paid,
                        self.measured or other.measured, self.replayed + other.replayed)
 
 
-def launch_seconds(launch: LaunchRecord, replayed: int) -> dict[str, float]:
+def launch_seconds(launch: LaunchRecord | InFlight, replayed: int) -> dict[str, float]:
     """One launch's measured seconds by category (no `other`: that is the variant's remainder)."""
-    out = dict.fromkeys(CATEGORIES, 0.0)
+    out = dict.fromkeys(Category, 0.0)
     timing = launch.timing
     if timing is None:
         return out
-    out[SETUP] = timing.setup
+    out[Category.SETUP] = timing.setup
     for name in TRAINER:
         out[name] = max(0.0, timing.seconds.get(name, 0.0) - timing.unpaid.get(name, 0.0))
     if replayed and timing.steps_run:
-        wasted = min(out[TRAIN], replayed * timing.seconds.get(TRAIN, 0.0) / timing.steps_run)
-        out[TRAIN] -= wasted
-        out[WASTED_PROGRESS] = wasted
+        wasted = min(out[Category.TRAIN], replayed * timing.seconds.get(Category.TRAIN, 0.0) / timing.steps_run)
+        out[Category.TRAIN] -= wasted
+        out[Category.WASTED_PROGRESS] = wasted
     return out
-
-
-def in_flight_launch(launch: InFlight) -> LaunchRecord:
-    """The launch under way as a record, counted as far as its last event seen says."""
-    timings = [launch.timing] if launch.timing else []
-    return LaunchRecord(started=launch.started, ended=launch.started, code=0, outcome=Outcome.RESTART,
-                        cause="running", last_step=launch.last_step, first_step=launch.first_step,
-                        timing=launch_timing(timings, setup=launch.setup))
 
 
 def variant_account(record: VariantRecord, paid: float) -> Account:
     """The variant's paid seconds by category (the module docstring); a running variant's launch under
     way counts as far as its last checkpoint said."""
-    launches = list(record.supervision.launches)
-    if record.state == VariantState.RUNNING and record.supervision.launch is not None:
-        launches.append(in_flight_launch(record.supervision.launch))
+    sup = record.supervision
+    launches = [*sup.launches, *([sup.launch] if record.state == VariantState.RUNNING and sup.launch else [])]
     account = Account(paid=paid)
     for launch, replayed in zip(launches, replayed_steps(launches)):
         for name, seconds in launch_seconds(launch, replayed).items():
             account.seconds[name] += seconds
         account.measured = account.measured or bool(launch.timing and launch.timing.seconds)
         account.replayed += replayed
-    account.seconds[OTHER] = paid - sum(account.seconds.values())
+    account.seconds[Category.OTHER] = paid - sum(account.seconds.values())
     return account
 
 
@@ -212,8 +177,8 @@ def programme_account(ledger: Ledger, now: float | None = None) -> Programme:
     total = sum(variants.values(), Account())
     paid = sum(s.clock.ready_total(now) for s in ledger.slices.values())
     unattributed = paid - total.paid - sum(idle.values())
-    total.seconds[IDLE] += sum(idle.values())
-    total.seconds[OTHER] += unattributed
+    total.seconds[Category.IDLE] += sum(idle.values())
+    total.seconds[Category.OTHER] += unattributed
     total.paid = paid
     return Programme(variants, idle, total, unattributed)
 

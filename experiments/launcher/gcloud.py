@@ -1,12 +1,6 @@
-"""Every gcloud command line the launchers run, built here and nowhere else, and how they are run.
-
-Commands (Cloud TPU VMs, `gcloud compute tpus ...`): `tpu-vm ssh --worker=all --command` (one ssh
-that runs a command on every worker of a slice), `tpu-vm scp --worker=all`, `tpu-vm create /
-describe / delete`, `queued-resources create / describe / delete`. experiments/launcher/pod.py,
-experiments/launcher/supervise.py and experiments/launcher/run_queue.py call these builders.
-
-Running them: `run_quiet` for a short call whose output is read (describe, create, delete),
-`run_streaming` for an ssh whose merged output passes through to the console as it comes.
+"""Every gcloud command line the launchers run (`gcloud compute tpus tpu-vm ...` and
+`queued-resources ...`), built here and nowhere else, and how they are run: `run_quiet` for a short
+call whose output is read, `run_streaming` for an ssh whose output passes through as it comes.
 
 gcloud's own failures that no waiting fixes are recognised here, from its documented messages:
 missing or expired credentials (`auth_failure`), and a request GCP refuses (`refused`): quota, a
@@ -23,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
+
+from runtime import wire
 
 NOT_FOUND = ("NOT_FOUND", "not found")
 # `gcloud auth login` is what gcloud tells the user to run for an expired, revoked or missing login
@@ -148,32 +144,13 @@ def run_quiet(argv: Sequence[str]) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-class Lines:
-    """Feeds complete lines (split at \\n or \\r: tqdm redraws with \\r) to a callback."""
-
-    def __init__(self, on_line: Callable[[str], None] | None) -> None:
-        self._on_line, self._buf = on_line, ""
-
-    def feed(self, text: str) -> None:
-        if self._on_line is None:
-            return
-        *lines, self._buf = re.split(r"[\r\n]", self._buf + text)
-        for line in lines:
-            self._on_line(line)
-
-    def close(self) -> None:
-        if self._on_line is not None and self._buf:
-            self._on_line(self._buf)
-        self._buf = ""
-
-
 def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path: Path | None = None,
                   on_line: Callable[[str], None] | None = None,
                   started: Callable[[subprocess.Popen], None] | None = None) -> int:
-    """Run gcloud, passing its merged output through unchanged (so a progress bar still redraws)
-    to `stream` and `log_path`; return its exit code. `started(proc)` learns the process (a
-    controller that must end it early). On Ctrl-C gcloud is stopped and KeyboardInterrupt
-    re-raised (the remote processes may live on: the caller decides)."""
+    """Run gcloud, passing its merged output to `log_path` unchanged and to `stream` the lines a
+    person reads (no tagged lines, no library chatter: runtime/wire.py for_people); return its
+    exit code. `started(proc)` learns the process (a controller that must end it early). On Ctrl-C
+    gcloud is stopped and KeyboardInterrupt re-raised (the remote processes may live on)."""
     try:
         proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except FileNotFoundError:
@@ -181,25 +158,39 @@ def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path
     if started:
         started(proc)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    lines = Lines(on_line)
     log = open(log_path, "a", encoding="utf-8") if log_path else None
 
-    def emit(text: str) -> None:
-        for sink in (stream, log):
-            if sink is not None and text:
-                try:
-                    sink.write(text)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # our stdout went away (`| head`): keep draining gcloud
-        lines.feed(text)
+    def write(sink: TextIO | None, text: str) -> None:
+        if sink is not None:
+            try:
+                sink.write(text)
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # our stdout went away (`| head`): keep draining gcloud
+
+    def line(text: str) -> None:
+        if text and wire.for_people(text):  # "" between \r and \n
+            write(stream, text + "\n")
+        if on_line:
+            on_line(text)
+
+    partial = ""
+
+    def emit(text: str) -> None:  # complete lines, split at \n or \r (tqdm redraws with \r), to `line`
+        nonlocal partial
+        if text:
+            write(log, text)
+        *complete, partial = re.split(r"[\r\n]", partial + text)
+        for each in complete:
+            line(each)
 
     try:
         fd = proc.stdout.fileno()
         while chunk := os.read(fd, 65536):
             emit(decoder.decode(chunk))
         emit(decoder.decode(b"", final=True))
-        lines.close()
+        if partial:
+            line(partial)
         return proc.wait()
     except KeyboardInterrupt:
         # In a terminal gcloud got the SIGINT too; send it anyway (a `kill -INT` of us alone).

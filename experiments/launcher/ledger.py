@@ -1,39 +1,27 @@
 """The launcher's records, typed: a variant's states and how they change, a supervision's
-outcomes and statuses, and the dataclasses of `ledger.json` (the queue's,
-experiments/launcher/run_queue.py) and `supervision.json` (`launch.py supervise`,
-experiments/launcher/supervise.py).
+outcomes and statuses, and the dataclasses of `ledger.json` (the run queue's,
+experiments/launcher/queue_state.py) and `supervision.json` (experiments/launcher/supervise.py).
 
-Vocabulary (each a `StrEnum`: the JSON holds the same strings as before):
-  VariantState   queued, running, completed, failed, skipped
-  Move           what changes a variant's state; `TRANSITIONS` lists every legal change (docs/
-                 OPERATIONS.md's state table says the same, and a test compares the two); `move`
-                 makes one, and any other change is a bug (`IllegalTransition`)
-  Outcome        how one launch ended: completed, preempted, fatal, backoff, restart
-  Status         a supervision's: running, completed, failed, gave-up, interrupted, released
-  ControllerStatus  the queue's controller: submitted, running, stopped, budget, done
-  Verb           a request for the controller: stop, skip, retry, budget
-Failure classes are the trainer's (runtime/events.py's `Failure`).
+Vocabulary: `StrEnum`s (VariantState, Move, Outcome, Cause, Status, ControllerStatus, Verb);
+`TRANSITIONS` lists every legal change of a variant's state (docs/RUNNING.md's state table
+says the same, and a test compares the two), and any other change is a bug (`IllegalTransition`).
+The trainer's failure classes are runtime/events.py's `Failure`.
 
-Files. `ledger.json` is `Ledger` as JSON with `"schema": 3` (a ledger without it is version 1,
-written before the records were typed: the same keys, read as they are; version 2 had no time
-accounts: its launches read without `timing`, its slices without idle time). `supervision.json`
-is `SupervisionRecord` with the same key. Loading is strict: a file that is not JSON, or whose
-shape differs (a key missing or unknown, a value of the wrong type, a number no float holds), or
-that cannot be read at all (a folder in its place, no permission), raises `RecordError` naming the
-file, the field and the problem, and where a good copy may be (`read_state` reads one). A later schema adds
-fields with defaults (an older file reads as it is) and, where a field's meaning changes, a
-step in `MIGRATIONS` that rewrites the older layout.
+Each fact is said once: a launch's steps, total, W&B run id and failure line are its
+`LaunchRecord`'s (the one under way: its `InFlight`); a supervision's and a variant's are derived
+from them (`SupervisionRecord.said`, `VariantRecord.said`, `VariantRecord.verdict`).
 
-Writes: `to_text` serialises a record (take it under the lock its record is changed under: the
-text is a copy of one moment); `write_text` replaces a file whole (a local path through
-runtime/atomic.py's `write_atomic`, a remote object in one write), `append_text` adds a log's
-line the same way. A local write that fails (a full disk, a read-only or unwritable folder, a
-file where a folder goes) raises `StateWriteError`, one line naming the file and the fix (exit 6),
-and leaves the file as it was. `Snapshot` is a mirror's
-state.json (the submission and the ledger). Event lines: `log_line` (`[programme] <UTC time>
-<event> key=value ...`, `[supervise] ...`).
+Files. `ledger.json` is `Ledger` as JSON with `"schema": 4`; `supervision.json` is
+`SupervisionRecord` with the same key. Older schemas are read and migrated (`MIGRATIONS`; a file
+without the key is version 1). Loading is strict: a file that is not JSON, whose shape differs (a
+key missing or unknown, a value of the wrong type, a number no float holds), or that cannot be
+read at all (a folder in its place, no permission), raises `RecordError` naming the file, the
+field, the problem and where a good copy may be (`read_state` reads one).
 
-Strict reading and writing go through pydantic (a TypeAdapter over these standard dataclasses).
+Writes: `write_text` replaces a file whole (locally through runtime/atomic.py's `write_atomic`),
+`append_text` adds a log's line; a local write that fails raises `StateWriteError` (exit 6), the
+file as it was. `Snapshot` is a mirror's state.json. Strict reading and writing go through
+pydantic (a TypeAdapter over these standard dataclasses).
 """
 
 from __future__ import annotations
@@ -53,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from runtime.atomic import append_atomic, write_atomic
 from runtime.errors import EXIT_STORAGE, UserError, storage_fault, storage_fix
 
-SCHEMA = 3
+SCHEMA = 4
 
 
 # --- the vocabulary ------------------------------------------------------------------------------
@@ -67,7 +55,7 @@ class VariantState(enum.StrEnum):
 
 
 class Move(enum.StrEnum):
-    """What happens to a variant (docs/OPERATIONS.md, the state table)."""
+    """What happens to a variant (docs/RUNNING.md, the state table)."""
     START = "start"  # a slice takes it
     COMPLETE = "complete"  # its run completed, or was found complete beside its checkpoints
     FAIL = "fail"  # failed for good, or its supervision gave up
@@ -114,6 +102,19 @@ class Outcome(enum.StrEnum):
     FATAL = "fatal"  # a permanent failure: the supervision fails
     BACKOFF = "backoff"  # wait, then relaunch (a restart)
     RESTART = "restart"  # stop stale processes, relaunch (a restart)
+
+
+class Cause(enum.StrEnum):
+    """The launcher's own causes of an end (a launch's or a supervision's `cause`, a streak's `kind`);
+    the trainer's are its Failure classes' (runtime/events.py)."""
+    GCLOUD_REFUSED = "gcloud-refused"  # GCP refused a request for good (a wrong flag): the programme stops
+    GCLOUD_CREDENTIALS = "gcloud-credentials"  # gcloud has no valid credentials: the programme stops
+    QUOTA = "quota"  # the slice's creates were refused for quota
+    CREATE_REFUSED = "create refused"  # ... for another reason (a stockout)
+    SUPERVISOR_DIED = "stopped: its supervisor had died"  # a launch found in flight, stopped by the next supervisor
+
+
+STOPS_PROGRAMME = (Cause.GCLOUD_REFUSED, Cause.GCLOUD_CREDENTIALS)  # no variant fares better: the controller stops
 
 
 class Status(enum.StrEnum):
@@ -172,23 +173,16 @@ class ReadyClock(Strict):
         self.host_seconds += seconds * self.hosts
         self.ready_since = None
 
+    def _open(self, now: float | None) -> float:
+        return 0.0 if self.ready_since is None else max(0.0, (now or time.time()) - self.ready_since)
+
     def ready_total(self, now: float | None = None) -> float:
         """READY seconds so far, the open stretch included."""
-        open_ = 0.0 if self.ready_since is None else max(0.0, (now or time.time()) - self.ready_since)
-        return self.ready_seconds + open_
+        return self.ready_seconds + self._open(now)
 
     def host_total(self, now: float | None = None) -> float:
         """Host-seconds so far, the open stretch included."""
-        open_ = 0.0 if self.ready_since is None else max(0.0, (now or time.time()) - self.ready_since) * self.hosts
-        return self.host_seconds + open_
-
-
-@dataclass
-class Progress(Strict):
-    """What the running launch said last (its last checkpoint), for status pages."""
-    step: int | None = None
-    total: int | None = None
-    wandb_run_id: str | None = None
+        return self.host_seconds + self._open(now) * self.hosts
 
 
 @dataclass
@@ -220,7 +214,7 @@ class LaunchRecord(Strict):
     ended: float
     code: int
     outcome: Outcome
-    cause: str  # a Failure's cause ("bad input"), "completed", "preempted" or "exit N ..."
+    cause: str  # a Failure's cause ("bad input"), a Cause, "completed", "preempted" or "exit N ..."
     line: str | None = None  # the trainer's one line of its failure
     last_step: int | None = None
     total: int | None = None
@@ -230,18 +224,21 @@ class LaunchRecord(Strict):
     first_step: int | None = None  # where it started (its `started` event's step): a resume point
     timing: LaunchTiming | None = None
     unwatched: bool = False  # it ran while no supervisor watched: recorded later, from the run's events
-    resident: str | None = None  # into resident trainers: "cold" (started them) or "warm:SESSION" (ran in them)
+    resident: str | None = None  # into resident trainers: a runtime/wire.py ResidentLaunch's arg() (cold: started them)
 
 
 @dataclass
 class InFlight(Strict):
-    """The launch under way, as far as the supervisor knows it: a supervisor killed meanwhile leaves it,
-    and the next one records that launch from it and from the run's events."""
+    """The launch under way, as far as its last `started` or `checkpoint` event said (status pages
+    read it): a supervisor killed meanwhile leaves it, and the next one records that launch from it
+    and from the run's events."""
     started: float
     setup: float = 0.0
     first_step: int | None = None
     last_step: int | None = None
-    timing: dict[str, Any] | None = None  # the trainer's last `timing` event seen at a started or checkpoint event
+    total: int | None = None
+    wandb_run_id: str | None = None
+    timing: LaunchTiming | None = None  # from the trainer's last `timing` event seen by then
 
 
 @dataclass
@@ -252,7 +249,6 @@ class End(Strict):
     line: str | None = None
     cause: str | None = None
     reason: str | None = None  # gave up: max-restarts or no-progress
-    last_step: int | None = None
     max_restarts: int | None = None
 
 
@@ -268,15 +264,17 @@ class SupervisionRecord(Strict):
     launches: list[LaunchRecord] = field(default_factory=list)
     slice: ReadyClock = field(default_factory=ReadyClock)  # `supervise`'s own slice (a variant's is the ledger's)
     create_refusals: int = 0  # refused creates in a row
-    progress: Progress | None = None
     in_flight: bool = False  # a launch runs (a supervisor killed meanwhile finds it so)
     launch: InFlight | None = None  # that launch, while it runs
     setup_pending: bool = False  # the last setup failed
     commit: str | None = None  # the commit every worker first agreed on
     end: End | None = None
 
-    def last_step(self) -> int | None:
-        return self.launches[-1].last_step if self.launches else None
+    def said(self, name: str) -> Any:
+        """What the newest launch that said it said of `name` (last_step, total, wandb_run_id), the
+        one under way first."""
+        launches = [*self.launches, *([self.launch] if self.launch else [])]
+        return next((v for launch in reversed(launches) if (v := getattr(launch, name)) is not None), None)
 
 
 @dataclass
@@ -296,16 +294,28 @@ class VariantRecord(Strict):
     supervision: SupervisionRecord = field(default_factory=SupervisionRecord)
     ready_seconds: float = 0.0
     host_seconds: float = 0.0
-    last_step: int | None = None
-    total: int | None = None
-    wandb_run_id: str | None = None
     metrics: dict[str, Any] | None = None
-    line: str | None = None
+    line: str | None = None  # why it ended where no launch says it (the slice could not be had)
     failure: str | None = None  # the cause, in words ("bad input", "quota", ...)
+    found_step: int | None = None  # the step its run was found complete at, beside its checkpoints
     started: float | None = None
     ended: float | None = None
     mark: Mark | None = None  # while running
     skip: bool = False  # `programme skip` asked while it ran: skipped once it has stopped
+
+    def said(self, name: str) -> Any:
+        """last_step, total or wandb_run_id: as its launches said it (the step: or its run found complete)."""
+        said = self.supervision.said(name)
+        return self.found_step if name == "last_step" and self.found_step is not None else said
+
+    def verdict(self) -> str | None:
+        """The line that ended it: its own, its supervision's, or its last launch's."""
+        sup = self.supervision
+        last = sup.launches[-1] if sup.launches else None
+        said = (sup.end.line if sup.end else None) or (last.line or last.cause if last else None)
+        if sup.status == Status.GAVE_UP and last and not last.line:
+            said = f"gave up: {last.cause}"
+        return self.line or said
 
 
 @dataclass
@@ -446,12 +456,43 @@ def _problem(error: Mapping[str, Any]) -> str:
     return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value[:80]}"
 
 
+def _each_fact_once(data: dict) -> dict:
+    """Schema 3 -> 4 (a ledger or a supervision record; a snapshot's ledger is upgraded on its own):
+    a launch under way takes its supervision's `progress` (total, W&B run id), its raw `timing` event
+    becomes a LaunchTiming; an end and a variant drop their copies of the launches' facts (a variant
+    keeps the step its run was found complete at). A malformed part is left for `decode` to name."""
+    def supervision(record: Any) -> list:
+        if not isinstance(record, dict):
+            return []
+        progress, launch = record.pop("progress", None), record.get("launch")
+        if isinstance(launch, dict):
+            launch.update({k: progress.get(k) for k in ("total", "wandb_run_id")} if isinstance(progress, dict) else {})
+            if isinstance(launch.get("timing"), dict):
+                from experiments.launcher.account import launch_timing  # here: account reads these records
+
+                launch["timing"] = as_json(launch_timing([launch["timing"]], setup=launch.get("setup") or 0.0))
+        if isinstance(record.get("end"), dict):
+            record["end"].pop("last_step", None)
+        launches = record.get("launches") if isinstance(record.get("launches"), list) else []
+        return [launch.get("last_step") for launch in launches if isinstance(launch, dict)]
+
+    if "submission" in data or not isinstance(data.get("variants"), dict):
+        supervision(data if "submission" not in data else None)
+        return data
+    for variant in (v for v in data["variants"].values() if isinstance(v, dict)):
+        said = supervision(variant.get("supervision"))
+        step, _, _ = (variant.pop(k, None) for k in ("last_step", "total", "wandb_run_id"))
+        if step is not None and step not in said and variant.get("state") == "completed":
+            variant["found_step"] = step
+    return data
+
+
 # Schema n -> n + 1, on the parsed JSON of a file of schema n. Version 2 only typed version 1's
 # records (the same keys, read as they are) and added fields with defaults: nothing to rewrite.
 # Version 3 added the time accounts, fields with defaults: a version-2 launch has no `timing` (its
 # time is `other`), a slice no idle time (what its clock counted before is the programme's
-# unattributed time, experiments/launcher/account.py).
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data, 2: lambda data: data}
+# unattributed time, experiments/launcher/account.py). Version 4 says each fact once.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data, 2: lambda data: data, 3: _each_fact_once}
 
 
 def decode(kind: type[T], data: Any, *, what: str, file: object, good_copy: str | None = None,

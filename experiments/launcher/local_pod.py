@@ -1,12 +1,8 @@
 """Run an N-process JAX "pod" on this machine, for testing multi-host code on CPU.
 
-Each process gets the explicit-coordinator environment that `pretrain_jax.py`
-reads (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and M fake
-CPU devices, so the N processes together behave like an N-host pod with N*M
-devices (collectives go over gloo).
-
-Secrets (WANDB_API_KEY, HF_TOKEN, ...) reach the processes only through their environment
-(this process's, inherited, plus `extra_env`), never their argv; only the argv is printed.
+Each process gets the explicit-coordinator environment that `pretrain_jax.py` reads
+(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and M fake CPU devices (collectives
+over gloo). Secrets reach the processes only through their environment, never their argv.
 
 Exit-code policy of `run_local_pod` (shell conventions):
   0          every process exited 0.
@@ -17,10 +13,8 @@ Exit-code policy of `run_local_pod` (shell conventions):
              and shut the pod down, whatever the children then returned.
   124        the overall timeout expired (same code as coreutils `timeout`).
 
-Why SIGKILL: once `jax.distributed` is up, JAX's preemption handler swallows
-SIGTERM, so the only reliable way to stop a stuck process is SIGKILL. Each child
-runs in its own session (= process group), and we kill the whole group so that
-grandchildren (data-loader workers, shells) die too.
+Why SIGKILL: once `jax.distributed` is up, JAX's preemption handler swallows SIGTERM. Each child
+runs in its own session, and its whole group is killed, so grandchildren die too.
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Sequence, TextIO
 
+from runtime import wire
 from runtime.errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE, EXIT_TIMEOUT
 
 POLL_S = 0.05  # how often the supervisor loop looks at the children
@@ -130,7 +125,8 @@ def _pump(i: int, pipe: IO[bytes], sink: _Sink, log_path: Path | None) -> None:
             line = raw.decode("utf-8", errors="replace")
             if not line.endswith("\n"):
                 line += "\n"  # last line without newline: keep the next prefix on its own line
-            sink.write_line(f"[p{i}] {line}")
+            if wire.for_people(line):  # library chatter stays in the process's log (--log-dir)
+                sink.write_line(f"[p{i}] {line}")
             if log:
                 log.write(line)
                 log.flush()
@@ -148,22 +144,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass  # the whole group is already gone
 
 
-class _Interrupts:
-    """Records SIGINT/SIGTERM received by the launcher, for the supervisor loop to act on."""
-
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-
-    def handler(self, signum: int, _frame: object) -> None:
-        self.signals.append(signum)
-
-
 @contextmanager
-def _catch_signals(interrupts: _Interrupts) -> Iterator[None]:
+def _catch_signals(interrupts: list[int]) -> Iterator[None]:
+    """SIGINT/SIGTERM received by the launcher, appended to `interrupts` for the loop to act on."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed from the main thread
         return
-    previous = {s: signal.signal(s, interrupts.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda signum, _: interrupts.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -172,9 +160,9 @@ def _catch_signals(interrupts: _Interrupts) -> Iterator[None]:
 
 
 class _Pod:
-    def __init__(self, procs: list[subprocess.Popen], pumps: list[threading.Thread], sink: _Sink):
-        self.procs = procs
-        self.pumps = pumps
+    def __init__(self, sink: _Sink) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
         self.sink = sink
 
     def say(self, msg: str) -> None:
@@ -195,16 +183,16 @@ class _Pod:
         for t in self.pumps:
             t.join(max(0.0, deadline - time.monotonic()))
 
-    def shut_down(self, interrupts: _Interrupts, grace_period: float) -> None:
+    def shut_down(self, interrupts: list[int], grace_period: float) -> None:
         """SIGTERM everyone (children may checkpoint), SIGKILL after the grace period
         or at once on a second interrupt."""
-        first = len(interrupts.signals)
-        self.say(f"got {signal.Signals(interrupts.signals[0]).name}: sending SIGTERM to all "
+        first = len(interrupts)
+        self.say(f"got {signal.Signals(interrupts[0]).name}: sending SIGTERM to all "
                  f"processes, SIGKILL in {grace_period:g} s (interrupt again to kill now)")
         for p in self.alive():
             _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_period
-        while self.alive() and time.monotonic() < deadline and len(interrupts.signals) == first:
+        while self.alive() and time.monotonic() < deadline and len(interrupts) == first:
             time.sleep(POLL_S)
         if self.alive():
             self.say("killing the remaining processes")
@@ -237,8 +225,8 @@ def run_local_pod(
         log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [python, script, *overrides]
 
-    interrupts = _Interrupts()
-    pod = _Pod([], [], sink)
+    interrupts: list[int] = []
+    pod = _Pod(sink)
     with _catch_signals(interrupts):
         try:
             pod.say(f"{processes} processes x {devices_per_process} devices, "
@@ -260,16 +248,16 @@ def run_local_pod(
             pod.join_pumps()
 
 
-def _supervise(pod: _Pod, interrupts: _Interrupts, timeout: float | None,
+def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None,
                grace_period: float) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        if interrupts.signals:
+        if interrupts:
             pod.shut_down(interrupts, grace_period)
             pod.join_pumps()
             codes = ", ".join(f"p{i}: {describe(p.returncode)}" for i, p in enumerate(pod.procs))
             pod.say(f"interrupted ({codes})")
-            return EXIT_SIGNAL_BASE + interrupts.signals[0]
+            return EXIT_SIGNAL_BASE + interrupts[0]
         codes = [p.poll() for p in pod.procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
         if failed:

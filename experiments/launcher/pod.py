@@ -1,57 +1,13 @@
 """Run commands on every worker of a Cloud TPU VM slice through ONE `gcloud ... ssh --worker=all`.
 
-Why one ssh: a per-worker loop can leave some workers unstarted (one ssh fails, the loop is
-interrupted), and a JAX job with a missing process hangs at the coordinator. gcloud starts the
-command on all workers at once and fails if any of them fails; the launcher exits with its code.
-Every gcloud command line is built in experiments/launcher/gcloud.py.
-
-Operations (CLI in experiments/launch.py):
-  pod     run pretrain_jax.py on all workers with one shared run id; log per worker and locally
-  setup   run setup_tpu.sh on all workers (optionally after `git checkout REF`), then compare
-          commit and package versions across workers: a mismatch is an error
-  stop    kill this login's stale training processes and TPU holders, remove the libtpu lockfile
-  status  per worker: training process alive, pid, elapsed, last step, newest log file
-The programs that run on the workers are modules, `python -m experiments.launcher.worker.<tool>`, run from
-the repo on the worker (experiments/launcher/worker/); the command line each worker gets is a
-short sequence of calls: cd to the repo (or say it is missing), activate the .venv, run the module.
-
-Quoting: gcloud hands --command to the worker's login shell (bash on TPU VMs), so every user
-value is quoted exactly once with shlex.quote; `~/...` paths become "$HOME"/... so they still
-expand there.
-
-Secrets (WANDB_API_KEY, --forward-env NAME) never appear on a command line: gcloud writes its
-whole argv to its own log file, and a remote `bash -c` command line is world-readable in
-/proc/<pid>/cmdline for the whole run. Nor on ssh's stdin: with --worker=all gcloud runs one ssh
-per worker, all reading gcloud's one stdin, so only one worker would get the bytes. Instead
-`gcloud ... scp --worker=all` copies a 0600 file (written in a private temporary directory here,
-deleted right after) to ~/.podrunner-secrets-<random> on every worker; the launch guard there
-(experiments/launcher/worker/once.py) reads and removes it and puts the values into the trainer's
-environment alone (/proc/<pid>/environ: the user's own). Every print, the dry run and the local
-logs name the secrets, never their values. A command that ends before the guard starts removes
-the file (its EXIT trap), the launcher does after a failed launch, and `stop` removes what is left.
-
-A launch runs once per worker whatever gcloud does: it re-runs an ssh command that ended with 255
-(a dropped connection), and the guard makes that re-run follow the launch already running (or
-finished) there instead of starting a second trainer (experiments/launcher/worker/once.py).
-
-Run ids: `--run-id ID` (or a run.id= override) is fixed: passed as run.id=ID, so the trainer
-refuses to resume a checkpoint written under another id (exit 2). Without one, a new id is only
-proposed (PODRUNNER_RUN_ID): a fresh run takes it, a resumed run keeps its checkpoint's. The
-trainer's `started` event names the id it uses (runtime/events.py); when that is not the
-launch's id the launcher says so and writes it to <log-dir>/<launch id>/run_id. Logs (here and
-on the workers) are filed under the launch's id.
-
-Shipping (`pod --ship`, experiments/launcher/ship.py): the local working tree is packed, copied with one
-`scp --worker=all`, unpacked once per tree in ~/podrunner-shipped/<tree hash> on each worker by the
-launch guard and run there with the repo's .venv (experiments/launcher/worker/shipped.py);
-PODRUNNER_SHIPPED_TREE carries the tree hash and its diff from HEAD to the run's manifest. Without
-it the workers run their checkout and the launcher warns when their commits differ. Either way the
-worker tools come from the repo's checkout on the workers: after an update of the launcher, bring
-the workers to the same commit (`launch.py setup --git-ref REF`).
-
-gcloud's `--worker=all` output is interleaved; the workers' programs print one tagged line each
-(`podrunner-versions {json}`, `podrunner-status {json}`, the trainer's `podrunner-event {json}`),
-found anywhere in a line so that a prefix added by gcloud does not matter.
+Why one ssh: a per-worker loop can leave some workers unstarted, and a JAX job with a missing
+process hangs at the coordinator; gcloud starts the command on all workers at once. The
+operations (`pod`, `setup`, `stop`, `status`; CLI in experiments/launch.py), the secrets file, run
+ids and `--ship` are described in docs/OPERATIONS.md ("Launch", "Set up the workers"). Every gcloud
+command line is built in experiments/launcher/gcloud.py; the programs that run on the workers are
+`python -m experiments.launcher.worker.<tool>` from the repo there. Quoting: gcloud hands
+--command to the worker's login shell, so every user value is quoted exactly once with
+shlex.quote, `~/...` as "$HOME"/... so it still expands.
 """
 
 from __future__ import annotations
@@ -68,19 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
 from experiments.launcher import gcloud
 from experiments.launcher.gcloud import PodError, Target
 from experiments.launcher.ship import DEFAULT_MAX_MB, Pack, ShipError, pack_tree
-from experiments.launcher.worker import SECRETS_PREFIX, START_TAG, STATUS_TAG, VERSIONS_TAG, shipped
-from runtime import events
+from experiments.launcher.worker import SECRETS_PREFIX, shipped
+from runtime import events, wire
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
+from runtime.wire import ResidentLaunch, ResidentMode
 
-__all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_MB", "VERSIONS_TAG", "STATUS_TAG"]
+__all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_MB"]
 
 DEFAULT_REPO_DIR = "~/podrunner"
 DEFAULT_LOG_DIR = Path("outputs/launch-logs")
@@ -90,11 +46,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # what --ship packs by default
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RUN_ID_OVERRIDE = re.compile(r"^\+{0,2}run\.id=(.*)$")
-
-
-def gcloud_argv(target: Target, command: str) -> list[str]:
-    """The single ssh that runs `command` on every worker of the slice."""
-    return gcloud.ssh_argv(target, command)
 
 
 def run_gcloud(argv: Sequence[str], **kw) -> int:
@@ -172,24 +123,18 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
                 secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None,
-                resident: str | None = None, next_overrides: Sequence[str] | None = None) -> str:
+                resident: ResidentLaunch | None = None, next_overrides: Sequence[str] | None = None) -> str:
     """Worker command: cd to the repo, activate its .venv, then the launch guard
-    (experiments/launcher/worker/once.py) that starts `python pretrain_jax.py ...` once per launch
-    `key` with the plain `env` (and the run id proposed), its output in
-    ~/podrunner-logs/<run_id>/worker-<hostname>.log, and follows that log. `secrets_file` (in the
-    home directory, copied there by `send_secrets`): read and removed by the guard, its values
-    given to the trainer alone. `ship`: the guard runs the shipped tree (unpacked from the pack
-    `_run_pod` copied) instead of the repo, and reports its hash instead of the commit. `resident`:
-    `cold` or `warm:SESSION`, the run starts or goes on in a resident trainer (worker/resident.py),
-    which compiles the steps of `next_overrides` (the variant the controller hands over next)
-    while this run trains.
-    Should the command end before the guard starts, its EXIT trap removes the copied files."""
+    (experiments/launcher/worker/once.py), which starts `python pretrain_jax.py ...` once per launch
+    `key` and follows its log. `resident`: the run starts in, or goes on in, a resident trainer
+    (worker/resident.py), which compiles `next_overrides` meanwhile. An EXIT trap removes the copied
+    files should the command end before the guard starts."""
     plain = {PROPOSED_RUN_ID_ENV: run_id}
     if ship:
         plain[SHIPPED_TREE_ENV] = json.dumps(ship.shipped_record(), sort_keys=True)
     plain.update(env)
     log = remote_path(f"~/podrunner-logs/{run_id}/worker-") + HOST + ".log"
-    guard = ["exec python -m experiments.launcher.worker.once", "--key", shlex.quote(key or new_launch_key()),
+    guard = ["exec python -m experiments.launcher.worker.once", "--key", shlex.quote(key or secrets.token_hex(6)),
              "--log", log, "--host", HOST, "--start", shlex.quote(f"launch_id={run_id}"),
              *(f"--env {shlex.quote(f'{k}={v}')}" for k, v in plain.items())]
     copied = []
@@ -197,10 +142,10 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
         copied.append(remote_path("~/" + secrets_file))
         guard += ["--secrets", copied[-1]]
     if ship:
-        copied.append(remote_path("~/" + ship_remote_name(ship)))
+        copied.append(remote_path("~/" + shipped.pack_name(ship.tree_hash)))
         guard += ["--ship", remote_path(shipped.tree_dir(ship.tree_hash)), "--pack", copied[-1]]
     if resident:
-        guard += ["--resident", shlex.quote(resident)]
+        guard += ["--resident", shlex.quote(resident.arg())]
         if next_overrides:
             guard += ["--next", shlex.quote(json.dumps(list(next_overrides)))]
     guard += ["--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
@@ -210,20 +155,6 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
         ". .venv/bin/activate || " + _fail("no .venv in the repo (run launch.py setup)"),
         " ".join(guard),
     ])
-
-
-def new_launch_key() -> str:
-    """One launch's token: the same in every re-run of its command by gcloud."""
-    return secrets.token_hex(6)
-
-
-def ship_remote_name(pack: Pack) -> str:
-    """The pack's name in each worker's home while it is copied there."""
-    return shipped.pack_name(pack.tree_hash)
-
-
-def remove_secrets_command(secrets_file: str) -> str:
-    return f"rm -f {remote_path('~/' + secrets_file)}"
 
 
 def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/python", missing: str | None = None) -> str:
@@ -244,10 +175,8 @@ def versions_command(repo_dir: str) -> str:
 
 
 def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
-    """Worker command: [git clone URL when the repo is missing (a re-created TPU has fresh disks)],
-    [fetch and check out REF (experiments/launcher/worker/checkout.py, with the system python3: the
-    .venv may not be there yet)], bash setup_tpu.sh (which imports every package), then the
-    versions line."""
+    """Worker command: [git clone URL when the repo is missing (fresh disks)], [check out REF, with the
+    system python3: the .venv may not be there yet], bash setup_tpu.sh, then the versions line."""
     repo = remote_path(repo_dir)
     steps = []
     if clone_url:
@@ -265,33 +194,9 @@ def stop_command(grace: float = 0.0, repo_dir: str = DEFAULT_REPO_DIR) -> str:
                    missing="no repo at --repo-dir: nothing of ours runs here")
 
 
-def status_command(repo_dir: str, outputs: str = "outputs", run_id: str | None = None) -> str:
-    return in_repo(repo_dir, "status", HOST, shlex.quote(outputs), shlex.quote(run_id or ""),
-                   python="python3", missing="no repo at --repo-dir")
-
-
 def _say(stream: TextIO, message: str) -> None:
     stream.write(f"[launch] {message}\n")
     stream.flush()
-
-
-def tagged(line: str, tag: str) -> dict | None:
-    """The JSON after `tag` anywhere in the line (gcloud may prefix worker output)."""
-    i = line.find(tag)
-    if i < 0:
-        return None
-    try:
-        return json.loads(line[i + len(tag):])
-    except ValueError:
-        return None
-
-
-def start_fields(line: str) -> dict[str, str] | None:
-    """The `key=value` fields of a worker's start line (`podrunner-start host=H commit=C ...`), else None."""
-    i = line.find(START_TAG)
-    if i < 0:
-        return None
-    return dict(word.split("=", 1) for word in line[i + len(START_TAG):].split() if "=" in word)
 
 
 # --- the operations -------------------------------------------------------------------------
@@ -304,16 +209,11 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                ship_max_mb: float = DEFAULT_MAX_MB,
                environ: Mapping[str, str] | None = None, stream: TextIO | None = None,
                on_line: Callable[[str], None] | None = None,
-               on_gcloud: Callable[[subprocess.Popen], None] | None = None, resident: str | None = None,
+               on_gcloud: Callable[[subprocess.Popen], None] | None = None, resident: ResidentLaunch | None = None,
                next_overrides: Sequence[str] | None = None) -> int:
-    """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). With secrets,
-    first copy them (`send_secrets`); if that fails, nothing is started and its code is returned.
-    `ship`: True packs the working tree of `ship_from` (default: this checkout) now; a Pack (e.g.
-    one a supervisor packed once for all its relaunches) is sent as it is; either is copied to
-    every worker and the run starts from it. Run ids and secrets: see the module docstring.
-    `on_line` sees every line of the run's output (a supervisor reads the trainer's events
-    there); `on_gcloud` gets the ssh's gcloud process (a controller that must end it early);
-    `resident`: see `pod_command`."""
+    """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). `ship`: True
+    packs `ship_from` now, a Pack (a supervisor's, packed once) is sent as it is. `on_line` sees
+    every line of the output; `on_gcloud` gets the ssh's gcloud process (to end it early)."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
@@ -327,7 +227,7 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
             except ShipError as e:
                 raise PodError(str(e)) from None
         secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
-        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack, key=new_launch_key(),
+        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack,
                               resident=resident, next_overrides=next_overrides)
         shown = shown_commands(target, command, secret, secrets_file, pack)
         if dry_run:
@@ -362,14 +262,14 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
                 return code
         if pack:
             _say(stream, f"shipping the working tree: {_pack_line(pack)}")
-            code = run_gcloud(gcloud.scp_argv(target, str(pack.path), ship_remote_name(pack)),
+            code = run_gcloud(gcloud.scp_argv(target, str(pack.path), shipped.pack_name(pack.tree_hash)),
                               stream=stream, log_path=log_path)
             if code != 0:
                 _say(stream, f"copying the tree to the workers failed (gcloud exit code {code}); nothing was started")
                 if secrets_file:
                     _remove_secrets(target, secrets_file, stream, log_path)
                 return code
-        code = run_gcloud(gcloud_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line,
+        code = run_gcloud(gcloud.ssh_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line,
                           started=on_gcloud)
     except KeyboardInterrupt:
         return _interrupted(target, stream, interrupt_grace, leave_running, repo_dir)
@@ -419,14 +319,15 @@ def shown_commands(target: Target, command: str, secret: Mapping[str, str], secr
                   shlex.join(gcloud.scp_argv(target, "SECRETS-FILE", secrets_file))]
     if pack:
         lines += [f"# ship: {_pack_line(pack)}",
-                  shlex.join(gcloud.scp_argv(target, "PACK.tar.gz", ship_remote_name(pack)))]
-    return "".join(line + "\n" for line in [*lines, shlex.join(gcloud_argv(target, command))])
+                  shlex.join(gcloud.scp_argv(target, "PACK.tar.gz", shipped.pack_name(pack.tree_hash)))]
+    return "".join(line + "\n" for line in [*lines, shlex.join(gcloud.ssh_argv(target, command))])
 
 
 def send_secrets(target: Target, secret_env: Mapping[str, str], secrets_file: str, *,
                  stream: TextIO, log_path: Path | None = None) -> int:
     """Copy the secrets to ~/<secrets_file> on every worker (one `gcloud ... scp --worker=all`;
-    its exit code). The local copy: a 0600 file in a private temporary directory, deleted as soon
+    its exit code). Not through ssh's stdin: with --worker=all gcloud runs one ssh per worker, all
+    reading its one stdin, so only one worker would get the bytes. The local copy: a 0600 file in a private temporary directory, deleted as soon
     as gcloud returns; scp creates the remote one with the same 0600 mode."""
     with tempfile.TemporaryDirectory(prefix="podrunner-") as tmp:
         local = os.path.join(tmp, secrets_file)
@@ -437,7 +338,7 @@ def send_secrets(target: Target, secret_env: Mapping[str, str], secrets_file: st
 
 def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path: Path | None) -> None:
     _say(stream, "removing the secrets file from the workers")
-    code = run_gcloud(gcloud_argv(target, remove_secrets_command(secrets_file)), stream=stream, log_path=log_path)
+    code = run_gcloud(gcloud.ssh_argv(target, f"rm -f {remote_path('~/' + secrets_file)}"), stream=stream, log_path=log_path)
     if code != 0:
         _say(stream, f"could not reach every worker (gcloud exit code {code}); `launch.py stop` removes the "
                      f"file ~/{secrets_file} too")
@@ -457,7 +358,7 @@ class _PodWatch:
     def line(self, line: str) -> None:
         if self.also:
             self.also(line)
-        event = events.parse(line)
+        event = wire.event(line)
         if event and event["event"] == events.Kind.FAILED and event.get("failure") == events.Failure.TPU_BUSY:
             self.tpu_busy = True
         if event and event["event"] == "started" and self.run_id is None and self.run_dir is not None:
@@ -466,9 +367,9 @@ class _PodWatch:
             if self.run_id != self.launch_id:
                 why = "resumed from the checkpoint" if event.get("resumed") else "a fresh run"
                 _say(self.stream, f"the run's id is {self.run_id} ({why}); this launch's logs stay under {self.launch_id}")
-        started = start_fields(line)
-        if started and "host" in started:
-            self.commits[started["host"]] = started.get("commit") or started.get("tree")
+        started = wire.start(line)
+        if started:
+            self.commits[started.host] = started.version
             if len(set(self.commits.values())) > 1 and not self.warned:
                 self.warned = True
                 _say(self.stream, f"WARNING: workers run different commits {self.commits}; "
@@ -481,14 +382,14 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
     """setup_tpu.sh on all workers, then a version check: non-zero if workers differ.
     `on_versions` gets each worker's versions row."""
     stream = stream or sys.stdout
-    argv = gcloud_argv(target, setup_command(repo_dir, git_ref, clone_url))
+    argv = gcloud.ssh_argv(target, setup_command(repo_dir, git_ref, clone_url))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0
     rows: list[dict] = []
 
     def take(line: str) -> None:
-        if (row := tagged(line, VERSIONS_TAG)) is not None:
+        if (row := wire.versions(line)) is not None:
             rows.append(row)
             if on_versions:
                 on_versions(row)
@@ -514,13 +415,13 @@ def versions_agree(rows: Sequence[dict], hosts: int) -> bool:
             and len({json.dumps(compared(r), sort_keys=True) for r in rows}) == 1)
 
 
-def resident_mode(rows: Sequence[dict], hosts: int) -> str:
-    """How a programme's next launch starts (worker/resident.py): `warm:SESSION` when each of the
-    `hosts` workers reported a resident trainer of the same session, else `cold`."""
+def resident_mode(rows: Sequence[dict], hosts: int) -> ResidentLaunch:
+    """How a programme's next launch starts (worker/resident.py): warm in the session each of the
+    `hosts` workers reported a resident trainer of, else cold."""
     sessions = {(r.get("resident") or {}).get("session") for r in rows}
     if len(rows) == hosts and len(sessions) == 1 and None not in sessions:
-        return f"warm:{sessions.pop()}"
-    return "cold"
+        return ResidentLaunch(ResidentMode.WARM, sessions.pop())
+    return ResidentLaunch(ResidentMode.COLD)
 
 
 def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
@@ -551,26 +452,11 @@ def stop_pod(target: Target, *, grace: float = 0.0, dry_run: bool = False,
              stream: TextIO | None = None, repo_dir: str = DEFAULT_REPO_DIR) -> int:
     """Kill stale training processes / TPU holders of this login and remove the lockfile."""
     stream = stream or sys.stdout
-    argv = gcloud_argv(target, stop_command(grace, repo_dir))
+    argv = gcloud.ssh_argv(target, stop_command(grace, repo_dir))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0
     return run_gcloud(argv, stream=stream)
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    host: str
-    worker: str | None
-    processes: list[list[int]]  # [pid, elapsed seconds]
-    step: int | None
-    step_from: str | None
-    metrics: str | None
-    log: str | None
-
-    @property
-    def alive(self) -> bool:
-        return bool(self.processes)
 
 
 def _hms(seconds: int) -> str:
@@ -578,8 +464,8 @@ def _hms(seconds: int) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def status_table(rows: Sequence[WorkerStatus]) -> str:
-    def order(r: WorkerStatus) -> tuple:
+def status_table(rows: Sequence[wire.Status]) -> str:
+    def order(r: wire.Status) -> tuple:
         return (0, int(r.worker), r.host) if (r.worker or "").isdigit() else (1, 0, r.host)
 
     table = [("worker", "host", "alive", "pid", "elapsed", "last step", "log file")]
@@ -597,16 +483,16 @@ def pod_status(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, outputs: str
                err: TextIO | None = None) -> int:
     """Print the per-worker table; other output of gcloud goes to `err` (stderr)."""
     stream, err = stream or sys.stdout, err or sys.stderr
-    argv = gcloud_argv(target, status_command(repo_dir, outputs, run_id))
+    argv = gcloud.ssh_argv(target, in_repo(repo_dir, "status", HOST, shlex.quote(outputs), shlex.quote(run_id or ""),
+                                       python="python3", missing="no repo at --repo-dir"))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0
-    rows: list[WorkerStatus] = []
+    rows: list[wire.Status] = []
 
     def on_line(line: str) -> None:
-        data = tagged(line, STATUS_TAG)
-        if data is not None:
-            rows.append(WorkerStatus(**{k: data.get(k) for k in WorkerStatus.__dataclass_fields__}))
+        if (row := wire.status(line)) is not None:
+            rows.append(row)
         elif line.strip():
             err.write(line + "\n")
 

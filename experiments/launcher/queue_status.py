@@ -1,18 +1,9 @@
-"""`launch.py programme status`: the programme at a glance, from its ledger (experiments/launcher/run_queue.py).
-
-A table, one row per variant: state, attempts, preemptions, restarts, pod-hours spent against the
-plan's estimate, last step of the total, goodput and the three largest badput categories (shares
-of its paid time; experiments/launcher/account.py), the group's primary metric (its group.yaml),
-the W&B run id; then totals per group and for the programme (its paid time: every slice's READY
-time, the slices' idle time included), each slice's idle time, the controller and an ETA, and the
-failed variants' lines. The same goes into a static HTML page (`status.html` in the programme's
-directory) with two pictures: where each variant's paid time went (a stacked bar per variant,
-and one for the slices' idle time); pod-hours spent against planned over time, and the primary
-metric of each variant, group by group.
-
-ETA: each unfinished variant's remaining steps at its own measured pace (READY seconds per step
-so far), or, not yet measured, its planned pod-hours scaled by how the measured variants compare
-with their plans; summed and shared out over the slices.
+"""`launch.py programme status`: the programme at a glance, from its ledger (experiments/launcher/
+queue_state.py): a table, one row per variant, with totals per group and for the programme, each
+slice's idle time, the controller, an ETA and the failed variants' lines (docs/RUNNING.md,
+"Status", says each column); the same in a static page (`status.html`) with two pictures: where
+each variant's paid time went, and pod-hours spent against planned with each variant's primary
+metric.
 """
 
 from __future__ import annotations
@@ -23,11 +14,12 @@ import io
 import time
 from dataclasses import dataclass
 
-from experiments.bill import CATEGORIES, IDLE
 from experiments.launcher.account import Account, Programme, badput_text, goodput_text, programme_account
-from experiments.launcher.ledger import Ledger, Progress, VariantState
-from experiments.launcher.run_queue import Submission
+from experiments.launcher.ledger import Ledger, VariantState
+from experiments.launcher.queue_state import BUDGET, Submission
 from experiments.programme import GROUPS, PRIMARY
+from runtime.goodput import Category
+from runtime.ranges import range_problem
 
 UNFINISHED = (VariantState.QUEUED, VariantState.RUNNING)
 STATES_SHOWN = (VariantState.COMPLETED, VariantState.RUNNING, VariantState.QUEUED, VariantState.FAILED,
@@ -64,22 +56,21 @@ def rows(sub: Submission, ledger: Ledger, now: float | None = None, accounts: Pr
     out = []
     for variant, r in sorted(ledger.variants.items(), key=lambda item: item[1].order):
         sup = r.supervision
-        # what the running launch said last
-        live = (sup.progress if r.state == VariantState.RUNNING else None) or Progress()
-        steps = [s for s in (r.last_step, live.step) if isinstance(s, int)]
         name = primary_of(variant.split("/", 1)[0])
         value = (r.metrics or {}).get(name)
         account = accounts.variants[variant]
         out.append(Row(variant, r.state, r.attempts, sup.preemptions, sup.restarts, account.paid / 3600,
-                       sub.planned_hours(variant), max(steps, default=None),
-                       r.total or live.total or (sub.planned.get(variant) or {}).get("steps"), name,
-                       value if isinstance(value, (int, float)) else None, r.wandb_run_id or live.wandb_run_id, r.line,
+                       sub.planned_hours(variant), r.said("last_step"),
+                       r.said("total") or (sub.planned.get(variant) or {}).get("steps"), name,
+                       value if isinstance(value, (int, float)) else None, r.said("wandb_run_id"), r.verdict(),
                        account))
     return out
 
 
 def eta_hours(sub: Submission, table: list[Row]) -> float | None:
-    """Hours until every unfinished variant is done (see the module docstring); None: nothing to go on."""
+    """Hours until every unfinished variant is done: its remaining steps at its own measured pace (READY
+    seconds per step so far), or, not yet measured, its planned pod-hours scaled by how the measured
+    variants compare with their plans; summed and shared out over the slices. None: nothing to go on."""
     measured = [(r.spent, r.planned * (r.step / r.total)) for r in table
                 if r.planned and r.step and r.total and r.spent > 0]
     ratio = sum(m for m, _ in measured) / sum(p for _, p in measured) if measured else 1.0
@@ -185,14 +176,14 @@ def goodput_picture(table: list[Row], accounts: Programme) -> bytes:
     bars = [(r.variant, r.account.seconds, r.account) for r in table if r.account.paid > 0]
     idle = sum(accounts.idle.values())
     if idle > 0 or accounts.unattributed > 0:
-        bars.append(("idle READY time (slices)", {IDLE: idle, "other": max(0.0, accounts.unattributed)}, None))
+        bars.append(("idle READY time (slices)", {Category.IDLE: idle, "other": max(0.0, accounts.unattributed)}, None))
     hours = max((sum(max(0.0, v) for v in seconds.values()) for _, seconds, _ in bars), default=0.0) >= 3600
     unit, scale = ("pod-hours", 3600) if hours else ("pod-minutes", 60)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(1, len(bars))))
     shown = set()
     for y, (_, seconds, _) in enumerate(bars):
         left = 0.0
-        for name in CATEGORIES:
+        for name in Category:
             width = max(0.0, seconds.get(name, 0.0)) / scale
             if width <= 0:
                 continue
@@ -210,7 +201,7 @@ def goodput_picture(table: list[Row], accounts: Programme) -> bytes:
            title=f"the programme: goodput {goodput_text(total)} of {total.paid / 3600:.3f} pod-hours paid")
     if shown:
         handles, labels = ax.get_legend_handles_labels()
-        order = sorted(range(len(labels)), key=lambda i: CATEGORIES.index(labels[i]))
+        order = sorted(range(len(labels)), key=lambda i: tuple(Category).index(labels[i]))
         ax.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper left",
                   bbox_to_anchor=(1.01, 1.0), fontsize=8, title="category")
     else:
@@ -235,7 +226,7 @@ def picture(sub: Submission, ledger: Ledger, table: list[Row]) -> bytes:
         if planned:
             spent_ax.step([t for t, _ in planned], [h for _, h in planned], where="post",
                           label="planned for the variants completed")
-    if sub.budget is not None:
+    if sub.budget is not None and range_problem(sub.budget, BUDGET) is None:  # a ledger's older budget may not draw
         spent_ax.axhline(sub.budget, color="red", linestyle="--", label="budget")
     spent_ax.set(xlabel="hours since the first record", ylabel="pod-hours", title="pod-hours: spent vs planned")
     if spent_ax.get_legend_handles_labels()[0]:  # nothing recorded yet: no lines to name
@@ -277,7 +268,7 @@ def page(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
             f"<h1>programme {html.escape(sub.name)}</h1>{said}<p>as of "
             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(now))}; goodput: kept train steps and the "
             "evaluations the protocol asks for, over the paid (READY) time; badput: the largest other categories, "
-            "in shares of it (docs/OPERATIONS.md, Reading the bill)</p>"
+            "in shares of it (docs/BILL.md)</p>"
             f"<table><tr>{cells(HEADER, 'th')}</tr>{body}</table>{failed_html}"
             f"<h2>where the paid time went</h2><img alt='paid time by category, per variant' "
             f"src='data:image/png;base64,{bars}'>"

@@ -1,52 +1,13 @@
 """Supervise one run on a preemptible TPU VM slice until it completes (`launch.py supervise`).
 
-The loop, top to bottom (`Supervisor.run`):
-  1. ensure_ready: describe the TPU (and its queued resource); create it when missing, delete
-     and re-create it when PREEMPTED/TERMINATED (GCP does not restart those), wait with backoff
-     while it is CREATING or queued. gcloud without valid credentials stops it at once, with
-     gcloud's own line; a create GCP refuses for good (a wrong flag) too.
-  2. ensure_setup: ask every worker for its versions; run setup when they differ, when a
-     worker's .venv does not fit the project (a package missing, not at its pin, not importable,
-     Python too old), or when the last setup failed.
-  3. launch: `pod.launch_pod` with the run's fixed id, so every launch resumes its checkpoint.
-  4. how the launch ended, from the trainer's events (runtime/events.py) and the exit code:
-       completed event (or exit 0)                 -> done
-       preempted event or exit 8, or the ssh dropped and the TPU is no longer READY
-                                                   -> back to 1 (not counted as a restart)
-       failed: bad input, non-finite, does not fit -> stop with its code and line
-       failed: storage, or the run directory's lease still held by the run before
-                                                   -> back off, relaunch (a restart)
-       anything else (hang, a lost worker, ...)    -> `stop` stale processes, relaunch (a restart)
-     and stop (exit 1) when restarts exceed --max-restarts, or when two restarts in a row ended
-     at the same last step as the launch before them (no progress).
-  5. at the end, delete the TPU or keep it (--at-end; by default deleted when the checkpoints
-     are on gs://, where nothing is lost with the VM).
-
-The vocabulary is typed (experiments/launcher/ledger.py): a launch's `Outcome`, the supervision's
-`Status`; failure classes and their policies are the trainer's (runtime/events.py's `Failure`);
-`TpuState` names the states gcloud reports that the loop compares.
-
-State: <log dir>/<run id>/supervision.json (ledger.SupervisionRecord), rewritten whole after every
-change; a supervisor started again with the same run id carries on from it (restart count, history,
-pod time), and when the one before was killed mid-launch, first stops what still runs on the
-workers (they checkpoint). Every change to the record is made under its lock (`Supervision.lock`;
-a programme's variant shares the ledger's), and a save writes a copy taken under it. Stopping
-the supervisor (Ctrl-C, SIGTERM) stops the run too (`run_until_done`). Events: one
-`[supervise] <UTC time> <event> key=value ...` line each (ledger.log_line), on the console and
-appended to <log dir>/<run id>/supervise.log.
-
-Pod time is what GCP bills: the time the TPU was READY (`ReadyClock`), from the describe that
-first showed it READY to the delete we issue, the preemption the trainer acted on (its
-`preempted` event) or the first describe that no longer shows it READY; host-hours are that
-times its number of workers (hosts; chips = hosts x chips per host). Each launch records where
-its time went (`LaunchRecord.timing`, experiments/launcher/account.py adds it up): the trainer's
-last `timing` event, the setup before it (from the describe that found the TPU READY to the
-launch: the versions check, setup, stale processes stopped) and the trainer's seconds after the
-TPU stopped being billed. A launch that ran while no supervisor watched (it was killed) is recorded
-by the next one, from the run's events beside the checkpoints (`unwatched`).
-
-The programme runner (experiments/launcher/run_queue.py) runs each variant through a Supervisor of
-its own, with a record, a clock per slice and a stop signal of its own.
+The loop (`Supervisor.run`): ensure_ready (describe; create, re-create or wait), ensure_setup
+(versions, setup when they differ), launch (`pod.launch_pod` with the run's fixed id), then what
+the trainer's events and the exit code say decides what follows. The loop, its table of endings,
+the state (supervision.json), the events and the pod time (`ReadyClock`) are in
+docs/OPERATIONS.md, "Running a multi-week run unattended". The vocabulary is typed
+(experiments/launcher/ledger.py: `Outcome`, `Status`, `Cause`); failure classes and their
+policies are the trainer's (runtime/events.py's `Failure`). The run queue's controller
+(experiments/launcher/controller.py) runs each variant through a Supervisor of its own.
 """
 
 from __future__ import annotations
@@ -71,12 +32,13 @@ import fsspec
 from experiments.launcher import gcloud, pod
 from experiments.launcher.account import launch_timing
 from experiments.launcher.gcloud import Runner, Shape, run_quiet
-from experiments.launcher.ledger import (End, InFlight, LaunchRecord, Outcome, Progress, ReadyClock, Status,
-                                         SupervisionRecord, append_text, load_supervision, log_line, read_state,
-                                         supervision_text, write_text)
-from runtime import events
+from experiments.launcher.ledger import (Cause, End, InFlight, LaunchRecord, LaunchTiming, Outcome, ReadyClock,
+                                         Status, SupervisionRecord, append_text, as_json, load_supervision, log_line,
+                                         read_state, supervision_text, write_text)
+from runtime import events, wire
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.events import Failure, Kind, Policy
+from runtime.wire import ResidentLaunch, ResidentMode
 
 
 class TpuState(enum.StrEnum):
@@ -117,8 +79,7 @@ class Spec:
     log_dir: Path = pod.DEFAULT_LOG_DIR
     env: dict[str, str] = field(default_factory=dict)
     forward_env: list[str] = field(default_factory=list)
-    poll_s: float = 30.0  # first wait while CREATING/queued; grows x1.5 up to max_poll_s
-    max_poll_s: float = 300.0
+    poll_s: float = 30.0  # first wait while CREATING/queued; grows x1.5 up to 300 s (or poll_s, if longer)
     storage_backoff_s: float = 120.0
     stop_grace_s: float = 30.0
     state_mirror: str | None = None  # gs://.../supervision.json beside the checkpoints (see state_mirror)
@@ -140,25 +101,36 @@ class Spec:
 # --- state and events ---------------------------------------------------------------------------
 
 class Supervision:
-    """The run's supervision record (supervision.json), its lock and its event log."""
+    """A supervision record, the lock every change to it is made under (see `changing`), the file it
+    is saved in (`path`) and the stream its events go to. Each holder defines `save()` and
+    `event(name, **fields)`: supervision.json (`FileSupervision`), or a programme's ledger
+    (experiments/launcher/controller.py)."""
 
     prefix = "[supervise]"
 
-    def __init__(self, spec: Spec, stream: TextIO) -> None:
-        self.dir = Path(spec.log_dir) / spec.run_id
-        self.path, self.log_path, self.stream = self.dir / "supervision.json", self.dir / "supervise.log", stream
-        self.mirror = spec.state_mirror
-        self.lock = threading.RLock()  # every change to `record` is made holding it (see `changing`)
-        self.write_lock = threading.Lock()  # saves one at a time, each writing a copy at least as new as the last
-        self.record = load(self.path, self.mirror) or self.load_mirror() or SupervisionRecord(
-            run_id=spec.run_id, tpu=spec.target.tpu, zone=spec.target.zone)
+    def __init__(self, record: SupervisionRecord, lock: threading.RLock, stream: TextIO, path: Path) -> None:
+        self.record, self.lock, self.stream, self.path = record, lock, stream, path
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[SupervisionRecord]:
-        """Change the record under its lock, then save it."""
+        """Change the record under its lock, then save it (the holder's `save`)."""
         with self.lock:
             yield self.record
         self.save()
+
+
+class FileSupervision(Supervision):
+    """The run's supervision record in <log dir>/<run id>/supervision.json (and its mirror), its
+    events in supervise.log beside it."""
+
+    def __init__(self, spec: Spec, stream: TextIO) -> None:
+        folder = Path(spec.log_dir) / spec.run_id
+        self.log_path, self.mirror = folder / "supervise.log", spec.state_mirror
+        self.write_lock = threading.Lock()  # saves one at a time, each writing a copy at least as new as the last
+        path = folder / "supervision.json"
+        record = load(path, self.mirror) or self.load_mirror() or SupervisionRecord(
+            run_id=spec.run_id, tpu=spec.target.tpu, zone=spec.target.zone)
+        super().__init__(record, threading.RLock(), stream, path)
 
     def save(self) -> None:
         with self.write_lock:
@@ -168,7 +140,7 @@ class Supervision:
             if self.mirror:
                 try:
                     write_text(self.mirror, text)
-                except Exception as e:  # the local record stands; the next save tries again
+                except Exception as e:  # noqa: BLE001 - the local record stands; the next save tries again
                     self.event("state-mirror-failed", uri=self.mirror,
                                detail=shlex.quote(" ".join(str(e).split())[:200]))
 
@@ -215,7 +187,7 @@ class Unavailable(Exception):
     """The slice cannot be had: creates refused `attempts` times in a row (quota, stockout); `kind`
     names the refusal (a programme stops when the same one repeats across variants)."""
 
-    def __init__(self, kind: str, line: str) -> None:
+    def __init__(self, kind: Cause, line: str) -> None:
         super().__init__(line)
         self.kind, self.line = kind, line
 
@@ -271,37 +243,28 @@ class Supervisor:
         self.setup_from: float | None = None  # when the READY time before the next launch began (its setup)
         self.setup_carry = 0.0  # setup seconds of rounds whose setup failed: the next launch's
         self.setup_ran = False  # setup ran (not only the versions check) since the last launch
-        self.resident: str | None = None  # the next launch's --resident (cold, warm:SESSION), from the versions
+        self.resident: ResidentLaunch | None = None  # the next launch's --resident, from the versions
         self.billing_stopped: float | None = None  # when the clock last stopped (a preempted trainer goes on past it)
 
-    def act(self, argv: list[str], event: str) -> bool:
+    def act(self, argv: list[str], event: str) -> tuple[int, str]:
+        """Run a gcloud command and say it; GCP refusing it for good (or no credentials) raises."""
         code, out = self.run_gcloud(argv)
-        detail = " ".join(out.split())[-300:]
         self.sup.event(event if code == 0 else event + "-failed", code=code,
-                       **({} if code == 0 else {"detail": shlex.quote(detail)}))
+                       **({} if code == 0 else {"detail": shlex.quote(" ".join(out.split())[-300:])}))
         if code != 0:
             _check_credentials(out)
             if gcloud.refused(out):
                 raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {gcloud.error_line(out)}; fix the flags")
-        return code == 0
+        return code, out
 
     def create(self, argv: list[str], event: str) -> None:
         """A create (TPU or queued resource); after `create_attempts` refusals in a row: Unavailable."""
-        code, out = self.run_gcloud(argv)
-        self.sup.event(event if code == 0 else event + "-failed", code=code,
-                       **({} if code == 0 else {"detail": shlex.quote(" ".join(out.split())[-300:])}))
-        if code == 0:
-            with self.sup.lock:
-                self.sup.record.create_refusals = 0
-            return
-        _check_credentials(out)
-        if gcloud.refused(out):
-            raise GiveUp(f"`{shlex.join(argv[:5])}` was refused: {gcloud.error_line(out)}; fix the flags")
+        code, out = self.act(argv, event)
         with self.sup.changing() as record:
-            record.create_refusals += 1
+            record.create_refusals = 0 if code == 0 else record.create_refusals + 1
             refusals = record.create_refusals
-        if self.spec.create_attempts and refusals >= self.spec.create_attempts:
-            kind = "quota" if gcloud.quota(out) else "create refused"
+        if code and self.spec.create_attempts and refusals >= self.spec.create_attempts:
+            kind = Cause.QUOTA if gcloud.quota(out) else Cause.CREATE_REFUSED
             raise Unavailable(kind, f"{refusals} creates of {self.spec.target.tpu} refused in a row "
                                     f"({gcloud.error_line(out)})")
 
@@ -364,7 +327,7 @@ class Supervisor:
                 return hosts
             self.step_towards_ready(state)
             self.sleep(wait)
-            wait = min(wait * 1.5, self.spec.max_poll_s)
+            wait = min(wait * 1.5, max(self.spec.poll_s, 300.0))
         return 0
 
     # --- 2. setup
@@ -375,9 +338,9 @@ class Supervisor:
         TPU's fresh clone would otherwise be at the remote's default HEAD) checks that commit out."""
         spec, sup = self.spec, self.sup
         rows: list[dict] = []
-        code = pod.run_gcloud(pod.gcloud_argv(spec.target, pod.versions_command(spec.repo_dir)),
-                              on_line=lambda l: rows.append(r) if (r := pod.tagged(l, pod.VERSIONS_TAG)) else None)
-        self.resident = "cold" if spec.resident else None  # after a setup (new code, perhaps), a fresh process
+        code = pod.run_gcloud(gcloud.ssh_argv(spec.target, pod.versions_command(spec.repo_dir)),
+                              on_line=lambda l: rows.append(r) if (r := wire.versions(l)) else None)
+        self.resident = ResidentLaunch(ResidentMode.COLD) if spec.resident else None  # after a setup (new code, perhaps), a fresh process
         if code == 0 and not sup.record.setup_pending and pod.versions_agree(rows, hosts):
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
@@ -417,23 +380,21 @@ class Supervisor:
         """Launch the run, record the launch; (outcome, exit code, what the trainer said)."""
         spec, sup = self.spec, self.sup
 
-        def on_progress(seen: LaunchEvents) -> None:  # the live state, for status pages, at each checkpoint
+        def on_progress(seen: LaunchEvents) -> None:  # the launch under way, for status pages, at each checkpoint
             with sup.changing() as record:
-                was = record.progress or Progress()
-                record.progress = Progress(step=seen.last_step, total=seen.total or was.total,
-                                           wandb_run_id=seen.run_id or was.wandb_run_id)
                 if record.launch is not None:
-                    record.launch.first_step, record.launch.last_step = seen.first_step, seen.last_step
-                    record.launch.timing = seen.timings[-1] if seen.timings else None
+                    launch = record.launch
+                    launch.first_step, launch.last_step, launch.total = seen.first_step, seen.last_step, seen.total
+                    launch.wandb_run_id = seen.run_id
+                    launch.timing = launch_timing(list(seen.timings), setup=launch.setup) if seen.timings else None
 
         seen = LaunchEvents(on_progress)
         started, resident = time.time(), self.resident
         setup = self.setup_carry + (max(0.0, started - self.setup_from) if self.setup_from is not None else 0.0)
         setup_ran, self.setup_carry, self.setup_from, self.setup_ran = self.setup_ran, 0.0, None, False
         sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1,
-                  **({"resident": resident} if resident else {}))
+                  **({"resident": resident.arg()} if resident else {}))
         with sup.changing() as record:
-            record.progress = record.progress or Progress()
             record.in_flight = True
             record.launch = InFlight(started=started, setup=round(setup, 3))
         code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
@@ -450,13 +411,9 @@ class Supervisor:
                 billed_until = min(looked, seen.stopped_at() or looked)
                 self.gone(billed_until)
         outcome = classify(code, seen, state_after)
-        launch = LaunchRecord(started=started, ended=time.time(), code=code, outcome=outcome,
-                              cause=cause(code, outcome, seen), line=seen.line_of_failure(), last_step=seen.last_step,
-                              total=seen.total, wandb_run_id=seen.run_id, tpu_state_after=state_after,
-                              metrics=(seen.completed or {}).get("metrics"), first_step=seen.first_step,
-                              resident=resident,
-                              timing=launch_timing(list(seen.timings), setup=setup, setup_ran=setup_ran,
-                                                   billed_until=billed_until))
+        launch = seen.record(started, time.time(), code, outcome, state_after, cause(code, outcome, seen),
+                             launch_timing(list(seen.timings), setup=setup, setup_ran=setup_ran,
+                                           billed_until=billed_until), resident=resident.arg() if resident else None)
         self.end_launch(launch)
         sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(launch.cause), last_step=seen.last_step,
                   tpu_state=state_after or TpuState.READY)
@@ -470,10 +427,6 @@ class Supervisor:
             if launch.outcome == Outcome.PREEMPTED if preempted is None else preempted:
                 record.preemptions += 1
             record.in_flight, record.launch = False, None
-
-    def progress_step(self) -> int | None:
-        with self.sup.lock:
-            return self.sup.record.progress.step if self.sup.record.progress else None
 
     def record_unwatched(self, *, down: bool) -> LaunchRecord | None:
         """The launch a supervisor killed meanwhile left in flight has ended (`down`: its slice went
@@ -490,8 +443,8 @@ class Supervisor:
             return None
         said = self.run_events(since=was.started)
         newest = max((e["time"] for e in said if e.get("event") == Kind.TIMING), default=None)
-        if was.timing and (newest is None or newest < (was.timing.get("time") or 0)):  # the file is behind (or unread)
-            said.append({**was.timing, "event": Kind.TIMING})
+        if was.timing and (newest is None or newest < (was.timing.time or 0)):  # the file is behind (or unread)
+            said.append({**as_json(was.timing), "event": Kind.TIMING})
         seen = LaunchEvents()
         for event in said:
             seen.event(event)
@@ -505,12 +458,10 @@ class Supervisor:
         billed_until = self.billing_stopped if down and (self.billing_stopped or 0) > was.started else None
         ended = max([was.started, *(t for e in said if isinstance(t := e.get("time"), (int, float)))])
         stopped = not down and outcome == Outcome.PREEMPTED  # by this supervisor: its run checkpointed
-        launch = LaunchRecord(
-            started=was.started, ended=ended, code=code, outcome=outcome,
-            cause="stopped: its supervisor had died" if stopped else cause(code, outcome, seen),
-            line=seen.line_of_failure(), last_step=seen.last_step, total=seen.total, wandb_run_id=seen.run_id,
-            tpu_state_after=state_after, metrics=(seen.completed or {}).get("metrics"), first_step=seen.first_step,
-            timing=launch_timing(list(seen.timings), setup=was.setup, billed_until=billed_until), unwatched=True)
+        launch = seen.record(was.started, ended, code, outcome, state_after,
+                             Cause.SUPERVISOR_DIED if stopped else cause(code, outcome, seen),
+                             launch_timing(list(seen.timings), setup=was.setup, billed_until=billed_until),
+                             unwatched=True)
         self.end_launch(launch, preempted=down)
         return launch
 
@@ -541,16 +492,17 @@ class Supervisor:
         at_end = self.spec.at_end or ("delete" if self.spec.state_mirror else "keep")
         if at_end == "delete" and status in (Status.COMPLETED, Status.FAILED, Status.GAVE_UP):
             deleting = time.time()
-            if self.act(gcloud.delete_argv(self.spec.target), "tpu-deleted"):
+            if self.act(gcloud.delete_argv(self.spec.target), "tpu-deleted")[0] == 0:
                 self.gone(deleting)
             return
         if self.clock.ready_since is not None:  # still billed; no longer counted here
             self.sup.event("tpu-kept", at_end=at_end if status != Status.INTERRUPTED else Status.INTERRUPTED)
         self.gone(time.time())
 
-    def finish(self, status: Status, code: int, release: bool = True, line: str | None = None, **fields) -> int:
-        """Record how the run ended; delete or keep the TPU (not while a launch may still run on it,
-        nor without gcloud credentials)."""
+    def finish(self, status: Status, code: int, release: bool = True, *, line: str | None = None,
+               cause: str | None = None, reason: str | None = None, max_restarts: int | None = None) -> int:
+        """Record how the run ended (`line`: one no launch said); delete or keep the TPU (not while a
+        launch may still run on it, nor without gcloud credentials)."""
         sup = self.sup
         if self.owns_slice and release and not (status == Status.INTERRUPTED and sup.record.in_flight):
             try:
@@ -561,10 +513,12 @@ class Supervisor:
             self.gone(time.time())
         with sup.changing() as record:
             record.status = status
-            record.end = End(status=status, code=code, line=line, **fields)
-            restarts, preemptions = record.restarts, record.preemptions
+            record.end = End(status=status, code=code, line=line, cause=cause, reason=reason, max_restarts=max_restarts)
+            restarts, preemptions, last_step = record.restarts, record.preemptions, record.said("last_step")
+        said = {k: v for k, v in (("cause", cause and shlex.quote(cause)), ("reason", reason),
+                                  ("max_restarts", max_restarts), ("last_step", last_step)) if v is not None}
         sup.event(status, code=code, restarts=restarts, preemptions=preemptions,
-                  host_hours=f"{self.clock.host_total() / 3600:.3f}", **fields)
+                  host_hours=f"{self.clock.host_total() / 3600:.3f}", **said)
         return code
 
     def run(self) -> int:
@@ -585,10 +539,10 @@ class Supervisor:
             except NoCredentials as e:
                 self.report(str(e))
                 return self.finish(Status.FAILED, EXIT_USER_ERROR, release=False, line=str(e),
-                                   cause="gcloud-credentials")
+                                   cause=Cause.GCLOUD_CREDENTIALS)
             except GiveUp as e:
                 self.report(str(e))
-                return self.finish(Status.FAILED, EXIT_USER_ERROR, line=str(e), cause="gcloud-refused")
+                return self.finish(Status.FAILED, EXIT_USER_ERROR, line=str(e), cause=Cause.GCLOUD_REFUSED)
             if self.stop.is_set():
                 return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
             ready_at = max(round_started, self.clock.ready_since or round_started)
@@ -596,7 +550,7 @@ class Supervisor:
             if orphaned and self.seen_down:  # the slice went down under the launch left in flight:
                 orphaned = False  # a preemption no supervisor saw end, counted here (once)
                 unwatched = self.record_unwatched(down=True)
-                sup.event("preempted-unwatched", last_step=unwatched.last_step if unwatched else self.progress_step())
+                sup.event("preempted-unwatched", last_step=sup.record.said("last_step"))
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
                 orphaned = False
                 code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
@@ -604,7 +558,7 @@ class Supervisor:
                 unwatched = self.record_unwatched(down=False)
                 ready_at = time.time()  # the time until now was that launch's
             if unwatched is not None and unwatched.outcome == Outcome.COMPLETED:  # it ran to the end meanwhile
-                return self.finish(Status.COMPLETED, 0, last_step=unwatched.last_step)
+                return self.finish(Status.COMPLETED, 0)
             self.setup_from = ready_at
             if self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
                 self.setup_carry += max(0.0, time.time() - ready_at)
@@ -612,10 +566,9 @@ class Supervisor:
             else:
                 outcome, code, _ = self.launch_once(hosts)
             if outcome == Outcome.COMPLETED:
-                return self.finish(Status.COMPLETED, 0, last_step=sup.record.last_step())
+                return self.finish(Status.COMPLETED, 0)
             if outcome == Outcome.FATAL:
-                launch = sup.record.launches[-1]
-                return self.finish(Status.FAILED, code, line=launch.line, cause=shlex.quote(launch.cause))
+                return self.finish(Status.FAILED, code, cause=sup.record.launches[-1].cause)
             if self.stop.is_set() or code == EXIT_INTERRUPTED:
                 return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
             if outcome == Outcome.PREEMPTED:
@@ -626,7 +579,7 @@ class Supervisor:
             if restarts > spec.max_restarts:
                 return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
             if stuck:
-                return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="no-progress", last_step=sup.record.last_step())
+                return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="no-progress")
             self.recover(outcome)
 
     def recover(self, outcome: Outcome) -> None:
@@ -654,7 +607,7 @@ class LaunchEvents:
         self.sigterm: float | None = None  # the first SIGTERM a worker's launch guard got (experiments/launcher/worker/once.py)
 
     def line(self, line: str) -> None:
-        event = events.parse(line)
+        event = wire.event(line)
         if event is not None:
             self.event(event)
 
@@ -687,9 +640,14 @@ class LaunchEvents:
         own = [f for f in self.failures if f.get("failure") != Failure.PEER_LOST]
         return (own or self.failures or [None])[0]
 
-    def line_of_failure(self) -> str | None:
-        failure = self.failure()
-        return failure.get("line") if failure else None
+    def record(self, started: float, ended: float, code: int, outcome: Outcome, state_after: str | None,
+               said_cause: str, timing: LaunchTiming, **more) -> LaunchRecord:
+        """The launch's record: what the trainer said, and how the supervisor saw it end."""
+        return LaunchRecord(started=started, ended=ended, code=code, outcome=outcome, cause=said_cause,
+                            line=(self.failure() or {}).get("line"), last_step=self.last_step, total=self.total,
+                            wandb_run_id=self.run_id, tpu_state_after=state_after,
+                            metrics=(self.completed or {}).get("metrics"), first_step=self.first_step, timing=timing,
+                            **more)
 
 
 # What a supervisor does after a failure, by its class's policy (runtime/events.py's Failure).
@@ -731,44 +689,29 @@ def no_progress(launches: list[LaunchRecord]) -> bool:
     return b.outcome in restarts and c.outcome in restarts and a.last_step == b.last_step == c.last_step
 
 
-def supervise(spec: Spec, *, stream: TextIO | None = None, run: Runner = run_quiet,
-              sleep: Callable[[float], None] = time.sleep) -> int:
-    """Run until the run completes (0), fails for good (its code) or stops making progress (1)."""
-    sup = Supervision(spec, stream or sys.stdout)
-    return Supervisor(spec, sup, sup.record.slice, run=run, sleep=sleep).run()
-
-
-def state_mirror(overrides: Sequence[str]) -> tuple[str | None, str]:
-    """(<run.checkpoint.dir>/supervision.json when the checkpoints are on gs://, else None; why),
-    from the config the trainer composes (conf/ + the overrides)."""
-    checkpoints, why = checkpoint_dir(overrides)
-    if checkpoints is None:
-        return None, why
-    if not checkpoints.startswith("gs://"):
-        return None, f"checkpoints are local to the workers ({checkpoints})"
-    return checkpoints.rstrip("/") + "/supervision.json", "beside the checkpoints"
-
-
-def checkpoint_dir(overrides: Sequence[str]) -> tuple[str | None, str]:
-    """(the run's checkpoint directory, or None; why not), from conf/ + the overrides."""
+def state_mirror(overrides: Sequence[str]) -> str | None:
+    """<run.checkpoint.dir>/supervision.json when the checkpoints are on gs://, else None, from the
+    config the trainer composes (conf/ + the overrides)."""
     from runtime import hydra_compose  # here: JAX and Hydra take seconds to import; `status` needs neither
     from runtime.config import run_dirs
 
     try:
-        config = hydra_compose.composed(overrides)
-    except Exception as e:  # the trainer reports a bad override itself, in one line
-        return None, f"the overrides do not compose here ({' '.join(str(e).split())[:200]})"
-    return run_dirs(config)[1], "composed"
+        checkpoints = run_dirs(hydra_compose.composed(overrides))[1]
+    except Exception:  # noqa: BLE001 - the trainer reports a bad override itself, in one line
+        return None
+    return checkpoints.rstrip("/") + "/supervision.json" if checkpoints.startswith("gs://") else None
+
+
+def sigterm_as_ctrl_c(_sig, _frame) -> None:
+    """SIGTERM (systemd's stop) handled as Ctrl-C: the run on the workers checkpoints, then stops."""
+    raise KeyboardInterrupt
 
 
 def run_until_done(spec: Spec) -> int:
-    """`supervise` for the command line: SIGTERM (systemd's stop) is handled as Ctrl-C, which
-    stops the run on the workers (they checkpoint) and then the supervisor (exit 130)."""
-    def interrupt(_sig, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    sup = Supervision(spec, sys.stdout)
+    """`supervise` for the command line: stopped by Ctrl-C or SIGTERM, the run on the workers
+    checkpoints and the supervisor exits 130."""
+    signal.signal(signal.SIGTERM, sigterm_as_ctrl_c)
+    sup = FileSupervision(spec, sys.stdout)
     supervisor = Supervisor(spec, sup, sup.record.slice)
     try:
         return supervisor.run()
@@ -786,8 +729,8 @@ def dry_run(spec: Spec) -> str:
     j = shlex.join
     ready = [j(gcloud.describe_argv(t)),
              "# versions check (setup is skipped when every worker's .venv fits and all match):",
-             j(pod.gcloud_argv(t, pod.versions_command(spec.repo_dir))),
-             "# otherwise setup:", j(pod.gcloud_argv(t, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
+             j(gcloud.ssh_argv(t, pod.versions_command(spec.repo_dir))),
+             "# otherwise setup:", j(gcloud.ssh_argv(t, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
              "# the launch (every launch resumes the run's checkpoint):"]
     sections = {
         "missing": [j(gcloud.describe_argv(t)),
@@ -801,7 +744,7 @@ def dry_run(spec: Spec) -> str:
                                        j(gcloud.queued_create_argv(t, shape))] if q
                                       else [j(gcloud.delete_argv(t)), j(gcloud.create_argv(t, shape))])],
         "after a hang, a lost worker or an unknown failure (before the relaunch)":
-            [j(pod.gcloud_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir)))],
+            [j(gcloud.ssh_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir)))],
         "when the run has ended, with --at-end delete": [j(gcloud.delete_argv(t))],
     }
     if q:

@@ -63,7 +63,7 @@ def _kaggle_fields(path: str, folder: str) -> dict[str, Any]:
     """Shape fields from the Orbax metadata of a Kaggle checkpoint (no tensor is read)."""
     try:
         src = _KaggleSource(folder)
-    except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many kinds
+    except Exception as e:
         raise WeightsError(f"{path}: cannot read the Kaggle checkpoint's metadata ({type(e).__name__}: {e}); "
                            "check that it is complete") from e
     names = set(src.names())

@@ -34,6 +34,7 @@ from runtime.frozen import Freezable
 
 LORA_TARGETS = ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_FORMS = ("auto", "xla", "splash")
 LOSSES = ("chunked", "plain")
 CHECKPOINT_FORMATS = ("auto", "hf", "kaggle")
 NORM_EPS = 1e-6  # RMSNorm epsilon of every Gemma
@@ -70,6 +71,12 @@ class GemmaConfig(Freezable):
     max_position_embeddings: Optional[int] = None
     dtype: str = "auto"  # activations / matmuls; auto: bfloat16 on TPU/GPU, float32 on CPU
     param_dtype: str = "float32"  # stored parameters (the optimizer updates these)
+    # Attention over a whole sequence (training, evaluation; decoding with a cache is always dense):
+    # xla: the scores written out in float32; splash: jax's Pallas TPU kernel, blocks by the causal
+    # and local masks (Pallas' interpreter off TPU); auto: splash where the step is lowered for TPU
+    # from SPLASH_MIN_LENGTH tokens (models/attention.py) unless local layers' windows are shorter
+    # than the sequence (model.py `whole_sequence_attention`), xla elsewhere.
+    attention: str = "auto"
     remat: str = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
     scan_layers: bool = True  # layers under lax.scan: compile time flat in depth
     # Loss: "chunked" never materialises [B, T, V] logits (scan over token chunks, logits

@@ -22,7 +22,8 @@ from models.flops import in_analysis
 from models.gemma import lora
 from models.gemma.config import NORM_EPS, REMAT_POLICIES, GemmaConfig
 from models.gemma.loss import mask_padding
-from models.layers import dtype_from_name
+from models.attention import SPLASH_BLOCKS, causal_stats, padded_length, splash_causal, tpu_form
+from models.layers import dtype_from_name, for_platform
 from runtime.errors import UserError
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked row gives no NaN
@@ -126,9 +127,9 @@ class Attention(nn.Module):
     cfg: GemmaConfig
 
     @nn.compact
-    def __call__(self, x, is_global, positions, rope, mask, cache):
+    def __call__(self, x, is_global, positions, rope, mask, cache, segment_ids=None):
         """x [B, T, D]; rope: this layer's (sin, cos); mask [B, T, S] (S = T, or the cache length);
-        cache None or (k, v) [B, S, K, hd]."""
+        cache None or (k, v) [B, S, K, hd]; segment_ids [B, T] or None (the fused form's mask)."""
         cfg = self.cfg
         dtype = dtype_from_name(cfg.dtype)
         B, T, D = x.shape
@@ -147,15 +148,56 @@ class Attention(nn.Module):
             k = cache[0].at[rows, positions].set(k.astype(cache[0].dtype))
             v = cache[1].at[rows, positions].set(v.astype(cache[1].dtype))
             cache = (k, v)
-        qg = q.reshape(B, T, K, H // K, hd)  # query head h reads kv head h // (H / K)
-        logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), preferred_element_type=jnp.float32)
-        if not cfg.qk_norm:  # Gemma 3 has no attention soft-cap (validate refuses one): QK-norm instead
-            logits = softcap(logits, cfg.attn_logit_softcap)
-        logits = jnp.where(mask[:, None, None], logits, _NEG)
-        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype)).reshape(B, T, H, hd)
+        def dense(q, k, v):
+            return dense_attention(q, k, v, mask, cfg)
+
+        out = dense(q, k, v) if cache is not None else whole_sequence_attention(cfg, q, k, v, is_global, segment_ids,
+                                                                              dense)
         y = Einsum((H, hd, D), ("heads", "head_dim", "embed"), H * hd, cfg, name="attn_vec_einsum")("bthk,hkd->btd", out)
         return y, cache
+
+
+def dense_attention(q, k, v, mask, cfg: GemmaConfig) -> jax.Array:
+    """softmax(q k^T, soft-capped, masked) v with the scores written out in float32: q [B, T, H, hd]
+    (scaled), k, v [B, S, K, hd], mask [B, T, S] -> [B, T, H, hd]."""
+    dtype = q.dtype
+    B, T, H, hd = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, hd)  # query head h reads kv head h // (H / K)
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(dtype), preferred_element_type=jnp.float32)
+    if not cfg.qk_norm:  # Gemma 3 has no attention soft-cap (validate refuses one): QK-norm instead
+        logits = softcap(logits, cfg.attn_logit_softcap)
+    logits = jnp.where(mask[:, None, None], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dtype)).reshape(B, T, H, hd)
+
+
+def whole_sequence_attention(cfg: GemmaConfig, q, k, v, is_global, segment_ids, dense) -> jax.Array:
+    """`cfg.attention`'s form of a whole sequence's attention (no cache): `dense`, or the splash
+    kernel with the causal mask (a local layer's: its window), the segments and the soft-cap.
+    Splash masks by index: the same as `_masks` where positions rise by one within each segment
+    (what packing and unpacked rows give)."""
+    B, T, H, hd = q.shape
+    window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < T else None  # else masks nothing
+    # auto keeps the dense form where local layers need their own kernel (lax.cond in the scanned
+    # body): the estimate of such a step is not trusted yet (gemma2_2b_full on v5e-8 at 1024 with
+    # the cond read 4.75 s a step against 507 ms dense, about 1 s of it in XLA's optimal_seconds)
+    if cfg.attention == "xla" or (cfg.attention == "auto" and (tpu_form(T) == "xla" or window is not None)):
+        return dense(q, k, v)
+    windows = [None if cfg.is_global_layer(i) else window for i in range(cfg.num_layers)]
+    SPLASH_BLOCKS[(padded_length(T), hd)] = causal_stats(padded_length(T), windows, H // k.shape[2])
+    soft_cap = None if cfg.qk_norm else cfg.attn_logit_softcap
+
+    def splash(window):
+        return lambda q, k, v: splash_causal(q, k, v, segment_ids, window=window, soft_cap=soft_cap)
+
+    def fused(q, k, v):  # local and global layers share the scanned body: the layer's kernel
+        if window is None:
+            return splash(None)(q, k, v)
+        return jax.lax.cond(is_global, splash(None), splash(window), q, k, v)
+    if cfg.attention == "splash":
+        return fused(q, k.astype(q.dtype), v.astype(q.dtype))
+    return for_platform(q, k.astype(q.dtype), v.astype(q.dtype), tpu=fused, default=dense)
 
 
 class Mlp(nn.Module):
@@ -177,15 +219,18 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, layer_in, positions, tables):
-        """tables: (global, local) pairs of masks [B, T, S] and RoPE (sin, cos), built once per call."""
+        """tables: (global, local) pairs of masks [B, T, S] and RoPE (sin, cos), built once per call,
+        and the segment ids [B, T] (or None)."""
         is_global, cache = layer_in
         cfg = self.cfg
         x = constrain_residual(x)
-        norm = lambda name: RMSNorm(("embed",), cfg.param_dtype, name=name)
-        pick = lambda pair: jax.tree.map(lambda g, l: jnp.where(is_global, g, l), *pair)
-        masks, ropes = tables
+        def norm(name):
+            return RMSNorm(("embed",), cfg.param_dtype, name=name)
+        def pick(pair):
+            return jax.tree.map(lambda g, l: jnp.where(is_global, g, l), *pair)
+        masks, ropes, segment_ids = tables
         h, cache = Attention(cfg, name="attn")(norm("pre_attention_norm")(x), is_global, positions, pick(ropes),
-                                               pick(masks), cache)
+                                               pick(masks), cache, segment_ids)
         if cfg.post_norms:
             h = norm("post_attention_norm")(h)
         x = x + h
@@ -252,9 +297,9 @@ class Gemma(nn.Module):
         layer_in = (is_global, None if cache is None else (cache["k"], cache["v"]))
         # loop mode initialises through the scan (one layout); FLOP analysis traces the Python loop
         if (cfg.scan_layers and not in_analysis()) or self.is_initializing():
-            x, new_cache = self._scanned(x, layer_in, positions, (masks, ropes))
+            x, new_cache = self._scanned(x, layer_in, positions, (masks, ropes, segment_ids))
         else:
-            x, new_cache = self._looped(x, layer_in, positions, (masks, ropes))
+            x, new_cache = self._looped(x, layer_in, positions, (masks, ropes, segment_ids))
         x = RMSNorm(("embed",), cfg.param_dtype, name="final_norm")(x)
         out = x if return_hidden else logits_from_hidden(x, embedding, cfg)
         if cache is None:
@@ -284,7 +329,8 @@ class Gemma(nn.Module):
             layer = jax.checkpoint(layer, policy=_remat_policy(cfg))
         caches = []
         for i in range(cfg.num_layers):
-            take = lambda a, i=i: a[i]
+            def take(a, i=i):
+                return a[i]
             x, c = layer(jax.tree.map(take, stacked), x, jax.tree.map(take, layer_in))
             caches.append(c)
         if caches[0] is None:

@@ -22,7 +22,7 @@ from data_pipeline.sft import score
 from data_pipeline.sft_format import PACKED_FIELDS as PACKED_ARRAYS
 from data_pipeline.tokenizer import Tokenizer, TokenizerError
 from models.flops import attention_core, frozen, matmul, trained
-from models.gemma.config import CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
+from models.gemma.config import ATTENTION_FORMS, CHECKPOINT_FORMATS, LORA_TARGETS, LOSSES, REMAT_POLICIES, GemmaConfig
 from models.gemma.hf_config import GEMMA_TOKEN_IDS
 from models.gemma.lora import is_lora_path, merge_lora
 from models.gemma.loss import cross_entropy
@@ -270,7 +270,8 @@ def validate(arch: GemmaConfig) -> None:
                         f"head serves num_heads / num_kv_heads query heads); use num_kv_heads in {divisors}")
     check_dtype_names(arch, "dtype", auto=True)
     check_dtype_names(arch, "param_dtype")
-    choices = {"version": (1, 2, 3), "remat": REMAT_POLICIES, "loss": LOSSES, "checkpoint_format": CHECKPOINT_FORMATS}
+    choices = {"version": (1, 2, 3), "remat": REMAT_POLICIES, "attention": ATTENTION_FORMS, "loss": LOSSES,
+               "checkpoint_format": CHECKPOINT_FORMATS}
     for name, allowed in choices.items():
         if getattr(arch, name) not in allowed:
             raise UserError(f"arch.{name}={getattr(arch, name)!r} is not one of {list(allowed)}")
@@ -293,4 +294,4 @@ def validate(arch: GemmaConfig) -> None:
 
 
 register_model_family(ModelFamily("gemma", GemmaConfig, build_task, validate, compute_dtype="dtype",
-                                  pretrained="checkpoint"))
+                                  forms=("attention",), pretrained="checkpoint"))

@@ -50,10 +50,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
 import shlex
+import shutil
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -72,8 +74,10 @@ from models.recursive_reasoning.reference_config import (CONFIG_FILE, arch_confi
                                                          trainer_overrides)
 from models.recursive_reasoning.task import init_state_vectors
 from models.recursive_reasoning.trm import initial_states
-from runtime.errors import UserError, one_line
+from runtime.atomic import write_atomic
+from runtime.errors import StorageError, UserError, one_line, storage_fault, storage_fix
 from runtime.imported import load_imported_params, load_imported_states
+from runtime.ranges import check_given
 
 PREFIXES = ("_orig_mod.", "module.", "model.", "inner.")
 
@@ -269,16 +273,29 @@ def convert_state_dict(sd: Mapping[str, np.ndarray], model) -> tuple[dict, dict[
 
 
 def save_imported(out_dir: str, params: dict, init_states: Mapping[str, np.ndarray], meta: dict, force: bool = False) -> str:
+    """params/, init_states/ and import.json into `out_dir`. A save that fails (a full disk) removes
+    what it made, so the same command runs again without --force; StorageError (exit 6) names it."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(os.path.join(out_dir, "params")) and not force:
         raise UserError(f"{out_dir}/params exists; choose another --out or pass --force")
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(os.path.join(out_dir, "params"), jax.tree.map(jnp.asarray, params), force=force)
-    ckpt.save(os.path.join(out_dir, "init_states"), {k: jnp.asarray(v) for k, v in init_states.items()}, force=force)
-    ckpt.wait_until_finished()
-    with open(os.path.join(out_dir, "import.json"), "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
+    parts = [os.path.join(out_dir, name) for name in ("params", "init_states", "import.json")]
+    there = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else None  # what a failed save leaves alone
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(parts[0], jax.tree.map(jnp.asarray, params), force=force)
+        ckpt.save(parts[1], {k: jnp.asarray(v) for k, v in init_states.items()}, force=force)
+        ckpt.wait_until_finished()
+        write_atomic(parts[2], json.dumps(meta, indent=2, sort_keys=True))
+    except BaseException as e:
+        made = [out_dir] if there is None else [os.path.join(out_dir, n) for n in set(os.listdir(out_dir)) - there]
+        for path in made:  # its folders (Orbax's temporary ones too); import.json is written whole or not at all
+            shutil.rmtree(path, ignore_errors=True)
+        fault = storage_fault(e)
+        if fault is None:
+            raise
+        raise StorageError(f"cannot write the import to {out_dir} ({fault}); {storage_fix(fault, out_dir)} and run "
+                           "the same command again") from e
     return out_dir
 
 
@@ -380,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="overwrite an existing output")
     args = ap.parse_args(argv)
     try:
+        check_given(args, ("--checkpoint-dir", "--state-dict", "--config", "--out"), UserError)  # '': the working directory
         _, _, _, info = import_reference(args.state_dict, args.model, args.arch_overrides, args.vocab_size,
                                          args.seq_len, args.num_puzzle_identifiers, out=args.out, force=args.force,
                                          checkpoint_dir=args.checkpoint_dir, step=args.step, config=args.config)
@@ -395,4 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from runtime.run_log import console_logging
+
+    console_logging(logging.WARNING, "%(levelname)s %(message)s")  # Orbax's failed save: one line, not its traceback
     sys.exit(main())

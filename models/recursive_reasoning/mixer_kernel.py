@@ -13,10 +13,11 @@ weight gradients, summed outside (and over the batch shards under a mesh).
 
 Forms (`arch.mixer`): ``xla`` (the products as einsums, layers.py), ``pallas`` (this kernel; on a
 platform other than TPU Pallas' interpreter, for tests), ``auto`` (this kernel on TPU where its
-working set fits `VMEM_BUDGET` and the compute dtype is bfloat16 or float32, else xla). The
-values are the same up to rounding: the kernel accumulates in float32 and keeps the gate/up
-products, the residual sum and the norm's input in float32 where the xla form rounds them to the
-compute dtype.
+working set fits `VMEM_BUDGET` and the compute dtype is bfloat16 or float32, else xla; an explicit
+``pallas`` that auto would not choose for those reasons is refused before compiling, task.py
+`check_platform`). The values are the same up to rounding: the kernel accumulates in float32 and
+keeps the gate/up products, the residual sum and the norm's input in float32 where the xla form
+rounds them to the compute dtype.
 
 The kernel declares its cost (FLOPs with the sequence padded to the MXU's 128-wide tiles, which
 is the work the hardware does; HBM bytes), which runtime/hlo_cost.py prices at the roofline.

@@ -19,8 +19,9 @@ from models.recursive_reasoning.act import act_evaluate, act_step, init_params, 
 from models.recursive_reasoning.hrm import HRM, HRMConfig
 from models.recursive_reasoning.layers import ReasoningNet, swiglu_width
 from models.recursive_reasoning.losses import LOSS_FNS, act_loss
+from models.recursive_reasoning import mixer_kernel
 from models.recursive_reasoning.mixer_kernel import FORMS as MIXER_FORMS
-from models.recursive_reasoning.trm import POS_ENCODINGS, TRM, TRMConfig
+from models.recursive_reasoning.trm import POS_ENCODINGS, TRM, TRMConfig, prefix_len
 from runtime.errors import UserError
 from runtime.registry import ModelFamily, register_model_family
 from runtime.task import DataShape, Task
@@ -168,6 +169,26 @@ def absent_part(arch: Any) -> str | None:
     return None
 
 
+def check_platform(arch: Any, platform: str, shape: DataShape) -> None:
+    """An explicit `arch.mixer=pallas` that `auto` would not choose on `platform` because the
+    kernel cannot take it: refused in one line before anything compiles, naming the forms that
+    work (Mosaic's own error comes mid-compile as a crash, exit 1, which a supervisor relaunches).
+    The compute dtype is resolved by now (runtime/config.py resolve_compute_dtype)."""
+    if getattr(arch, "mixer", "auto") != "pallas":
+        return
+    length = prefix_len(arch.puzzle_emb_len, arch.puzzle_emb_ndim, arch.hidden) + shape.seq_len
+    width = swiglu_width(length, arch.expansion)
+    if mixer_kernel.column_tile(arch.hidden, width) is None:
+        raise UserError(f"arch.mixer=pallas: the kernel's working set for a mixer of width {width} (sequence of "
+                        f"{length} with prefix, arch.expansion={arch.expansion:g}) on arch.hidden={arch.hidden} "
+                        f"features does not fit its VMEM budget on any column tile; use arch.mixer=auto or xla")
+    kernel_dtypes = [jnp.dtype(d).name for d in mixer_kernel.DTYPES]
+    if platform == "tpu" and jnp.dtype(arch.forward_dtype).name not in kernel_dtypes:
+        raise UserError(f"arch.mixer=pallas cannot run arch.forward_dtype={arch.forward_dtype} on TPU (Mosaic cannot "
+                        f"lay out its loads); use arch.mixer=auto or xla, or arch.forward_dtype="
+                        f"{' or '.join(kernel_dtypes)}")
+
+
 def validate(arch: Any) -> None:
     if arch.loss_type not in LOSS_FNS:
         raise UserError(f"arch.loss_type={arch.loss_type!r} is not one of {sorted(LOSS_FNS)}")
@@ -195,6 +216,6 @@ def validate(arch: Any) -> None:
 
 
 register_model_family(ModelFamily("trm", TRMConfig, build_task, validate, compute_dtype="forward_dtype",
-                                  forms=("attention", "recompute_mlp", "mixer")))
+                                  forms=("attention", "recompute_mlp", "mixer"), check_platform=check_platform))
 register_model_family(ModelFamily("hrm", HRMConfig, build_task, validate, compute_dtype="forward_dtype",
                                   forms=("attention", "recompute_mlp")))

@@ -18,8 +18,8 @@ The first run:
     that gcloud copied (shipped.py), warns when it pins other packages than the repo's .venv has,
     and runs the trainer there (PYTHONPATH=TREE: a subprocess's python imports the shipped code
     too);
-  - writes the start line (`podrunner-start host=HOST commit=C TEXT log=LOG`; with --ship
-    `tree=<tree hash>` instead of the commit) into LOG and starts the trainer with its output
+  - writes the start line (runtime/wire.py `Start`: the host, the commit, TEXT, LOG; with --ship
+    the tree's hash instead of the commit) into LOG and starts the trainer with its output
     appended to LOG, not to this ssh: a dropped connection must not take the trainer's stdout
     (and its log) with it;
   - copies LOG to stdout as it grows until the trainer ends, records its exit code in the claim
@@ -30,12 +30,11 @@ The first run:
     shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
     comes after the agreed step and the save), for a launcher that counts READY time.
 
-With --resident (a programme's launches: resident.py), `cold` starts a resident trainer in a
-session of its own with this launch's job, and the launch ends when that job has (its exit code
-in `done` beside the claim), not when the process does; `warm:SESSION` hands the job to the
-worker's resident of that session instead of starting a process (its log's descriptor, its
-environment, secrets included), and follows it the same way. Without it, a resident on the
-worker is ended first: it holds the TPU.
+With --resident (opt-in, a programme's launches: resident.py), `cold` starts a resident trainer
+in a session of its own and `warm:SESSION` finds the worker's resident of that session; either
+hands it the job (its overrides, its environment, the log's descriptor, `--next`) and follows it
+as a trainer until the job's exit code (in `done` beside the claim). Without it, a resident on
+the worker is ended first: it holds the TPU.
 
 Whatever fails before the trainer starts is one line naming the worker (`podrunner: HOST: ...`)
 and exit 2; the secrets file never outlives this command.
@@ -49,14 +48,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-from experiments.launcher.worker import START_TAG, resident, shipped
+from experiments.launcher.worker import procs, resident, shipped, versions
 from runtime.atomic import write_atomic  # standard library only, like this
 from runtime.errors import EXIT_FAILURE, EXIT_RESIDENT_LOST, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
-from runtime import events
-from runtime.events import TAG as EVENT_TAG
+from runtime import events, wire
 
 POLL_S = 0.1
 EXIT_FILE, PID_FILE, OFFSET_FILE, DONE_FILE = "exit", "pid", "offset", "done"  # done: a resident's job
@@ -98,16 +95,6 @@ def discard(path):
             os.remove(path)
 
 
-def commit():
-    """The repo's commit (12 digits) as the start line names it; `unknown` without git or a commit."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
 def follow(log, offset, done, replay_events_from=None, host=""):
     """Copy LOG from `offset` to stdout until `done()` and nothing more is written. A re-run first
     replays the launch's events from `replay_events_from` (what the launcher may have missed)."""
@@ -115,13 +102,13 @@ def follow(log, offset, done, replay_events_from=None, host=""):
         with open(log, "rb") as f:
             f.seek(replay_events_from)
             chunk = f.read(max(0, offset - replay_events_from)).decode(errors="replace")
-        say("".join(line + "\n" for line in chunk.splitlines() if EVENT_TAG in line or START_TAG in line))
+        say("".join(line + "\n" for line in chunk.splitlines() if wire.replayed(line)))
     talking, said = True, False
     while True:
         if _told["sigterm"] is not None and not said:
             said = True
-            talking = say(EVENT_TAG + json.dumps({"event": "sigterm", "time": round(_told["sigterm"], 3),
-                                                  "host": host}) + "\n") and talking
+            talking = say(wire.event_line({"event": events.Kind.SIGTERM, "time": round(_told["sigterm"], 3),
+                                           "host": host}) + "\n") and talking
         finished = done()
         with open(log, "rb") as f:
             f.seek(offset)
@@ -136,8 +123,8 @@ def follow(log, offset, done, replay_events_from=None, host=""):
 
 
 def trainer_env(args, secrets):
-    """The trainer's environment: this one unbuffered (its lines reach LOG as printed), the --env
-    variables, the secrets, and with --ship the shipped tree on PYTHONPATH."""
+    """The trainer's environment: this one unbuffered (its lines reach LOG as printed; its events
+    too, `main`), the --env variables, the secrets, and with --ship the shipped tree on PYTHONPATH."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.update(args.env)
     env.update(secrets)
@@ -162,65 +149,78 @@ def first_run(args, claim):
         except shipped.ShipFailed as e:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: {e}\n")
         shipped.warn_if_pins_differ(args.ship, os.getcwd(), args.host)
-    version = f"tree={os.path.basename(args.ship)}" if args.ship else f"commit={commit()}"
-    warm = args.resident.partition(":")[2] if args.resident and args.resident.startswith("warm:") else None
-    if warm is None:
+    warm = args.resident is not None and args.resident.mode is wire.ResidentMode.WARM
+    if not warm:
         resident.end()  # a resident trainer holds the TPU: a launch that does not use it ends it first
-    done_file = os.path.join(claim, DONE_FILE)
     with open(args.log, "ab") as log:
         offset = log.tell()
         write_atomic(os.path.join(claim, OFFSET_FILE), str(offset))
-        log.write(f"{START_TAG}host={args.host} {version} {args.start} log={args.log}\n".encode())
+        made = {"tree": os.path.basename(args.ship)} if args.ship else {"commit": (versions.commit() or "unknown")[:12]}
+        log.write((wire.Start(args.host, args.log, launch=args.start, **made).line() + "\n").encode())
         log.flush()
-        if warm is not None:
-            return warm_run(args, claim, warm, secrets, log.fileno(), offset, done_file)
-        argv = args.argv
-        if args.resident == "cold" and not resident.in_tree(args.ship or os.getcwd()):
+        if warm or (args.resident is not None and resident.in_tree(args.ship or os.getcwd())):
+            return resident_run(args, claim, secrets, log, offset)
+        if args.resident is not None:
             say(f"podrunner: {args.host}: the code run here has no resident trainer (older than it); a process of its "
                 "own\n")
-        elif args.resident == "cold":
-            argv = [args.argv[0], "-m", resident.MODULE, "--session", args.key, "--done", done_file, "--host",
-                    args.host, *(["--next", args.next] if args.next else []), "--", *args.argv]
         try:
-            trainer = subprocess.Popen(argv, cwd=args.ship or None, env=trainer_env(args, secrets),
+            trainer = subprocess.Popen(args.argv, cwd=args.ship or None, env=trainer_env(args, secrets),
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_default_signals, start_new_session=argv is not args.argv)
+                                       preexec_fn=_default_signals)
         except OSError as e:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
     write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))
-    follow(args.log, offset, lambda: os.path.exists(done_file) or trainer.poll() is not None, host=args.host)
-    code = _read_code(done_file)
-    if code is None:  # a trainer (or a resident whose first job ended it) that is gone
-        trainer.wait()
-        code = trainer.returncode if trainer.returncode >= 0 else EXIT_SIGNAL_BASE - trainer.returncode
-    return record(claim, code)
+    follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
+    return record(claim, _code(trainer.returncode))
 
 
-def warm_run(args, claim, session, secrets, log_fd, offset, done_file):
-    """Hand the job to this worker's resident trainer (resident.py) and follow it as a trainer."""
-    cwd = os.path.abspath(args.ship or os.getcwd())
+def resident_run(args, claim, secrets, log, offset):
+    """Hand the job to this worker's resident trainer (resident.py), started first by a cold
+    launch, and follow it as a trainer."""
+    env, cwd, session = trainer_env(args, secrets), os.path.realpath(args.ship or os.getcwd()), args.resident.session
+    started = None
+    if session is None:  # cold
+        session = args.key
+        try:
+            started = resident.start(args.argv[0], session, args.host, env=env, cwd=cwd, log=log)
+        except OSError as e:
+            return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
+        if started.poll() is not None:  # it ended before it listened: its log says why
+            follow(args.log, offset, lambda: True, host=args.host)
+            return record(claim, _code(started.returncode))
+    done = os.path.join(claim, DONE_FILE)
     try:
-        pid, wait = resident.hand_over(session, args.key, args.argv, trainer_env(args, secrets), cwd, log_fd, done_file,
-                                       json.loads(args.next) if args.next else None)
+        pid = resident.hand_over(log.fileno(), session=session, key=args.key, overrides=args.argv[2:],
+                                 env=resident.job_environment(env, [*dict(args.env), *secrets]), cwd=cwd, done=done,
+                                 next=args.next)
     except resident.Gone as e:
         line = (f"podrunner: {args.host}: no resident trainer of session {session} here ({e}); the next launch "
                 "starts cold")
         events.failed(EXIT_RESIDENT_LOST, line, events.Failure.RESIDENT_LOST)
         return record(claim, EXIT_RESIDENT_LOST, line + "\n")
     write_atomic(os.path.join(claim, PID_FILE), str(pid))
-    result = []
-    waiter = threading.Thread(target=lambda: result.append(wait()), daemon=True)
-    waiter.start()
-    follow(args.log, offset, lambda: not waiter.is_alive(), host=args.host)
-    return record(claim, result[0] if result else EXIT_RESIDENT_LOST)
+    follow(args.log, offset, lambda: os.path.exists(done) or not procs.alive(pid), host=args.host)
+    code = _read_code(done)
+    if code is None and started is not None:  # this guard's child: its code says how it ended (a signal)
+        code = _code(started.wait())
+    if code is None:  # a warm launch's resident is not this guard's child: it cannot be waited for
+        return record(claim, EXIT_FAILURE, f"podrunner: {args.host}: the resident trainer (pid {pid}) ended during the "
+                                           "job without an exit code (killed?)\n")
+    return record(claim, code)
 
 
 def _read_code(path):
+    """The number a claim's file holds (an exit code, a pid, an offset); None if it holds none yet."""
     try:
         with open(path) as f:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+def _code(returncode):
+    """A process's exit code as a shell says it (a signal N: EXIT_SIGNAL_BASE + N)."""
+    return returncode if returncode >= 0 else EXIT_SIGNAL_BASE - returncode
 
 
 def _default_signals():
@@ -237,45 +237,31 @@ def record(claim, code, line=""):
 
 def rerun(args, claim):
     """This launch ran here already: follow it to its end and exit with its code."""
-    exit_file, pid_file = os.path.join(claim, EXIT_FILE), os.path.join(claim, PID_FILE)
+    exit_file, done_file, offset_file = (os.path.join(claim, name) for name in (EXIT_FILE, DONE_FILE, OFFSET_FILE))
     say(f"podrunner: {args.host}: this launch started here already (gcloud re-ran its command after an ssh "
         "drop); following it instead of starting a second trainer\n")
 
     def ended():
-        if os.path.exists(exit_file) or os.path.exists(os.path.join(claim, DONE_FILE)):
+        if os.path.exists(exit_file) or os.path.exists(done_file):
             return True
-        try:
-            pid = int(open(pid_file).read())
-        except (OSError, ValueError):
-            return False  # the first run is still starting
-        if _alive(pid):
-            return False
+        pid = _read_code(os.path.join(claim, PID_FILE))
+        if pid is None or procs.alive(pid):
+            return False  # the first run is still starting, or its trainer runs
         deadline = time.monotonic() + 5  # the trainer is gone: its guard records the code at once
         while not os.path.exists(exit_file) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         return True
 
-    while not os.path.exists(os.path.join(claim, OFFSET_FILE)) and not os.path.exists(exit_file):
+    while not os.path.exists(offset_file) and not os.path.exists(exit_file):
         time.sleep(POLL_S)
-    start = int(open(os.path.join(claim, OFFSET_FILE)).read()) if os.path.exists(os.path.join(claim, OFFSET_FILE)) else 0
     if os.path.exists(args.log):
-        follow(args.log, os.path.getsize(args.log), ended, replay_events_from=start)
-    if not os.path.exists(exit_file) and _read_code(os.path.join(claim, DONE_FILE)) is not None:
-        return _read_code(os.path.join(claim, DONE_FILE))  # a resident's job whose guard is gone
-    if not os.path.exists(exit_file):
+        follow(args.log, os.path.getsize(args.log), ended, replay_events_from=_read_code(offset_file) or 0)
+    code = _read_code(exit_file)
+    code = _read_code(done_file) if code is None else code  # done: a resident's job whose guard is gone
+    if code is None:
         say(f"podrunner: {args.host}: the first run of this launch ended without recording its exit code\n")
         return EXIT_FAILURE
-    return int(open(exit_file).read())
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return code
 
 
 def _variable(text):
@@ -283,6 +269,13 @@ def _variable(text):
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
     return name, value
+
+
+def _resident(text):
+    try:
+        return wire.ResidentLaunch.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse(argv):
@@ -296,10 +289,10 @@ def parse(argv):
                         help="a variable of the trainer's environment (repeatable)")
     parser.add_argument("--ship", default=None, metavar="TREE", help="run the shipped tree at TREE (named by its hash)")
     parser.add_argument("--pack", default=None, help="with --ship: the copied pack to unpack when TREE is not there")
-    parser.add_argument("--resident", default=None, metavar="cold|warm:SESSION",
+    parser.add_argument("--resident", default=None, type=_resident, metavar="cold|warm:SESSION",
                         help="cold: start a resident trainer (resident.py) with this job; warm:SESSION: hand the job "
                              "to the one of SESSION; without: a trainer of its own (a resident is ended first)")
-    parser.add_argument("--next", default=None, metavar="JSON",
+    parser.add_argument("--next", default=None, type=json.loads, metavar="JSON",
                         help="with --resident: the overrides of the job the controller hands over next (a JSON list), "
                              "whose steps the resident compiles while this job trains")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
@@ -307,13 +300,12 @@ def parse(argv):
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if args.ship and not args.pack:
         parser.error("--ship needs --pack")
-    if args.resident is not None and args.resident != "cold" and not args.resident.startswith("warm:"):
-        parser.error(f"--resident {args.resident}: give cold or warm:SESSION")
     return args
 
 
 def main(argv):
     args = parse(argv)
+    os.environ[wire.EVENTS_ENV] = "1"  # the launcher reads the events, the trainer's and this guard's own
     claim = os.path.join(os.path.dirname(os.path.abspath(args.log)), f"launch-{args.key}")
     try:
         os.makedirs(os.path.dirname(claim), exist_ok=True)

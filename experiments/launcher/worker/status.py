@@ -1,6 +1,6 @@
 """`python3 -m experiments.launcher.worker.status HOST OUTPUTS RUN_ID`, run from the repo: this
 worker's training processes (pid, seconds running), its last step and its newest worker log, as
-one line `podrunner-status {json}`. The last step: the newest metrics.jsonl under the repo's
+one status line (runtime/wire.py). The last step: the newest metrics.jsonl under the repo's
 OUTPUTS (process 0's), else the newest event with a step in the newest worker log (of RUN_ID when
 given).
 """
@@ -10,8 +10,8 @@ import json
 import os
 import sys
 
-from experiments.launcher.worker import STATUS_TAG, procs
-from runtime.events import TAG as EVENT_TAG  # standard library only, like this
+from experiments.launcher.worker import procs
+from runtime import wire  # standard library only, like this
 
 
 def newest(paths):
@@ -30,26 +30,20 @@ def tail(path, size=65536):
         return f.read().decode(errors="replace")
 
 
-def step_of_metrics(line):
+def json_row(line):
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except ValueError:
         return None
-    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else None
-
-
-def step_of_event(line):
-    i = line.find(EVENT_TAG)
-    return step_of_metrics(line[i + len(EVENT_TAG):]) if i >= 0 else None
 
 
 def last_step(metrics, log):
-    for path, read, source in ((metrics, step_of_metrics, "metrics"), (log, step_of_event, "log")):
+    for path, read, source in ((metrics, json_row, "metrics"), (log, wire.event, "log")):
         if path:
             for line in reversed(tail(path).splitlines()):
-                step = read(line)
-                if step is not None:
-                    return step, source
+                row = read(line)
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    return row["step"], source
     return None, None
 
 
@@ -74,8 +68,8 @@ def status(host, repo, outputs, run_id):
     log = newest(glob.glob(os.path.join(procs.HOME, "podrunner-logs", glob.escape(run_id) if run_id else "*",
                                         "worker-*.log")))
     step, source = last_step(metrics, log)
-    print(STATUS_TAG + json.dumps({"host": host, "worker": worker_id(host), "processes": running, "step": step,
-                                   "step_from": source, "metrics": metrics, "log": log}), flush=True)
+    print(wire.Status(host=host, worker=worker_id(host), processes=running, step=step, step_from=source,
+                      metrics=metrics, log=log).line(), flush=True)
     return 0
 
 

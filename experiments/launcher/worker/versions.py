@@ -1,8 +1,8 @@
-"""`python -m experiments.launcher.worker.versions HOST [--imports]`: one line `podrunner-versions {json}`
-with this worker's commit, Python, the versions of the packages the workers must agree on,
-whether the .venv fits the project: Python >= the project's requires-python, every pinned
-distribution installed at its pin (pyproject.toml) and importable (`ok`, else `problem`), and
-the resident trainer alive here, if any (`resident`: resident.py `describe`).
+"""`python -m experiments.launcher.worker.versions HOST [--imports]`: one versions line
+(runtime/wire.py) with this worker's commit, Python, the versions of the packages the workers
+must agree on, whether the .venv fits the project: Python >= the project's requires-python,
+every pinned distribution installed at its pin (pyproject.toml) and importable (`ok`, else
+`problem`), and the resident trainer alive here, if any (`resident`: resident.py `describe`).
 
 Without --imports, "importable" means Python finds each distribution's top-level modules
 (cheap: asked before every launch); with it (setup_tpu.sh, after installing) each one is
@@ -12,7 +12,6 @@ its packages as missing, so it never passes for agreement.
 
 import importlib
 import importlib.util
-import json
 import subprocess
 import sys
 from importlib import metadata
@@ -22,7 +21,8 @@ try:
 except ImportError:  # Python 3.10: such a .venv does not fit (`project` says so)
     tomllib = None
 
-from experiments.launcher.worker import VERSIONS_TAG, resident
+from experiments.launcher.worker import resident
+from runtime import wire
 from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
 COMPARED = ("jax", "jaxlib", "libtpu", "flax", "orbax-checkpoint")  # what the workers must agree on
@@ -36,8 +36,10 @@ def version(dist):
 
 
 def commit():
+    """The repo's commit, None without git or a commit (also the start line's: once.py)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+        return subprocess.run(["git", "rev-parse", "HEAD"], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True).stdout.strip() or None
     except OSError:
         return None
 
@@ -104,7 +106,7 @@ def main(argv):
     found = problems(importing)
     info.update(ok=not found, problem="; ".join(found)[:600] or None)
     info["resident"] = resident.describe()  # a resident trainer alive here: a programme's next launch may be warm
-    print(VERSIONS_TAG + json.dumps(info), flush=True)
+    print(wire.versions_line(info), flush=True)
     return EXIT_FAILURE if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
 
 
