@@ -24,8 +24,14 @@ from runtime import compile_cache, executables
 from runtime.errors import UserError
 
 EXPERIMENT = ("example", "small")
-MESH = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-X = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec()))
+
+
+def mesh_and_input():
+    """The test's mesh over this process's devices and an input on it. Made per test, not at
+    import: a test before this one in the process may have started the CPU backend anew with
+    another device count (the devices(n) mark), which leaves arrays made earlier on old devices."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    return mesh, jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def step(factor: float):
@@ -38,9 +44,10 @@ def kept(tmp_path):
     """A folder as the plan leaves it (the steps of factor 2 and 3, and its manifest): (the
     folder, the two keys, the manifest's digest)."""
     folder, programs = str(tmp_path / "ahead"), {}
+    mesh, x = mesh_and_input()
     for factor in (2.0, 3.0):
-        lowered = step(factor).lower(X)
-        key = executables.key_of(lowered, MESH)
+        lowered = step(factor).lower(x)
+        key = executables.key_of(lowered, mesh)
         with compile_cache.off():
             programs[key] = executables.save(lowered.compile(), folder, key, tmp_path / "written")
     return folder, list(programs), executables.write_manifest(folder, programs)
@@ -50,9 +57,10 @@ def run(folder: str, digest: str, caplog) -> tuple[list, list[str], list[str]]:
     """The step of factor 2, then of factor 3, through a run's `Ahead`: their outputs, the
     warning lines, the lines that say a step was loaded."""
     caplog.clear()
-    ahead = executables.Ahead(folder, MESH, digest=digest)
+    mesh, x = mesh_and_input()
+    ahead = executables.Ahead(folder, mesh, digest=digest)
     with caplog.at_level(logging.INFO, logger="runtime"):
-        outs = [ahead.wrap(step(f), "step")(X).tolist() for f in (2.0, 3.0)]
+        outs = [ahead.wrap(step(f), "step")(x).tolist() for f in (2.0, 3.0)]
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     return outs, warned, [r.getMessage() for r in caplog.records if "loaded the executable" in r.getMessage()]
 

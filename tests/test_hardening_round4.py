@@ -296,15 +296,18 @@ def test_a_builder_s_marker_on_a_full_disk_stays_whole_and_the_folder_its_own(di
 
 # ------------------------------------------------------------- 3. library logs: one line
 def _log_failures() -> None:
+    """Each library's "out of retries" record, with its exception, handed to the console's handlers
+    (the root's, as console_logging set them): what is under test is their formatter, whatever an
+    earlier test in this process left of those loggers' levels and propagation."""
     for name in ("gcsfs", "aiohttp.client", "google.auth.transport", "urllib3.connectionpool", "absl"):
-        logger = logging.getLogger(name)
-        # As a fresh process has them: an earlier test (or a library it imported) may have turned
-        # one off; what is under test is the console's formatter, not that history.
-        logger.disabled, logger.propagate = False, True
         try:
             raise ConnectionError(f"{name}: cannot connect\nsecond line")
         except ConnectionError:
-            logging.getLogger(name).exception("_request out of retries on exception: cannot connect")
+            record = logging.getLogger(name).makeRecord(
+                name, logging.ERROR, __file__, 0, "_request out of retries on exception: cannot connect", (),
+                sys.exc_info())
+        for handler in logging.getLogger().handlers:
+            handler.handle(record)
 
 
 @pytest.mark.parametrize("entry", ["trainer", "export", "launch.py"])

@@ -1,6 +1,6 @@
 """`launch.py plan`: fits, estimated step time and the whole bill of a group at full scale, from
 train and eval steps compiled for a TPU topology (libtpu's compile-only devices), cached by their
-HLO; the bill's formulas (experiments/bill.py) on small made-up inputs, its calibration from a
+HLO; the bill's formulas (experiments/plan/bill.py) on small made-up inputs, its calibration from a
 ledger the test writes, the CSV the queue reads; and the pieces of the estimate
 (runtime/compile_only.py) on hand-written HLO (loops, collectives in them and custom kernels:
 test_hlo_cost.py)."""
