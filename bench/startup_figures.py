@@ -18,9 +18,6 @@ What it runs, each timed:
     training rows and the 423,168 test puzzles, 81 cells each, as data_pipeline/build_sudoku.py
     stores them) written to the work folder and read back whole, as the trainer reads a gs://
     dataset (data_pipeline/puzzle_format.py `_load_array`): the host's part of data loading;
-  - a job handed to a resident trainer (experiments/launcher/worker/resident.py): the launch guard
-    starts one with a 2-step run of the same model (a cold launch), then hands it a second run (a
-    warm launch, in a home of its own); the warm run's `timing` event gives its runtime start-up;
   - with --setup: a fresh virtualenv with the project's TPU stack (`pip install -e .[tpu]`), what
     setup_tpu.sh does on a re-created slice's fresh disks.
 
@@ -33,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
-import os
 import shutil
 import signal
 import statistics
@@ -107,31 +102,6 @@ def train(root: Path, data: Path, steps: int, preempt_at: int | None = None) -> 
     return [e for e in events if e["event"] == "timing"][-1]
 
 
-def resident_start(root: Path, data: Path) -> dict:
-    """The `timing` event of a run handed to a resident trainer that a cold launch started."""
-    home, logs = root / "home", root / "logs"
-    home.mkdir(parents=True, exist_ok=True)
-
-    def launch(key: str, mode: str, name: str) -> dict:
-        argv = [sys.executable, "-m", "experiments.launcher.worker.once", "--key", key, "--host", "bench", "--start",
-                "bench", "--log", str(logs / f"{key}.log"), "--resident", mode, "--", sys.executable, "pretrain_jax.py",
-                *RUN, "train.steps=2", f"data.path={data}", f"run.root={root / 'resident'}", f"run.name={name}"]
-        out = subprocess.run(argv, cwd=REPO, env=dict(os.environ, HOME=str(home)), capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(f"error: the {mode} launch failed (exit {out.returncode}): {out.stdout[-3000:]}")
-        said = [e for e in map(wire.event, out.stdout.splitlines()) if e]
-        return [e for e in said if e["event"] == "timing"][-1]
-
-    try:
-        launch("cold", "cold", "first")
-        return launch("warm", "warm:cold", "second")
-    finally:  # the resident stays until its idle time ends: end it now
-        try:
-            os.kill(json.loads((home / ".podrunner-resident" / "state.json").read_text())["pid"], signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="work folder (default: a temporary one, removed)")
@@ -168,9 +138,6 @@ def main() -> int:
     else:
         rows.append(("compile (resumed)", r["program_startup"],
                      f"the resumed run: program_startup, {resumed['hits']} hits, {resumed['misses']} misses"))
-    warm = resident_start(root, root / "data")
-    rows.append(("resident_start", warm["seconds"]["runtime_startup"],
-                 "a run handed to a resident trainer (a warm launch through the launch guard): runtime_startup"))
     if args.setup:
         venv = root / "venv"
         t0 = time.perf_counter()

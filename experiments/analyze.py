@@ -1,16 +1,8 @@
-"""Analyse one experiment group: a markdown table and the group's plots (experiments/programme.py).
+"""`launch.py analyze GROUP`: a group's markdown table and plots (experiments/programme.py).
 
-    python experiments/analyze.py exp01                        # runs under outputs/exp01/*
-    python experiments/analyze.py exp01 --root outputs/local   # the scaled-down local runs
-    python experiments/analyze.py exp01 --wandb podrunner [--entity ME]   # from W&B instead
-    python experiments/analyze.py exp01 --out /tmp/exp01       # where the .md and PNGs go
-
-Runs are read from `<root>/<group>/<name>/metrics.jsonl` and `run_manifest.json` (the trainer's
-files), or from W&B (runs with group=<group>, name=<variant>, the same metric keys). A run's
-name is a variant of the group (`conf/experiment/<group>/<variant>.yaml`) or, for a job of a
-Hydra sweep, the variant followed by "_<swept values>" ("hidden256_train.seed=1"); each run is
-its own row. Writes `<out>/<group>.md` (the table and the plots) and one PNG per plot of the
-group's spec; `<out>` defaults to `<root>/<group>/analysis`.
+A run is `<root>/<group>/<name>/` (metrics.jsonl, run_manifest.json) or a W&B run of the group;
+its name is a variant, or for a Hydra sweep's job the variant + "_<swept values>"
+("hidden256_train.seed=1"). Writes `<out>/<group>.md` and one PNG per plot of the group.
 """
 
 from __future__ import annotations
@@ -24,14 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` importable
-    sys.path.insert(0, str(REPO_ROOT))
-
-from experiments import compose  # noqa: E402
-from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot, natural_key  # noqa: E402
-from runtime.atomic import replacing, write_atomic  # noqa: E402
-from runtime.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from experiments import compose
+from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot, natural_key
+from runtime.atomic import replacing, write_atomic
+from runtime.errors import EXIT_USER_ERROR, UserError
 
 PARAMS = "model/params"
 METRICS_FILE = "metrics.jsonl"
@@ -44,8 +32,7 @@ MAX_CHANGES = 80  # characters of the "changes" column before it is cut
 
 
 def _num(value: Any) -> float | int | None:
-    """A metric value as a number: "nan"/"inf"/"-inf" strings (the JSONL form) become floats;
-    None and anything non-numeric become None."""
+    """A metric value as a number ("nan"/"inf" strings, the JSONL form, as floats), else None."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (int, float)):
@@ -57,7 +44,6 @@ def _num(value: Any) -> float | int | None:
 
 class Reached(NamedTuple):
     """When a metric first reached a target: wall seconds since the run's first row, and the step."""
-
     seconds: float | None
     step: int
 
@@ -88,7 +74,6 @@ class Run:
         return out
 
     def last(self, key: str) -> float | int | None:
-        """The last value logged for `key` (None if never)."""
         vals = self.values(key)
         return vals[-1][1] if vals else None
 
@@ -105,7 +90,7 @@ class Run:
         return sorted(by_step.items())
 
     def config_value(self, key: str, default: Any = None) -> Any:
-        """A config value by dotted key ("arch.hidden"); `default` when absent."""
+        """A config value by dotted key ("arch.hidden")."""
         if key in self.config:  # a flat config
             return self.config[key]
         node: Any = self.config
@@ -193,11 +178,7 @@ def collect_local(group: str, root: str | Path = "outputs") -> list[Run]:
 
 
 def collect_wandb(group: str, project: str, entity: str | None = None, *, api: Any = None) -> list[Run]:
-    """Every W&B run of `group` in `[entity/]project`, in variant order.
-
-    `api` is a `wandb.Api()` (made here unless given): `api.runs(path, filters={"group": group})`
-    gives runs with `.name`, `.config`, `.state` and `.scan_history()` rows ({"_step",
-    "_timestamp", metric keys...})."""
+    """Every W&B run of `group` in `[entity/]project`, in variant order (`api`: a `wandb.Api()`)."""
     if api is None:
         import wandb  # optional heavy (over 1 s to import): only W&B reads load it
 
@@ -206,20 +187,12 @@ def collect_wandb(group: str, project: str, entity: str | None = None, *, api: A
     known = _variants(group)
     runs = []
     for wb in api.runs(path, filters={"group": group}):
-        rows = []
-        for h in wb.scan_history():
-            row: dict[str, Any] = {"step": h.get("_step"), "time": h.get("_timestamp")}
-            for k, v in h.items():
-                if k.startswith("_") or v is None:
-                    continue
-                value = _num(v)
-                if value is not None:
-                    row[k] = value
-            rows.append(row)
+        rows = [{"step": h.get("_step"), "time": h.get("_timestamp"),
+                 **{k: _num(v) for k, v in h.items() if not k.startswith("_") and _num(v) is not None}}
+                for h in wb.scan_history()]
         rows.sort(key=lambda r: r["step"] if r["step"] is not None else -1)
-        config = dict(wb.config or {})
         name = wb.name or ""
-        runs.append(Run(name=name, variant=match_variant(name, known), config=config, rows=rows,
+        runs.append(Run(name=name, variant=match_variant(name, known), config=dict(wb.config or {}), rows=rows,
                         status=getattr(wb, "state", None), source=f"wandb:{path}/{getattr(wb, 'id', name)}"))
     return ordered(group, runs)
 
@@ -277,10 +250,9 @@ def _variant_changes(group: str, variant: str) -> dict[str, Any]:
 
 
 def what_changes(group: str, run: Run) -> str:
-    """What the run's variant changes vs the group's baseline (experiments/compose.py), shortened:
-    "arch."/"optim."/"train."/"data." dropped from keys (where the rest stays unambiguous),
-    curriculum ramps as start->end, paths as their last part, cut near MAX_CHANGES characters.
-    A sweep job's swept values follow in brackets."""
+    """What the run's variant changes vs the baseline (compose.changes), shortened to fit the column:
+    SHORT_SECTIONS dropped from unambiguous keys, ramps as start->end, paths as their last part;
+    a sweep job's swept values follow in brackets."""
     if run.variant is None:
         return f"(not a variant of {group})"
     try:
@@ -311,11 +283,7 @@ def what_changes(group: str, run: Run) -> str:
 
 def metric_columns(spec: Group) -> list[str]:
     """COMMON_METRICS then the group's extra_metrics, each once, the primary metric left out."""
-    out: list[str] = []
-    for key in (*COMMON_METRICS, *spec.extra_metrics):
-        if key not in out and key != spec.primary:
-            out.append(key)
-    return out
+    return list(dict.fromkeys(k for k in (*COMMON_METRICS, *spec.extra_metrics) if k != spec.primary))
 
 
 def _cell(text: str) -> str:
@@ -384,13 +352,6 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
         notes.append(f"no {plot.y}: {', '.join(no_y)}")
     if plot.x == "step":
         have = [r for r in runs if r.name not in no_y]
-    else:  # one value per run: the last; a diverged run (nan) is named, not drawn
-        have = [r for r in runs if _is_number(r.last(plot.y))]
-        bad = [r.name for r in runs if r.last(plot.y) is not None and not _is_number(r.last(plot.y))]
-        if bad:
-            notes.append(f"{plot.y} not finite: {', '.join(bad)}")
-
-    if plot.x == "step":
         for i, r in enumerate(have):
             label = r.name + (" (baseline)" if is_base[r.name] else "")
             for key, style in ((plot.y, "-"), (subset_y, "--")):
@@ -409,6 +370,11 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
             ax.legend(fontsize=8, loc="best")
         return notes
 
+    # one value per run, the last; a diverged run (nan) is named, not drawn
+    have = [r for r in runs if _is_number(r.last(plot.y))]
+    bad = [r.name for r in runs if r.last(plot.y) is not None and not _is_number(r.last(plot.y))]
+    if bad:
+        notes.append(f"{plot.y} not finite: {', '.join(bad)}")
     if plot.x == "variant":
         _bars(ax, have, [r.name for r in have], plot.y, is_base)
         return notes
@@ -538,7 +504,7 @@ def _no_runs_message(group: str, root: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="analyze.py", description=(__doc__ or "").split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="launch.py analyze", description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("group", metavar="GROUP", help=f"experiment group: {', '.join(GROUPS)}")
     p.add_argument("--root", default="outputs", help="run.root the runs were written under (default: %(default)s; "
@@ -585,7 +551,3 @@ def main(argv: list[str] | None = None) -> int:
     for path in pngs:
         print(f"wrote {path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

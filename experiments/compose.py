@@ -1,14 +1,13 @@
 """Compose the programme's variants and say what each changes (`changes`, `differences`); scale
 them down for one CPU (`local_overrides`, `local_experiment`).
 
-Differences are between RESOLVED configs (interpolations applied), so derived values such as
-exp06's learning rate or puzzle_emb_ndim = hidden show up as what they become.
+Differences are between RESOLVED configs, so derived values (exp06's learning rate) show up as
+what they become.
 
-Scaling down (experiments/local_scale.yaml): every key listed there takes its local value,
-except that a key the variant changes keeps the variant's ratio to the pod baseline (hidden
-256 of 512 becomes 32 of a local 64; an EMA rate keeps its ratio of 1 - rate). Keys the
-variant changes that the local file does not list keep the variant's value (L_cycles 12,
-forward_dtype float16). So each group keeps what it studies and shrinks everything else.
+Scaling down (experiments/local_scale.yaml): every key listed there takes its local value, except
+that a key the variant changes keeps its ratio to the pod baseline (hidden 256 of 512 becomes 32
+of a local 64; an EMA rate keeps its ratio of 1 - rate); keys not listed keep the variant's
+value. So each group keeps what it studies and shrinks everything else.
 """
 
 from __future__ import annotations
@@ -78,14 +77,13 @@ def base_of(group: str) -> str:
 
 
 def differences(group: str, variant: str) -> dict[str, tuple[Any, Any]]:
-    """{key: (baseline value, variant value)} for every resolved key the variant changes
-    (a swapped preset, e.g. arch=trm_att, shows up as all the keys it changes)."""
+    """{key: (baseline value, variant value)} of every resolved key the variant changes."""
     return _diff(flat(compose(base_of(group))), flat(compose(f"{group}/{variant}")))
 
 
 def changes(group: str, variant: str) -> dict[str, Any]:
-    """What the variant itself says: swapped presets ({"arch": "trm_att"}) and every resolved
-    key that differs from the baseline composed with those same presets."""
+    """Swapped presets ({"arch": "trm_att"}), then every resolved key that differs from the baseline
+    composed with those presets."""
     base = base_of(group)
     swapped = {k: v for k, v in choices(f"{group}/{variant}").items() if choices(base)[k] != v}
     like_base = compose(base, tuple(f"{k}={v}" for k, v in swapped.items()))
@@ -147,8 +145,7 @@ def _rescaled(key: str, local: Any, pod: Any, new: Any, scale: dict[str, Any]) -
 
 
 def local_settings(group: str, variant: str, scale_name: str = "local") -> tuple[dict[str, str], dict[str, Any]]:
-    """What runs `<group>/<variant>` scaled down (see the module docstring): (config groups to
-    swap, e.g. {"arch": "gemma_tiny"}; {dotted key: value} to set, in order)."""
+    """(config groups to swap, {dotted key: value} to set) that run `<group>/<variant>` scaled down."""
     scale = local_scale(family(group), scale_name)
     diff = differences(group, variant)
     values: dict[str, Any] = {}
@@ -175,8 +172,7 @@ def local_overrides(group: str, variant: str, extra: tuple[str, ...] = (), scale
 
 
 def local_experiment(group: str, variant: str, scale_name: str = "local") -> str:
-    """The scaled-down run as an experiment config file (YAML text): the variant, the swaps and
-    the local values; what `launch.py sweep --local` hands to Hydra's multirun."""
+    """The scaled-down run as an experiment file (YAML) for `launch.py sweep --local`'s multirun."""
     swaps, values = local_settings(group, variant, scale_name)
     nested: dict[str, Any] = {}
     for key, value in values.items():

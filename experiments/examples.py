@@ -5,12 +5,10 @@ train (tests/test_programme_runs.py).
     python experiments/examples.py [GROUP ...] [--steps 20] [--root outputs/examples] [--scale local|smoke] [--readme-plots]
     python experiments/examples.py --smoke [GROUP ...] [--steps 2] [--root DIR]
 
-Each run is scaled down exactly as `launch.py sweep GROUP --local` would
-(experiments/local_scale.yaml), cut to `--steps` steps with a small eval. By default a group runs
-its `example_variants` (experiments/<group>/group.yaml) and its baseline variant (run once per
-base experiment and copied into each group that shares it). `--smoke` runs only each group's
-`smoke_variants`, the variants that add a code path (a dataset kind, a model family, a feature
-switch), at the smaller `smoke` scale.
+Each run is scaled down as `launch.py sweep GROUP --local` would, cut to `--steps` steps: a
+group's `example_variants` and its baseline variant (run once per base experiment, copied into
+each group that shares it); `--smoke`: only its `smoke_variants` (those that add a code path), at
+the smaller `smoke` scale.
 """
 
 from __future__ import annotations
@@ -44,12 +42,9 @@ def tiny(steps: int) -> tuple[str, ...]:
             "data.generate_test_puzzles=8", "run.wandb.mode=disabled", "run.progress_bar=false")
 
 
-SCALE = "local"  # or "smoke" (--scale): local_scale.yaml's smaller sizes, for the tests
-
-
-def run_variant(group: str, variant: str, root: Path, steps: int) -> Path:
-    """One scaled-down run, in this process; returns its output directory."""
-    overrides = tuple(local_overrides(group, variant, tiny(steps) + (f"run.root={root}",), scale_name=SCALE))
+def run_variant(group: str, variant: str, root: Path, steps: int, scale: str) -> Path:
+    """One run at `scale` (local_scale.yaml's "local" or smaller "smoke"), in this process; its directory."""
+    overrides = tuple(local_overrides(group, variant, tiny(steps) + (f"run.root={root}",), scale_name=scale))
     config = validate(compose(f"{group}/{variant}", overrides), f"{group}/{variant}")
     code = run(config)
     if code:
@@ -57,26 +52,27 @@ def run_variant(group: str, variant: str, root: Path, steps: int) -> Path:
     return root / group / variant
 
 
-def run_group(group: str, root: Path, steps: int, baselines: dict[str, Path]) -> list[Path]:
+def run_group(group: str, root: Path, steps: int, scale: str, baselines: dict[str, Path]) -> list[Path]:
     """The group's example variants, plus its baseline variant (copied from the run of its base)."""
     spec = GROUPS[group]
     out = []
     if spec.baseline_variant is not None:
         if spec.base not in baselines:
-            baselines[spec.base] = run_variant(group, spec.baseline_variant, root / f"_baselines_{os.getpid()}", steps)
+            baselines[spec.base] = run_variant(group, spec.baseline_variant, root / f"_baselines_{os.getpid()}",
+                                               steps, scale)
         target = root / group / spec.baseline_variant
         if not target.exists():
             shutil.copytree(baselines[spec.base], target, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
         out.append(target)
     for variant in spec.example_variants:
         if variant != spec.baseline_variant:
-            out.append(run_variant(group, variant, root, steps))
+            out.append(run_variant(group, variant, root, steps, scale))
     return out
 
 
-def run_smoke(group: str, root: Path, steps: int) -> list[Path]:
+def run_smoke(group: str, root: Path, steps: int, scale: str) -> list[Path]:
     """The group's smoke variants (each adds a code path the tests train)."""
-    return [run_variant(group, variant, root, steps) for variant in GROUPS[group].smoke_variants]
+    return [run_variant(group, variant, root, steps, scale) for variant in GROUPS[group].smoke_variants]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme-plots", action="store_true",
                         help="copy each group's first plot to experiments/<group>/example.png")
     args = parser.parse_args(argv)
-    global SCALE
-    SCALE = args.scale or ("smoke" if args.smoke else "local")
+    scale = args.scale or ("smoke" if args.smoke else "local")
     steps = args.steps or (2 if args.smoke else 20)
     try:
         check_args(args, _RULES, UserError)  # else every group fails on its own line
@@ -107,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         groups = [g for g in groups if GROUPS[g].smoke_variants]
     for group in groups:
         try:
-            run_smoke(group, args.root, steps) if args.smoke else run_group(group, args.root, steps, baselines)
+            if args.smoke:
+                run_smoke(group, args.root, steps, scale)
+            else:
+                run_group(group, args.root, steps, scale, baselines)
         except Exception as e:  # noqa: BLE001 - one group's failure must not hide the others
             print(f"error: {group} failed: {' '.join(str(e).split())[:500]}", file=sys.stderr, flush=True)
             failed.append(group)

@@ -24,7 +24,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `experiments.*` impo
 
 from experiments.launcher import pod  # noqa: E402
 from experiments.launcher.local_pod import run_local_pod  # noqa: E402
-from runtime.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR,  # noqa: E402
+from runtime.errors import (EXIT_INTERRUPTED, EXIT_STORAGE, EXIT_TIMEOUT, EXIT_USER_ERROR,  # noqa: E402
                             UserError, interrupted)
 from runtime.lease import LeaseHeld  # noqa: E402
 from runtime.ranges import Rule, above, at_least, check_args, check_given, name_error, name_problem, within  # noqa: E402
@@ -44,7 +44,8 @@ _RULES: dict[str, dict[str, Rule]] = {
                   "--poll-seconds": (above(0), ""), "--storage-backoff-seconds": (at_least(0), ""),
                   "--stop-grace": (at_least(0), "0 = SIGKILL at once"), "--ship-max-mb": (above(0), "")},
     "plan": {"--jobs": (at_least(1), "compile processes"), "--slices": (at_least(1), "slices running the queue")},
-    "sweep": {"--poll-seconds": (above(0), "")},
+    "doctor": {"--port": (within(1, 65534), "the liveness port is the one above it"), "--port-wait": (above(0), ""),
+               "--checkpoint-mb": (above(0), ""), "--measure-budget": (above(10), ""), "--disk-need-gb": (at_least(0), ""), "--measure-steps": (at_least(1), "")},
     "programme": {"--max-restarts": (at_least(0), "0 = stop at the first failure"), "--poll-seconds": (above(0), ""),
                   "--backoff-seconds": (at_least(0), ""), "--stop-grace": (at_least(0), "0 = SIGKILL at once"),
                   "--create-attempts": (at_least(1), ""), "--infra-streak": (at_least(1), "")},
@@ -68,38 +69,25 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """N processes on this machine, each with M fake CPU devices, joined as one JAX pod."""
-    return run_local_pod(
-        args.processes,
-        args.devices_per_process,
-        args.overrides,
-        script=args.script,
-        port=args.port,
-        log_dir=args.log_dir,
-        extra_env=dict(args.env),
-        timeout=args.timeout,
-        grace_period=args.grace_period,
-    )
+    return run_local_pod(args.processes, args.devices_per_process, args.overrides, script=args.script, port=args.port,
+                         log_dir=args.log_dir, extra_env=dict(args.env), timeout=args.timeout,
+                         grace_period=args.grace_period)
 
 
 def _add_local(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run a multi-process CPU pod on this machine",
                        description=cmd_local.__doc__)
     p.add_argument("--processes", "-n", type=int, required=True, help="number of processes (hosts)")
-    p.add_argument("--devices-per-process", "-m", type=int, default=1,
-                   help="fake CPU devices per process (default: 1)")
+    p.add_argument("--devices-per-process", "-m", type=int, default=1, help="fake CPU devices per process (default: 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--script", default=str(REPO_ROOT / "pretrain_jax.py"),
                    help="training script (default: pretrain_jax.py at the repo root)")
-    p.add_argument("--log-dir", type=Path, default=None,
-                   help="also write each process's output to DIR/process_<i>.log")
+    p.add_argument("--log-dir", type=Path, default=None, help="also write each process's output to DIR/process_<i>.log")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment variable for every process (repeatable; on this command line, so "
-                        "export secrets instead: the processes inherit this environment)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help=f"kill everything after this many seconds (exit {EXIT_TIMEOUT})")
+                   help="extra environment variable for every process (repeatable; export secrets instead)")
+    p.add_argument("--timeout", type=float, default=None, help=f"kill all after N seconds (exit {EXIT_TIMEOUT})")
     p.add_argument("--grace-period", type=float, default=60.0,
-                   help="seconds between forwarding SIGTERM and SIGKILL on Ctrl-C/SIGTERM "
-                        "(default: 60)")
+                   help="seconds between SIGTERM and SIGKILL on Ctrl-C/SIGTERM (default: 60)")
     p.set_defaults(func=_user_errors(cmd_local))  # (defined below, with the pod commands)
 
 
@@ -137,11 +125,9 @@ def _user_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 
 @_user_errors
 def cmd_pod(args: argparse.Namespace) -> int:
-    """Run pretrain_jax.py on ALL workers of a TPU VM slice through one
-    `gcloud compute tpus tpu-vm ssh --worker=all`, with one run id shared by every worker.
-    WANDB_API_KEY (and --forward-env names) never go on a command line. Exit code: gcloud's.
-    Ctrl-C stops the run on all workers. Run ids, secrets, logs and --ship: docs/OPERATIONS.md,
-    "Launch"."""
+    """Run pretrain_jax.py on ALL workers of a TPU VM slice through one `gcloud ... ssh --worker=all`,
+    one run id for every worker; secrets never on a command line; exit code: gcloud's; Ctrl-C stops
+    the run everywhere. Run ids, secrets, logs and --ship: docs/OPERATIONS.md, "Launch"."""
     return pod.launch_pod(
         _target(args), args.overrides, repo_dir=args.repo_dir, run_id=args.run_id, log_dir=args.log_dir,
         env=dict(args.env), forward_env=args.forward_env, dry_run=args.dry_run,
@@ -153,14 +139,12 @@ def _add_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable on every worker (repeatable; value shown)")
     p.add_argument("--forward-env", action="append", default=[], metavar="NAME",
-                   help="also send this local environment variable as a secret, like WANDB_API_KEY: "
-                        "never on a command line, never printed (repeatable, e.g. HF_TOKEN)")
+                   help="also send this local variable as a secret, like WANDB_API_KEY (repeatable, e.g. HF_TOKEN)")
 
 
 def _add_ship_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ship", action="store_true",
-                   help="copy the local working tree (what `git ls-files` sees, uncommitted changes included) to "
-                        "every worker and run it there (default: the commit checked out on the workers)")
+    p.add_argument("--ship", action="store_true", help="run this working tree (uncommitted changes included) on "
+                                                        "the workers instead of their checkout")
     p.add_argument("--ship-from", type=Path, default=None, metavar="DIR",
                    help="with --ship: the git work tree to ship (default: this checkout)")
     p.add_argument("--ship-max-mb", type=float, default=pod.DEFAULT_MAX_MB,
@@ -171,27 +155,22 @@ def _add_pod(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pod", help="run pretrain_jax.py on every worker of a TPU VM slice",
                        description=cmd_pod.__doc__, epilog="Training-script overrides go after `--`.")
     _add_target(p)
-    p.add_argument("--run-id", default=None,
-                   help="fixed run id shared by all workers; a resume must match the checkpoint's (default: a new "
-                        "one, proposed: a resumed run keeps its checkpoint's)")
+    p.add_argument("--run-id", default=None, help="fixed run id (default: a new one, proposed: a resumed run keeps "
+                                                   "its checkpoint's)")
     p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
                    help="local directory for <run_id>/launch.log (default: %(default)s)")
     _add_env(p)
     p.add_argument("--interrupt-grace", type=float, default=30.0,
-                   help="on Ctrl-C: seconds between SIGTERM (checkpoint) and SIGKILL on the workers "
-                        "(default: %(default)s)")
-    p.add_argument("--leave-running", action="store_true",
-                   help="on Ctrl-C, leave the workers' processes running")
+                   help="on Ctrl-C: seconds between SIGTERM and SIGKILL on the workers (default: %(default)s)")
+    p.add_argument("--leave-running", action="store_true", help="on Ctrl-C, leave the workers' processes running")
     _add_ship_options(p)
     p.set_defaults(func=cmd_pod)
 
 
 @_user_errors
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Run `bash setup_tpu.sh` in the repo on ALL workers (one ssh --worker=all), then check
-    that every worker reports the same commit and package versions (exit 1 if not). The repo
-    must already be on every worker at --repo-dir (e.g. `git clone` once with --worker=all);
-    --git-ref fetches and checks out REF there first."""
+    """`bash setup_tpu.sh` in the repo (--repo-dir, already cloned) on ALL workers, then check that
+    all report the same commit and package versions (exit 1 if not); --git-ref checks out REF first."""
     _no_overrides(args)
     return pod.setup_pod(_target(args), repo_dir=args.repo_dir, git_ref=args.git_ref, dry_run=args.dry_run)
 
@@ -206,10 +185,8 @@ def _add_setup(sub: argparse._SubParsersAction) -> None:
 
 @_user_errors
 def cmd_stop(args: argparse.Namespace) -> int:
-    """On ALL workers: kill this login's training processes (pretrain_jax.py) and any of its
-    processes holding the TPU (/dev/accel*, /dev/vfio/*), then remove /tmp/libtpu_lockfile.
-    Prints what was killed per worker; exit 0 also when nothing was running. Use after a crash
-    or an interrupted run ("TPU already in use")."""
+    """On ALL workers: kill this login's training processes and its TPU holders, then remove the
+    libtpu lockfile; exit 0 also when nothing ran. After a crash or "TPU already in use"."""
     _no_overrides(args)
     return pod.stop_pod(_target(args), grace=args.grace, dry_run=args.dry_run, repo_dir=args.repo_dir)
 
@@ -218,17 +195,14 @@ def _add_stop(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="kill stale training processes on every worker, free the TPU",
                        description=cmd_stop.__doc__)
     _add_target(p)
-    p.add_argument("--grace", type=float, default=0.0,
-                   help="send SIGTERM first and wait this many seconds before SIGKILL (default: 0)")
+    p.add_argument("--grace", type=float, default=0.0, help="seconds between SIGTERM and SIGKILL (default: 0)")
     p.set_defaults(func=cmd_stop)
 
 
 @_user_errors
 def cmd_status(args: argparse.Namespace) -> int:
-    """Per worker: is pretrain_jax.py alive (pid, elapsed), the last step (from the newest
-    <repo>/outputs/**/metrics.jsonl, else the newest ~/podrunner-logs/*/worker-*.log), and
-    that log file. One ssh --worker=all. With --run-id of a supervised run, its supervision
-    history (restarts and causes, step progress, pod time) first, from <log-dir>/<run-id>."""
+    """Per worker: is the trainer alive (pid, elapsed), its last step and its log file. With the
+    --run-id of a supervised run, its supervision history first (from <log-dir>/<run-id>)."""
     _no_overrides(args)
     if args.run_id and not args.dry_run:
         from experiments.launcher import supervise  # here: JAX, Hydra take seconds to import
@@ -246,8 +220,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     _add_target(p)
     p.add_argument("--outputs", default="outputs",
                    help="run.root on the workers, relative to --repo-dir (default: %(default)s)")
-    p.add_argument("--run-id", default=None, help="look only at the worker logs of this launch (the id `pod` printed); "
-                                                   "a supervised run's history is shown too")
+    p.add_argument("--run-id", default=None, help="only this launch's worker logs (and a supervised run's history)")
     p.add_argument("--log-dir", type=Path, default=pod.DEFAULT_LOG_DIR,
                    help="local directory of supervised runs' records (default: %(default)s)")
     p.set_defaults(func=cmd_status)
@@ -369,13 +342,9 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 def _sweep_variants(args: argparse.Namespace) -> list[str]:
     from experiments.compose import variants  # here: it imports Hydra or JAX
-    from experiments.programme import GROUPS, GroupFileError
+    from experiments.programme import GROUPS
 
-    try:
-        known_groups = list(GROUPS)
-    except GroupFileError as e:
-        raise pod.PodError(str(e)) from e
-    if args.group not in known_groups:
+    if args.group not in GROUPS:  # (a bad group.yaml: GroupFileError, one line too)
         raise pod.PodError(f"unknown group {args.group!r}; `python experiments/launch.py list` shows the groups")
     known = variants(args.group)
     chosen = args.variants.split(",") if args.variants else known
@@ -387,75 +356,29 @@ def _sweep_variants(args: argparse.Namespace) -> list[str]:
 
 @_user_errors
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Run every variant of GROUP (or --variants), each its own run (<run.root>/<group>/<variant>).
-    --local: scaled down for this machine as one Hydra multirun (experiments/sweep.py). --tpu/--zone:
-    the variants as a programme on that one slice, named sweep-<group>-<tpu>; the same command
-    again carries a stopped sweep on. A failed variant does not stop the sweep; the exit code is 0
-    only when all completed (local: the first non-zero one). Overrides after `--` go to every
-    variant. Then: `launch.py analyze GROUP`."""
+    """Run every variant of GROUP (or --variants) scaled down on this machine, as one Hydra multirun
+    (experiments/sweep.py); each is its own run (<run.root>/<group>/<variant>). A failed variant does
+    not stop the others; the exit code is the first non-zero one. Overrides after `--` go to every
+    variant. On TPU slices: `launch.py programme submit NAME GROUP --slice TPU ...`. Then:
+    `launch.py analyze GROUP`."""
     from experiments import sweep  # here: it imports Hydra or JAX
 
-    chosen = _sweep_variants(args)
-    if not args.local and not args.tpu:
-        raise pod.PodError("say where: --local (scaled down, this machine) or --tpu NAME --zone ZONE")
-    if args.local:
-        results = [(j.run, j.code) for j in sweep.run_local(args.group, chosen, Path(args.root), args.overrides,
-                                                            dry_run=args.dry_run)]
-    elif args.dry_run:
-        if not args.zone:
-            raise pod.PodError("--tpu needs --zone")
-        results = [(variant, pod.launch_pod(pod.Target(args.tpu, args.zone, args.project),
-                                            [f"+experiment={args.group}/{variant}", *args.overrides],
-                                            repo_dir=args.repo_dir, env=dict(args.env), forward_env=args.forward_env,
-                                            dry_run=True)) for variant in chosen]
-    else:
-        return _sweep_on_tpu(args, chosen)
+    if not args.local:
+        raise pod.PodError(f"sweep runs scaled down here (--local); on a TPU slice: `launch.py programme submit "
+                           f"NAME {args.group} --slice TPU --zone ZONE ...`")
+    jobs = sweep.run_local(args.group, _sweep_variants(args), Path(args.root), args.overrides, dry_run=args.dry_run)
     if not args.dry_run:
-        print("\n".join(f"  {args.group}/{name:<20} exit {code}" for name, code in results))
-    return next((c for _, c in results if c), 0)
-
-
-def _sweep_on_tpu(args: argparse.Namespace, chosen: list[str]) -> int:
-    """The sweep as a programme of its own on the one slice (see cmd_sweep)."""
-    from experiments.launcher import controller, queue_state  # here: JAX, Hydra take seconds to import
-    from experiments.launcher.ledger import VariantState
-
-    if not (args.zone and args.accelerator_type and args.runtime_version):
-        raise pod.PodError("sweep --tpu needs --zone, and --accelerator-type and --runtime-version to re-create the "
-                           "slice after a preemption")
-    directory = Path(args.state_dir) / f"sweep-{args.group}-{args.tpu}"
-    if not (directory / "programme.json").exists():
-        sub = queue_state.Submission(
-            name=directory.name, variants=[f"{args.group}/{v}" for v in chosen], slices=[args.tpu], zone=args.zone,
-            project=args.project, accelerator_type=args.accelerator_type, runtime_version=args.runtime_version,
-            tier=args.tier, overrides=args.overrides, env=dict(args.env), forward_env=args.forward_env,
-            repo_dir=args.repo_dir, poll_s=args.poll_seconds)
-        if not _preflight(sub):
-            return EXIT_USER_ERROR
-        queue_state.State(directory).create(sub)
-    code = controller.run(directory)
-    state = queue_state.State(directory)
-    state.load()
-    records = state.ledger.variants
-    said = {name: r.verdict() if r.state == VariantState.FAILED else r.line for name, r in records.items()}
-    print("\n".join(f"  {name:<28} {r.state}" + (f": {said[name]}" if said[name] else "")
-                    for name, r in records.items()))
-    return code or (0 if all(r.state == VariantState.COMPLETED for r in records.values()) else EXIT_FAILURE)
+        print("\n".join(f"  {args.group}/{job.run:<20} exit {job.code}" for job in jobs))
+    return next((job.code for job in jobs if job.code), 0)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="run a group's variants (scaled down here as a Hydra multirun, or on a pod)",
+    p = sub.add_parser("sweep", help="run a group's variants scaled down here, as a Hydra multirun",
                        description=cmd_sweep.__doc__, epilog="Extra overrides for every variant go after `--`.")
     p.add_argument("group", metavar="GROUP")
     p.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
-    p.add_argument("--local", action="store_true", help="scaled down on this machine")
-    p.add_argument("--root", default="outputs/local", help="run.root of --local runs (default: %(default)s)")
-    p.add_argument("--tpu", default=None, help="TPU VM name (the variants supervised there, one after another)")
-    _add_slice(p)
-    p.add_argument("--poll-seconds", type=float, default=30.0, help="with --tpu: first wait while the slice is created")
-    p.add_argument("--state-dir", default=str(pod.REPO_ROOT / "outputs" / "programmes"),
-                   help="with --tpu: where the sweep's programme keeps its state (default: %(default)s)")
-    _add_env(p)
+    p.add_argument("--local", action="store_true", help="scaled down on this machine (the only place)")
+    p.add_argument("--root", default="outputs/local", help="run.root of the runs (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.set_defaults(func=cmd_sweep)
 
@@ -471,6 +394,21 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("group", metavar="GROUP")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_analyze)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from experiments import dashboard
+
+    return dashboard.main_args(args)
+
+
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    from experiments import dashboard  # light: it imports wandb only when it runs
+
+    p = sub.add_parser("dashboard", help="each group's W&B workspace and report, made or updated in place",
+                       description=dashboard.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    dashboard.add_arguments(p)
+    p.set_defaults(func=cmd_dashboard)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -491,16 +429,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parse_topology(args.topology, "--topology ")
         check_folder("--executables", args.executables, "or leave it out")
         mtbf_s = bill.parse_hours(args.mtbf) if args.mtbf else None
-        calibration = calibrate.calibrate(Path(args.calibrate_from)) if args.calibrate_from else None
+        source = Path(args.calibrate_from) if args.calibrate_from else None
+        calibration = None if source is None else calibrate.from_doctor(
+            source, allow_platform_mismatch=args.allow_platform_mismatch) if source.is_file() else calibrate.calibrate(source)
         jobs = [planner.Job(g, v, tuple(args.overrides)) for g in groups_named(args.groups) for v in variants(g)]
         rows = planner.Planner(args.topology, Path(args.cache_dir or planner.CACHE_DIR), workers=args.jobs).plan(jobs)
+        if calibration is not None:  # what moved, said above the table
+            from experiments.compose import family
+
+            print("\n".join(calibrate.moved(bill.FIGURES, calibration.figures)
+                             + calibrate.scale_steps(rows, calibration, args.topology, family)) or
+                  "calibrated: no figure moved", flush=True)
         ahead = planner.keep_ahead(jobs, rows, args.topology, args.executables, workers=args.jobs,
                                    progress=lambda line: print(line, file=sys.stderr, flush=True),
                                    cache_root=Path(args.cache_dir or planner.CACHE_DIR)) if (
             args.executables) else frozenset()
         programme = price.price_programme(
             rows, calibration.figures if calibration else bill.FIGURES, mtbf_s=mtbf_s, slices=args.slices,
-            resident=args.resident, ahead=ahead, compiles=calibration.program_startup if calibration else {})
+            ahead=ahead, compiles=calibration.program_startup if calibration else {})
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -508,10 +454,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
         + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
         + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
-        + (["--executables", args.executables] if args.executables else []) + (["--resident"] if args.resident else [])
+        + (["--allow-platform-mismatch"] if args.allow_platform_mismatch else [])
+        + (["--executables", args.executables] if args.executables else [])
         + (["--", *args.overrides] if args.overrides else []))
     try:
-        text = report.markdown(programme, args.topology, command, args.calibrate_from or "")  # prices the high end too
+        ledger = args.calibrate_from if source is not None and not source.is_file() else ""  # a doctor file has no compiles
+        text = report.markdown(programme, args.topology, command, ledger)  # prices the high end too
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -535,8 +483,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mtbf", default=None, metavar="DURATION",
                    help="price preemptions at one per this much paid time, e.g. 8h (default: none)")
     p.add_argument("--slices", type=int, default=1, help="slices running the queue: the wall-clock days (default 1)")
-    p.add_argument("--calibrate-from", default=None, metavar="STATE_DIR",
-                   help="a programme's state directory: the start-up figures from its ledger's medians")
+    p.add_argument("--calibrate-from", default=None, metavar="STATE_DIR|FILE",
+                   help="a programme's state directory (the start-up figures from its ledger's medians), or a "
+                        "`launch.py doctor` file (its measured figures, and its step times scale the estimates)")
+    p.add_argument("--allow-platform-mismatch", action="store_true",
+                   help="with --calibrate-from FILE: use figures measured on CPU workers for a TPU topology")
     p.add_argument("--csv", default=None, help="CSV file (default: outputs/plan/<groups>_<topology>.csv)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="compile in this many processes (default: %(default)s)")
@@ -544,10 +495,84 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--executables", default=None, metavar="FOLDER",
                    help="also keep every planned program compiled for the topology in FOLDER (local or gs://), "
                         "for runs given run.executables=FOLDER to read instead of compiling; priced so")
-    p.add_argument("--resident", action="store_true",
-                   help="price a variant after another on its slice as handed to its resident trainers, as a "
-                        "programme submitted with --resident runs (default: every start cold)")
     p.set_defaults(func=cmd_plan)
+
+
+@_user_errors
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Before anything else on a slice: on every worker (one ssh --worker=all, as `pod`), check the
+    software (the same everywhere), the TPU (its devices, no process holding it, no stale lockfile,
+    HBM), the ports between workers, the metadata server, jax.distributed and an all-reduce, the
+    bucket, W&B, the maintenance endpoint and the disk; measure runtime_init and, for the variants
+    given, compiles, step time, a save and a restore in short runs. One verdict line per check and
+    worker, a summary table, and --out (JSON; `plan --calibrate-from` reads it). Exit 0 only when
+    every check passed, 10 otherwise; what to do for each failure: docs/SETUP.md, "Your first slice"."""
+    import shlex
+
+    from experiments import doctor
+    from experiments.launcher.worker.doctor_checks import GROUPS, Spec
+
+    only = [g for g in (args.only or ",".join(GROUPS)).split(",") if g]
+    unknown = [g for g in only if g not in GROUPS]
+    if unknown:
+        raise pod.PodError(f"--only {unknown[0]}: not a check; give some of {','.join(GROUPS)}")
+    if args.bucket and not args.bucket.startswith("gs://"):
+        raise pod.PodError(f"--bucket {args.bucket}: give a gs://BUCKET[/PREFIX] URL")
+    variants = doctor.variant_overrides(args.variants, args.overrides, args.programme)
+    scratch = "doctor-" + pod.new_run_id()
+    spec = Spec(only=only, port=args.port, liveness_port=args.liveness_port, port_wait=args.port_wait,
+                scratch=scratch, bucket=args.bucket, checkpoint_mb=args.checkpoint_mb, disk_need_gb=args.disk_need_gb,
+                variants=variants, measure_steps=args.measure_steps,
+                measure_budget=args.measure_budget, measure_root=args.measure_root, allreduce_mb=_sizes(args.allreduce_mb))
+    target = _target(args)
+    _, secret = pod.remote_env({}, [], os.environ)
+    if args.dry_run:
+        print(shlex.join(pod.gcloud.ssh_argv(target, doctor.doctor_command(args.repo_dir, spec, None))))
+        return 0
+    out = args.out or Path("outputs/doctor") / f"{args.tpu}-{scratch[len('doctor-'):]}.json"
+    return doctor.run_doctor(target, spec, repo_dir=args.repo_dir, out_file=out, secret_env=secret,
+                             command=" ".join(["python experiments/launch.py doctor --tpu", args.tpu, "--zone", args.zone,
+                                               *(["--bucket", args.bucket] if args.bucket else []),
+                                               *(["--only", args.only] if args.only else []), *args.variants]))
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        raise pod.PodError(f"--allreduce-mb {text}: give sizes in MB above 0, e.g. 1,16,64")
+    return sizes
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check every worker of a slice and measure the plan's figures there",
+                       description=cmd_doctor.__doc__, epilog="Overrides for every measured variant go after `--`.")
+    _add_target(p)
+    p.add_argument("variants", nargs="*", metavar="+experiment=G/V", help="variants to measure (short runs)")
+    p.add_argument("--programme", type=Path, default=None, metavar="DIR",
+                   help="measure a programme's variants (its state directory)")
+    p.add_argument("--bucket", default=None, metavar="gs://...", help="check it from every worker (a scratch "
+                   "prefix, deleted)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="the JSON file (default: outputs/doctor/<tpu>-<time>.json)")
+    p.add_argument("--only", default=None, metavar="CHECKS", help="comma-separated checks (default: all)")
+    p.add_argument("--port", type=int, default=8482, help="distributed.port (default: %(default)s)")
+    p.add_argument("--liveness-port", type=int, default=None, help="distributed.liveness_port (default: port + 1)")
+    p.add_argument("--port-wait", type=float, default=60.0,
+                   help="seconds the workers wait for each other (late workers; default: %(default)s)")
+    p.add_argument("--checkpoint-mb", type=float, default=64.0, help="the timed object's size (default: %(default)s)")
+    p.add_argument("--disk-need-gb", type=float, default=10.0,
+                   help="free disk a worker needs: a checkpoint and the dataset (default: %(default)s)")
+    p.add_argument("--measure-steps", type=int, default=4, help="steps of each short run (default: %(default)s)")
+    p.add_argument("--measure-budget", type=float, default=900.0,
+                   help="seconds each variant's two short runs may take (default: %(default)s)")
+    p.add_argument("--measure-root", default=None, metavar="FOLDER",
+                   help="the short runs' run.root, one folder every worker sees (default: <bucket>/<scratch>/runs)")
+    p.add_argument("--allreduce-mb", default="1,16,64", metavar="SIZES",
+                   help="the timed all-reduces' sizes per device, MB (default: %(default)s)")
+    p.set_defaults(func=cmd_doctor)
 
 
 # --- the whole programme, unattended (experiments/launcher/queue_state.py, controller.py) ----------------
@@ -574,10 +599,13 @@ def cmd_programme(args: argparse.Namespace) -> int:
         state = queue_state.State(directory)
         state.load(args.mirror)
         if args.verb == "status":
-            sys.stdout.write(queue_status.text(state.sub, state.ledger))
+            from experiments import dashboard
+
+            links = dashboard.links(directory)  # W&B pages: with submit --dashboards
+            sys.stdout.write(queue_status.text(state.sub, state.ledger, links=links))
             page = Path(args.html) if args.html else directory / "status.html"
             try:
-                write_text(page, queue_status.page(state.sub, state.ledger), "status page")
+                write_text(page, queue_status.page(state.sub, state.ledger, links=links), "status page")
             except StateWriteError as e:
                 raise StateWriteError(page, e.error, "status page", also="or give --html a writable path (the "
                                                                         "table is above)") from None
@@ -586,10 +614,12 @@ def cmd_programme(args: argparse.Namespace) -> int:
         if args.verb in (Verb.RETRY, Verb.SKIP) and args.variant not in state.ledger.variants:
             raise UserError(f"programme {args.name} has no variant {args.variant!r}; `programme status {args.name}` "
                             "lists them")
+        release, slices = queue_state.stop_choice(state.sub, getattr(args, "release", None)) if (
+            args.verb == Verb.STOP) else (None, "")
         state.command(Verb(args.verb), getattr(args, "variant", None), getattr(args, "hours", None),
-                      mirror=args.mirror)
+                      mirror=args.mirror, release=release)
         what = " ".join(str(x) for x in (args.verb, getattr(args, "variant", None), getattr(args, "hours", None)) if x)
-        print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs")
+        print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs{slices}")
         return 0
     except LeaseHeld as e:
         print(f"error: another controller runs programme {args.name}: {e}", file=sys.stderr)
@@ -650,6 +680,7 @@ def _preflight(sub) -> bool:
 
 
 def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
+    from experiments import dashboard
     from experiments.launcher import controller, queue_state  # here: JAX, Hydra take seconds to import
 
     state = queue_state.State(directory)
@@ -675,12 +706,15 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
         queued=args.queued, budget=args.budget, planned=planned, overrides=args.overrides, env=dict(args.env),
         forward_env=args.forward_env, repo_dir=args.repo_dir, clone_url=args.clone_url, mirror=args.mirror,
         max_restarts=args.max_restarts, poll_s=args.poll_seconds, backoff_s=args.backoff_seconds,
-        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak,
-        resident=args.resident)
+        stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
+    sub.data_on_every_slice = args.data_on_every_slice
     queue_state.check_run_ids(sub)
     if not _preflight(sub):
         return EXIT_USER_ERROR
+    views = dashboard.programme_settings(controller.Alerts.runs_wandb(sub)) if args.dashboards else None
     state.create(sub)  # a write that fails: exit 6, nothing left half-submitted
+    if views:  # each group's W&B workspace and report, made when its first variant starts
+        dashboard.opt_in(directory, views)
     return controller.run(directory, args.mirror) if args.run else 0
 
 
@@ -717,17 +751,27 @@ def _add_programme(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--stop-grace", type=float, default=30.0)
     q.add_argument("--create-attempts", type=int, default=3,
                    help="refused creates in a row before a variant gives its slice up (default: %(default)s)")
-    q.add_argument("--resident", action="store_true",
-                   help="a variant after another on its slice runs in the resident trainers the one before left "
-                        "(experiments/launcher/worker/resident.py; default: every variant in fresh trainer processes)")
     q.add_argument("--infra-streak", type=int, default=3,
                    help="the same infrastructure failure ending this many variants in a row stops the controller "
                         "(default: %(default)s)")
+    q.add_argument("--data-on-every-slice", action="store_true",
+                   help="with --spot: the variants' data paths on the workers' disks are on every slice the programme "
+                        "creates (its boot image or setup puts them there; default: refused, as a slice re-created "
+                        "after a preemption has empty disks)")
     q.add_argument("--run", action="store_true", help="then run the controller here")
+    q.add_argument("--dashboards", action="store_true",
+                   help="make each group's W&B workspace and report when its first variant starts (needs the runs "
+                        "online and a key); status links them")
     for verb, text in (("run", "run the controller (until nothing is left; again to carry on)"),
                        ("status", "the table, and the status page with its picture"),
-                       ("stop", "the running variants checkpoint, the controller ends")):
+                       ("stop", "the running variants stop (each saves its step within --stop-grace), the "
+                                "controller ends, and the slices are deleted or kept (--release / --keep)")):
         common(verbs.add_parser(verb, help=text))
+    choice = verbs.choices["stop"].add_mutually_exclusive_group()
+    choice.add_argument("--release", dest="release", action="store_const", const=True, default=None,
+                        help="then delete the slices (the default when every variant's checkpoints are on gs://)")
+    choice.add_argument("--keep", dest="release", action="store_const", const=False,
+                        help="keep the slices READY, billing (the default when checkpoints are on the workers' disks)")
     verbs.choices["status"].add_argument("--html", default=None, help="the page (default: <state>/status.html)")
     common(verbs.add_parser("repair", help="a state directory with a damaged file: restore it from the mirror "
                                            "(--mirror, or programme.json's); what was in the way is kept beside it"))
@@ -764,13 +808,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_list(sub)
     _add_sweep(sub)
     _add_analyze(sub)
+    _add_dashboard(sub)
     _add_plan(sub)
+    _add_doctor(sub)
     _add_programme(sub)
     return parser
 
 
 # Options that take a path or a name: the empty string names nothing (as a path, the working directory).
-_NAMED = ("--accelerator-type", "--cache-dir", "--calibrate-from", "--clone-url", "--csv", "--git-ref", "--html",
+_NAMED = ("--accelerator-type", "--bucket", "--cache-dir", "--calibrate-from", "--clone-url", "--csv", "--git-ref", "--html",
           "--log-dir", "--mirror", "--outputs", "--plan", "--project", "--queued-resource", "--repo-dir", "--root",
           "--run-id", "--runtime-version", "--script", "--ship-from", "--slice", "--state-dir", "--topology", "--tpu",
           "--zone")

@@ -1,16 +1,9 @@
 """The experiment programme (docs/EXPERIMENTS.md) as data: one folder per group.
 
-A group is its folder `experiments/<group>/`: `group.yaml` (what it studies, its baseline
-variant, how its analysis plots it, which variants the tests run) beside its `README.md`; its
-variants are the files `conf/experiment/<group>/<variant>.yaml`. What each variant changes is
-computed by composing them (`experiments/compose.py`), never restated here.
-
-`GROUPS` maps each group's name to its `Group`, loaded from the folders on first use; a bad
-group.yaml raises `GroupFileError` (one line naming the file and the fix).
-
-Plot axes: ``params`` (parameter count), ``step``, ``variant`` (one bar per variant), or a
-config key such as ``arch.hidden``. Plot values: any metric in metrics.jsonl (the last value,
-or the whole curve when x is ``step``).
+A group is `experiments/<group>/group.yaml` (what it studies, its baseline variant, its plots,
+the variants the tests run); its variants are `conf/experiment/<group>/<variant>.yaml`, and what
+each changes is composed (`experiments/compose.py`), never restated here. `GROUPS` loads them on
+first use; a bad group.yaml raises `GroupFileError` (one line naming the file and the fix).
 """
 
 from __future__ import annotations
@@ -72,8 +65,8 @@ class GroupFileError(UserError):
 
 @dataclass(frozen=True)
 class Plot:
-    y: str  # metric key, e.g. "eval/exact_accuracy"
-    x: str  # "params" | "step" | "variant" | a config key ("arch.hidden")
+    y: str  # a metric key, e.g. "eval/exact_accuracy": its last value, or its curve when x is "step"
+    x: str  # "params" | "step" | "variant" (a bar each) | a config key ("arch.hidden")
     log_x: bool = False
     title: str = ""
 
@@ -109,9 +102,8 @@ _NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
 
 def natural_key(name: str) -> tuple:
-    """The sort key of a name with numbers in it, the numbers by value (hidden256 < hidden1024,
-    lr0.5 < lr2; a number before text). Names whose numbers are equal in value (x01, x1) go by
-    their text, so that the order never depends on the order they were found in."""
+    """Numbers by value (hidden256 < hidden1024, lr0.5 < lr2), then the text (x01 < x1), so the order
+    never depends on the order names were found in."""
     return tuple((0, float(t), "") if _NUMBER.fullmatch(t) else (1, 0.0, t) for t in _NUMBER.split(name) if t), name
 
 
@@ -199,8 +191,8 @@ def load_groups(root: Path | None = None) -> dict[str, Group]:
 
 
 class _Groups(MutableMapping):
-    """GROUPS: loaded from the folders on first use (so a bad file is reported by the command
-    that needs it, as one `error:` line, not as a traceback at import)."""
+    """GROUPS, loaded on first use: a bad file is one `error:` line of the command that needs it, not
+    a traceback at import."""
 
     def __init__(self) -> None:
         self._groups: dict[str, Group] | None = None
@@ -233,8 +225,7 @@ GROUPS: MutableMapping[str, Group] = _Groups()
 
 
 def groups_named(names: list[str]) -> list[str]:
-    """The groups `names` names (none, or `all`: every group); a name of none is one UserError line
-    (a bad group.yaml: GroupFileError)."""
+    """The groups `names` names (none, or `all`: every group); an unknown one is a UserError."""
     known = list(GROUPS)
     unknown = [g for g in names if g not in known and names != ["all"]]
     if unknown:

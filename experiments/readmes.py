@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments.dashboard import family
+from experiments.dashboard import view_name as dashboard_name
 from experiments.programme import EXPERIMENTS_DIR, GROUPS, WANDB_KEYS, Group, GroupFileError, Plot, variant_files
 from runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR
 
@@ -43,10 +45,6 @@ POD_OVERRIDES = {
               ' "run.checkpoint.dir=gs://$BUCKET/runs/\\${hydra:runtime.choices.experiment}"',),
 }
 GEMMA_V4_64 = "mesh.data=-1 mesh.fsdp=8 train.global_batch_size=64"  # the layout of gemma_sft/gemma2b_full_v4_64
-
-
-def family(group: Group) -> str:
-    return "gemma" if group.base.startswith("gemma") else "trm"
 
 
 def check_facts(group: Group) -> None:
@@ -155,8 +153,9 @@ def render(group: Group, plan: dict[str, Any]) -> str:
         "\n".join(plan_cmds),
         f["plan_note"],
         f"**Run {g} on a {topology}**{' (on a v4-64 add `' + GEMMA_V4_64 + '`)' if fam == 'gemma' else ''}: "
-        f"every variant, one pod run after another, or one variant:",
-        f"    python experiments/launch.py sweep {g} --tpu $TPU --zone $ZONE -- {overrides}\n"
+        f"every variant, one supervised pod run after another (a programme of one group), or one variant:",
+        f"    python experiments/launch.py programme submit {g} {g} --slice $TPU --zone $ZONE --accelerator-type "
+        f"{topology} --runtime-version tpu-ubuntu2204-base --run -- {overrides}\n"
         f"    python experiments/launch.py pod --tpu $TPU --zone $ZONE -- +experiment={g}/{one} {overrides}",
         cost_line(group, plan),
         f"**Run {g} scaled down here**, every variant on this machine's CPU under `outputs/local/{g}/`:",
@@ -166,6 +165,10 @@ def render(group: Group, plan: dict[str, Any]) -> str:
         f"logs ([docs/EXPERIMENTS.md](../../docs/EXPERIMENTS.md#what-to-watch-in-wb)), "
         + ("this group's own, or what a common key shows here:" if own else "it has none of its own."),
         *(["\n".join(own)] if own else []),
+        f"**Open {g}'s dashboard:** `python experiments/launch.py dashboard {g}` makes (or updates in place) a saved "
+        f"W&B workspace `{dashboard_name(group, None)}` and a report of the same name, with these keys, the primary metric per "
+        f"variant and the plots below as live panels, and prints both links; `--dry-run` writes their specs under "
+        f"`<root>/{g}/analysis/` instead ([docs/SETUP.md](../../docs/SETUP.md#weights--biases)).",
         f"**Analyse {g}**, from W&B or from the local runs, into `<root>/{g}/analysis/{g}.md`: a row per run with "
         f"{', '.join(f'`{m}`' for m in (group.primary, *group.extra_metrics))} and the step that reached {group.target:g}; "
         f"then its plots:",

@@ -3,16 +3,12 @@
     pretrain_jax.py -m hydra.searchpath=[file://<root>/sweeps/scaled] \
         +experiment=local/<group>/<v1>,local/<group>/<v2>,... run.group=<group> run.root=<root> [overrides]
 
-Each variant's scaled-down settings differ (a variant that changes a scaled key keeps its ratio;
-experiments/compose.py), and Hydra's sweeper only takes the same overrides for every job; so
-each `local/<group>/<variant>` is a small generated experiment file (the variant plus its local
-settings, `compose.local_experiment`) under `<root>/sweeps/scaled/experiment/`, and the sweep
-is over those. The run is still named after the variant (`<root>/<group>/<variant>`).
+Each variant's scaled-down settings differ and Hydra's sweeper takes the same overrides for every
+job, so each `local/<group>/<variant>` is a generated experiment file (`compose.local_experiment`)
+under `<root>/sweeps/scaled/experiment/`; the run is still `<root>/<group>/<variant>`.
 
-A failed job ends the multirun (pretrain_jax.py exits at once on a failure); the sweep then
-starts a new multirun with the variants after it, so one failure does not stop the others.
-Each job's exit code is read from its run_manifest.json (the process's code for a job that
-died before writing one).
+A failed job ends the multirun, so the sweep starts a new one with the variants after it. Each
+job's exit code is its run_manifest.json's (the process's for a job that died before writing one).
 """
 
 from __future__ import annotations

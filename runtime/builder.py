@@ -77,8 +77,7 @@ def plan_and_build(config: Config, *, devices, num_processes: int, shape: DataSh
 def planned_steps(config: Config, *, devices, num_processes: int):
     """(config with its compute dtype resolved for `devices`, plan, mesh, steps, abstract batch, data
     shape): a fresh run's steps from its config alone, the dataset described by its planned shape
-    (no arrays read). What the plan compiles for a topology and a resident trainer compiles ahead
-    for its next job (experiments/launcher/worker/resident.py)."""
+    (no arrays read). What the plan compiles for a topology."""
     config = resolve_compute_dtype(config, devices[0].platform)
     data = dataset_kind(config.data.name).planned_shape(config.data, config)
     plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=num_processes, shape=data)
@@ -118,7 +117,7 @@ def curriculum_stages(config: Config, total_steps: int, steps: Steps, build: Cal
 def curriculum_metrics(config: Config, step: int, total_steps: int) -> dict[str, float]:
     """The scheduled values in use at `step` (logged beside the train metrics)."""
     c = config.curriculum
-    out = {}
+    out: dict[str, float] = {}
     if c.H_cycles.on or c.L_cycles.on:
         out["train/H_cycles"], out["train/L_cycles"] = cycles_at(config, step, total_steps)
     if c.halt_exploration_prob.on:
@@ -145,7 +144,7 @@ def load_run_params(checkpoint_dir: str, step: int | None = None) -> tuple[Confi
             saved.arch[family.pretrained] = None
         saved.arch = OmegaConf.merge(OmegaConf.structured(family.schema), saved.arch)
         config = validate(saved)
-        vocab = getattr(config.arch, "vocab_in_use", None) or getattr(config.arch, "vocab_size", 1)  # not padding
+        vocab = getattr(config.arch, "vocab_in_use", 0) or getattr(config.arch, "vocab_size", 1)  # not padding
         shape = DataShape(examples=int(meta["data_position"]["train_examples"]), vocab_size=vocab, seq_len=8)
         _, _, steps = plan_and_build(config, devices=jax.devices(), num_processes=jax.process_count(), shape=shape,
                                      init_states=meta.get("init_states"))

@@ -27,7 +27,7 @@ import os
 import re
 import time
 import zlib
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import fsspec
 import jax
@@ -66,7 +66,7 @@ class CorruptStep(UserError):
                          "step, or restore this one from a backup")
 
 
-def is_access_error(e: BaseException) -> bool:
+def is_access_error(e: BaseException | None) -> bool:
     """True when `e` (or its cause) is a failure to reach or read the storage, not bad content."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
@@ -79,7 +79,7 @@ def is_access_error(e: BaseException) -> bool:
     return False
 
 
-def damage_sign(e: BaseException) -> str | None:
+def damage_sign(e: BaseException | None) -> str | None:
     """What in `e` (or its causes) says the files are damaged or missing ("OUT_OF_RANGE",
     "JSONDecodeError"); None when nothing does."""
     seen: set[int] = set()
@@ -96,9 +96,9 @@ def damage_sign(e: BaseException) -> str | None:
 def innermost(e: BaseException) -> str:
     """The root cause's message, on one line (Orbax wraps tensorstore's precise one in pages of spec)."""
     seen: set[int] = set()
-    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+    while (inner := e.__cause__ or e.__context__) is not None and id(e) not in seen:
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        e = inner
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -286,10 +286,10 @@ class Checkpoints:
             except UserError as e:
                 value, error = None, e
             error = self._agree(step, error)
-            if error is None:
+            if error is None:  # only when this process's read succeeded: value is read(step)'s
                 for corrupt in failed:
                     self.quarantine(corrupt.step, corrupt.problem)
-                return step, value
+                return step, cast(T, value)
             if not isinstance(error, CorruptStep):
                 raise error
             failed.append(error)

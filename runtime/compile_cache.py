@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -58,10 +58,10 @@ def _on_event(event: str, **_: object) -> None:
             _counts[event] += 1
 
 
-def _on_span(event: str, start: float, end: float, **_: object) -> None:
+def _on_span(event: str, start_time: float, end_time: float, **_: str | int) -> None:
     timing = _watched["timing"]
     if timing is not None and event in COMPILE_SPANS and threading.get_ident() == _watched["thread"]:
-        timing.compiled(start, end)
+        timing.compiled(start_time, end_time)
 
 
 def _listen() -> None:
@@ -100,8 +100,8 @@ def resolve(setting: str | None, checkpoint_dir: str, run_root: str) -> tuple[st
         return None, "run.compile_cache=null"
     if setting != AUTO:
         return setting if "://" in setting else os.path.abspath(setting), "run.compile_cache"
-    current = jax.config.jax_compilation_cache_dir
-    if current and jax.config.jax_enable_compilation_cache:
+    current, enabled = _in_use()
+    if current and enabled:
         return current, "run.compile_cache=auto: this process's JAX setting (JAX_COMPILATION_CACHE_DIR)"
     if checkpoint_dir.startswith("gs://"):
         bucket = checkpoint_dir[len("gs://"):].split("/", 1)[0]
@@ -114,7 +114,7 @@ def configured(setting: str | None, checkpoint_dir: str, run_root: str) -> Itera
     """The run's cache in use while inside (see the module docstring); yields its folder (None: off).
     A local folder that cannot be created is one line (UserError), before anything compiles."""
     path, why = resolve(setting, checkpoint_dir, run_root)
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    before = _in_use()
     after = (before[0], False) if path is None else (path, True)
     if path is not None and "://" not in path:
         try:
@@ -138,12 +138,18 @@ def off() -> Iterator[None]:
     """No persistent cache while inside: every compile is a compile. (An executable that JAX read
     back from its cache does not serialize whole on every backend: on CPU the copy lacks its
     compiled functions, so runtime/executables.py keeps only fresh compiles.)"""
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    before = _in_use()
     _use(before[0], False)
     try:
         yield
     finally:
         _use(*before)
+
+
+def _in_use() -> tuple[str | None, bool]:
+    """(folder, enabled): the process's cache setting now."""
+    options: Any = jax.config  # its options are attributes it makes at run time: no types for them
+    return options.jax_compilation_cache_dir, options.jax_enable_compilation_cache
 
 
 def _use(path: str | None, enabled: bool) -> None:

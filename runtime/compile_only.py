@@ -22,6 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import jax
 
@@ -57,7 +58,7 @@ class TpuGeneration:
     @property
     def peak_flops(self) -> float:
         """Peak dense bf16 FLOP/s per chip (runtime.perf's table, the one the run's MFU uses)."""
-        return peak_flops_for_kind(self.device_kind)
+        return cast(float, peak_flops_for_kind(self.device_kind))  # every TPU in TOPOLOGIES is in its table
 
 
 # ICI bandwidth, from the Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/<v>):
@@ -275,7 +276,7 @@ def estimate_step(compiled: CompiledStep, gen: TpuGeneration, model_flops: float
     own_s = None if compiled.optimal_s is None else max(0.0, compiled.optimal_s - compiled.kernel_once_s)
     if compiled.stopped:
         compute, source = None, "none: the step does not fit"
-    elif compiled.optimal_s is None:
+    elif own_s is None:  # no optimal_s
         compute, source = None, "none: XLA's cost analysis gave no usable optimal_seconds"
     elif not compiled.has_loops:
         compute, source = own_s + kernel_s, "XLA optimal_seconds of the compiled step (no loops)"
@@ -335,7 +336,7 @@ def _report_flops(row, compiled: CompiledStep, formula: float | None, unrolled: 
 
 
 def _report_estimate(row, est: StepEstimate, compiled: CompiledStep, gen: TpuGeneration) -> None:
-    if est.total_s is None:
+    if est.total_s is None or est.compute_s is None:  # both or neither
         row("step_time", f"no estimate ({est.compute_from})")
         return
     row("step_time", f"{_seconds(est.total_s)} per step (estimate) = compute {_seconds(est.compute_s)} "
@@ -357,7 +358,8 @@ def topology_report(config: Config, row) -> TopologyReport:
     `row(key, value)` as it is known; the figures as a `TopologyReport`."""
     from runtime.builder import plan_and_build  # a cycle: runtime/builder.py imports this module
 
-    gen, shape, devices = topology_devices(config.compile_only)
+    topology = cast(str, config.compile_only)  # this runs for a config that names one
+    gen, shape, devices = topology_devices(topology)
     config = resolve_compute_dtype(config, devices[0].platform)  # "auto": the TPU's, not this host's
     hosts = len({d.process_index for d in devices})
     data = dataset_kind(config.data.name).planned_shape(config.data, config)
@@ -381,7 +383,7 @@ def topology_report(config: Config, row) -> TopologyReport:
         row("compile_s", f"{compiled.compile_s:.1f} (XLA stopped at its memory check)")
         row("arguments", f"{_size(compiled.memory['arguments'])} per chip (state + batch shards)")
         row("total", f"{compiled.total_bytes / GiB:.2f} GiB per chip (XLA's estimate) of {compiled.hbm_bytes / GiB:.2f} GiB HBM")
-        return TopologyReport(config.compile_only, gen, len(devices), hosts, compiled, formula, None, None,
+        return TopologyReport(topology, gen, len(devices), hosts, compiled, formula, None, None,
                               estimate_step(compiled, gen, formula))
     row("compile_s", f"{compiled.compile_s:.1f}")
     for key, _ in MEMORY_FIELDS:
@@ -398,7 +400,7 @@ def topology_report(config: Config, row) -> TopologyReport:
                                  "(no loops, no remat), for comparison with step_time's compute")
     for kind, (ops, nbytes) in compiled.collectives.items():
         row(kind, f"{ops} ops, {_size(nbytes)} per chip per step (every loop iteration counted)")
-    return TopologyReport(config.compile_only, gen, len(devices), hosts, compiled, formula, unrolled_flops, unrolled_s,
+    return TopologyReport(topology, gen, len(devices), hosts, compiled, formula, unrolled_flops, unrolled_s,
                           estimate)
 
 

@@ -23,7 +23,7 @@ import operator
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -411,11 +411,12 @@ def _check_no_added_keys(node: DictConfig, where: str) -> None:
     schema = OmegaConf.get_type(node)
     known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     for key in node.keys():
-        path = f"{where}.{key}" if where else str(key)
+        path = f"{where}.{key!s}" if where else str(key)
         if known is not None and key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"did you mean {where + '.' if where else ''}{close[0]}?" if close else f"settings: {sorted(known)}"
-            raise UserError(f"unknown config key {path}: {schema.__name__} has no such setting; {hint}")
+            name = cast(type, schema).__name__  # a dataclass: `known` is its fields
+            raise UserError(f"unknown config key {path}: {name} has no such setting; {hint}")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
             _check_no_added_keys(child, path)
@@ -442,9 +443,9 @@ def validate(cfg: DictConfig, experiment: Optional[str] = None, sweep_job: Optio
     schema = OmegaConf.structured(Config)
     schema.arch = OmegaConf.structured(OmegaConf.get_type(arch))
     try:
-        merged = OmegaConf.merge(schema, cfg)  # unknown keys and wrong types fail here
+        merged = cast(DictConfig, OmegaConf.merge(schema, cfg))  # unknown keys and wrong types fail here
         _check_no_added_keys(merged, "")
-        config: Config = OmegaConf.to_object(merged)
+        config = cast(Config, OmegaConf.to_object(merged))
     except UserError:
         raise
     except Exception as e:  # omegaconf's errors are multi-line; say it in one, naming the key
@@ -609,7 +610,7 @@ def resolve_compute_dtype(config: Config, platform: str, saved_arch: Optional[di
 def to_dict(config: Config) -> dict[str, Any]:
     """The resolved config as plain data (for W&B, the manifest, checkpoint snapshots); enum
     options as their names (plain strings)."""
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True)
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(config), resolve=True, enum_to_str=True))
 
 
 @dataclass(frozen=True)
@@ -672,7 +673,7 @@ def run_dirs(config: Config) -> tuple[str, str]:
     return output_dir, config.run.checkpoint.dir or f"{output_dir}/checkpoints"
 
 
-def _every(steps: int, epochs: Optional[float], steps_per_epoch: int, total_steps: int) -> int:
+def _every(steps: int, epochs: Optional[float], steps_per_epoch: float, total_steps: int) -> int:
     """A cadence in steps: from epochs when given (at least 1 step), else steps; 0 = only at the end."""
     if epochs:
         return max(1, round(epochs * steps_per_epoch))
@@ -687,7 +688,8 @@ def ramp_value(ramp: RampConfig, step, total_steps: int):
     progress = xp.clip(xp.asarray(step, xp.float32) / span, 0.0, 1.0)
     if ramp.shape == "cosine":
         progress = 0.5 * (1.0 - xp.cos(xp.pi * progress))
-    return ramp.start + (ramp.end - ramp.start) * progress
+    start, end = cast(float, ramp.start), cast(float, ramp.end)  # callers ask ramps that are on: both set
+    return start + (end - start) * progress
 
 
 def cycles_at(config: Config, step: int, total_steps: int) -> tuple[int, int]:
@@ -702,7 +704,8 @@ def cycles_at(config: Config, step: int, total_steps: int) -> tuple[int, int]:
 
 def planned_steps(steps: Optional[int], epochs: Optional[float], steps_per_epoch: float) -> int:
     """The run's total optimizer steps: train.steps, else train.epochs worth of steps (at least 1)."""
-    return steps if steps is not None else max(1, math.ceil(epochs * steps_per_epoch - 1e-9))
+    # validate() requires exactly one of steps and epochs
+    return steps if steps is not None else max(1, math.ceil(cast(float, epochs) * steps_per_epoch - 1e-9))
 
 
 def derive(config: Config, *, num_processes: int, num_devices: int, train_examples: int,
@@ -721,8 +724,9 @@ def derive(config: Config, *, num_processes: int, num_devices: int, train_exampl
             f"train.global_batch_size={t.global_batch_size} does not divide over data x fsdp = {batch_shards} "
             f"devices; use a multiple of {batch_shards}"
         )
-    if t.grad_accum_steps > 1 and t.global_batch_size % (t.grad_accum_steps * batch_shards):
-        raise UserError(micro_batch_error({"global batch": t.global_batch_size}, t.grad_accum_steps, batch_shards))
+    if t.grad_accum_steps > 1 and (problem := micro_batch_error({"global batch": t.global_batch_size},
+                                                                 t.grad_accum_steps, batch_shards)):
+        raise UserError(problem)
     if t.global_batch_size % num_processes:
         raise UserError(
             f"train.global_batch_size={t.global_batch_size} does not divide over {num_processes} processes"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping, cast
 
 import jax
 import numpy as np
@@ -33,7 +33,8 @@ def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     one contiguous block of rows; `jax.make_array_from_process_local_data` takes the rows of
     all local shards concatenated in this order.
     """
-    index_map = sharding.addressable_devices_indices_map((global_batch,))
+    # a NamedSharding gives each of its devices a slice (JAX's None is for devices it leaves out)
+    index_map = cast(Mapping[Any, tuple[slice, ...]], sharding.addressable_devices_indices_map((global_batch,)))
     blocks = sorted({(ix[0].start or 0, global_batch if ix[0].stop is None else ix[0].stop) for ix in index_map.values()})
     return np.concatenate([np.arange(a, b) for a, b in blocks])
 

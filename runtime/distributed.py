@@ -28,7 +28,7 @@ import socket
 import threading
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, TypedDict
 
 import jax
 
@@ -238,7 +238,7 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
         detected, why = detected_values(cfg, env)
         if detected is not None:
             same = explicit is not None and explicit.num_processes == detected.num_processes
-            return _join(cfg, detected, explicit.hosts if same else (), "cluster")
+            return _join(cfg, detected, explicit.hosts if explicit is not None and same else (), "cluster")
         if explicit is None:
             raise UserError(f"JAX cluster auto-detection failed ({why}); pass distributed.coordinator_address, "
                             "distributed.num_processes and distributed.process_id explicitly")
@@ -248,8 +248,15 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
     return _join(cfg, explicit, explicit.hosts, "explicit")
 
 
-def _timeouts(cfg: DistributedConfig) -> dict[str, int]:
-    return dict(
+class _Timeouts(TypedDict):
+    """jax.distributed.initialize's timeout arguments, by name."""
+    initialization_timeout: int
+    heartbeat_timeout_seconds: int
+    shutdown_timeout_seconds: int
+
+
+def _timeouts(cfg: DistributedConfig) -> _Timeouts:
+    return _Timeouts(
         initialization_timeout=cfg.initialization_timeout_s,
         heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
         shutdown_timeout_seconds=cfg.shutdown_timeout_s,

@@ -17,7 +17,7 @@ EXIT_DOES_NOT_FIT = 5  # compile_only=<topology>: the train step does not fit in
 EXIT_STORAGE = 6  # a checkpoint, metrics or manifest write failed (outage, full disk, permissions), or the run lost its lease
 EXIT_PEER_LOST = 7  # another process of the pod died, went silent or failed; this one stopped too (runtime/liveness.py)
 EXIT_PREEMPTED = 8  # stopped on SIGTERM (preemption, maintenance, launch.py stop) with its checkpoint saved: relaunch
-EXIT_RESIDENT_LOST = 9  # a warm launch found a worker's resident trainer gone or unfit; nothing ran: relaunch cold
+EXIT_CHECK_FAILED = 10  # launch.py doctor: a check failed or overran its budget, or a worker did not answer (one line each)
 # Shell conventions, used by the launchers (experiments/launcher/local_pod.py, experiments/launcher/pod.py):
 EXIT_TIMEOUT = 124  # an overall timeout expired (as coreutils `timeout`)
 EXIT_SIGNAL_BASE = 128  # killed by (or shut down on) signal s: 128 + s
@@ -59,7 +59,7 @@ _STORAGE_FAULTS = ((errno.ENOSPC, "No space left on device", "no space left on d
                    (errno.ENOTDIR, "Not a directory", "a file stands where a folder goes"))
 
 
-def storage_fault(exc: BaseException) -> str | None:
+def storage_fault(exc: BaseException | None) -> str | None:
     """"no space left on device" (or a quota, permission or read-only fault) when that is what
     `exc` or its causes come down to, else None."""
     seen: set[int] = set()
@@ -94,7 +94,7 @@ def end_progress_bars() -> None:
         bar.close()
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException | None) -> str:
     """Collapse an exception (and its cause chain) to one readable line."""
     parts: list[str] = []
     seen: set[int] = set()

@@ -42,11 +42,11 @@ from typing import Any, Mapping
 
 from runtime import wire
 from runtime.errors import (EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_HANG, EXIT_NONFINITE, EXIT_PEER_LOST,
-                            EXIT_RESIDENT_LOST, EXIT_STORAGE, EXIT_USER_ERROR)
+                            EXIT_STORAGE, EXIT_USER_ERROR)
 
-try:
+if sys.version_info >= (3, 11):
     from enum import StrEnum
-except ImportError:  # Python 3.10 (a TPU VM's system python3): the same, by hand
+else:  # Python 3.10 (a TPU VM's system python3): the same, by hand
     class StrEnum(str, enum.Enum):
         __str__ = str.__str__
         __format__ = str.__format__
@@ -76,6 +76,10 @@ class Policy(StrEnum):
 class Failure(StrEnum):
     """A failure class: its label (the value), exit code, policy and the cause a supervisor records."""
 
+    exit_code: int | None  # annotations only (no value): attributes each member sets in __new__, not members
+    policy: Policy
+    cause: str
+
     CRASH = ("crash", EXIT_FAILURE, Policy.RESTART, "crash")
     BAD_INPUT = ("bad-input", EXIT_USER_ERROR, Policy.PERMANENT, "bad input")
     NON_FINITE = ("non-finite", EXIT_NONFINITE, Policy.PERMANENT, "non-finite loss")
@@ -83,8 +87,6 @@ class Failure(StrEnum):
     DOES_NOT_FIT = ("does-not-fit", EXIT_DOES_NOT_FIT, Policy.PERMANENT, "does not fit")
     STORAGE = ("storage", EXIT_STORAGE, Policy.BACK_OFF, "storage failure")
     PEER_LOST = ("peer-lost", EXIT_PEER_LOST, Policy.RESTART, "worker lost")
-    # experiments/launcher/worker/resident.py: a warm launch could not run in every worker's resident trainer
-    RESIDENT_LOST = ("resident-lost", EXIT_RESIDENT_LOST, Policy.RESTART, "resident trainer lost")
     # Finer classes of bad input an exception names for itself (its `failure` attribute):
     LEASE_HELD = ("lease-held", None, Policy.BACK_OFF, "lease held")  # runtime/lease.py: the run before still holds it
     TPU_BUSY = ("tpu-busy", None, Policy.RESTART, "TPU busy")  # runtime/distributed.py: another process holds the TPU
@@ -103,10 +105,7 @@ class Failure(StrEnum):
     @classmethod
     def of_label(cls, label: object) -> "Failure | None":
         """The class a `failed` event names, else None (an unknown label, e.g. "exit 9")."""
-        try:
-            return cls(label)
-        except ValueError:
-            return None
+        return next((f for f in cls if f.value == label), None)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"path": None, "primary": True, "process": 0, "failed": False}

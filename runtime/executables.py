@@ -157,10 +157,10 @@ class Ahead:
         self.folder, self.mesh, self.timing, self.digest = folder, mesh, timing, digest
         self.manifest: dict[str, str] | None = None  # {key: sha256}, read at the first step
 
-    def _manifest(self) -> dict[str, str]:
+    def _manifest(self, folder: str) -> dict[str, str]:
         if self.manifest is None:
             try:
-                self.manifest = read_manifest(self.folder, self.digest or "")
+                self.manifest = read_manifest(folder, self.digest or "")
             except Exception as e:  # noqa: BLE001 - a folder we cannot trust is a compile, not the run's end
                 log.warning("run.executables: the manifest %s in %s is refused (%s); compiling every step instead",
                             self.digest, self.folder, one_line(e)[:300])
@@ -173,7 +173,7 @@ class Ahead:
         if self.folder:
             key = key_of(lowered, self.mesh)
             with self.timing.measure(Category.PROGRAM_STARTUP) if self.timing else contextlib.nullcontext():
-                programs = self._manifest()
+                programs = self._manifest(self.folder)
                 compiled = load(self.folder, key, programs[key]) if key in programs else None
             if compiled is not None:
                 log.info("%s: loaded the executable compiled ahead (%s)", what, key)

@@ -49,7 +49,7 @@ def _fs(path: str):
     return fs, root.rstrip("/") or root
 
 
-def earlier_export(out_dir: str, overwrite: bool) -> Optional[list[str]]:
+def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     """The files an earlier export into `out_dir` wrote (its marker's list; [] for a new or empty
     folder); a UserError for a file, or for a folder of other files without `overwrite`."""
     fs, root = _fs(out_dir)

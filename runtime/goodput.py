@@ -37,7 +37,7 @@ import contextlib
 import enum
 import os
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from runtime import events
 
@@ -92,8 +92,8 @@ class Timing:
                  cache_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)):
         self.clock = clock
         self.started = clock() if started is None else started
-        self._seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self._open: list[list] = []  # [category, start, seconds taken out] of each open block, outermost first
+        self._seconds: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+        self._open: list[list[Any]] = []  # [category, start, seconds taken out] of each open block, outermost first
         self._spans: list[tuple[float, float]] = []  # compile spans counted: disjoint, in order
         self.step = 0  # the last step completed
         self.steps_run = 0  # train steps this process ran
@@ -112,7 +112,7 @@ class Timing:
         nest, each second counted once, in the innermost block; `other` blocks count in the remainder."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown timing category {category!r}; one of {CATEGORIES}")
-        entry = [category, self.clock() if since is None else since, 0.0]
+        entry: list[Any] = [category, self.clock() if since is None else since, 0.0]
         self._open.append(entry)
         try:
             yield

@@ -7,16 +7,13 @@ does not offer (checked against jax 0.10). A JAX upgrade that moves one breaks h
 - `cluster_detected`, `detected_cluster`: JAX's cluster detectors (clusters.ClusterEnv), the ones
   `jax.distributed.initialize()` runs, run before joining so that our start-up barrier
   (runtime/liveness.py) knows the coordinator and the process count first (runtime/distributed.py).
-- `distributed_client`: the client of `jax.distributed`'s key-value store (distributed.global_state):
-  a resident trainer's vote with a timeout (experiments/launcher/worker/resident.py). The public
-  multihost_utils collectives have no timeout: a worker without a resident would hang them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jax._src import cloud_tpu_init, clusters, distributed, xla_bridge
+from jax._src import cloud_tpu_init, clusters, xla_bridge
 
 
 def backends_started() -> bool:
@@ -33,12 +30,7 @@ def cluster_detected() -> bool:
     return any(not env.opt_in_only_method and env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
 
 
-def detected_cluster(coordinator_address: str | None, timeout_s: float) -> tuple[Any, Any, Any, Any]:
+def detected_cluster(coordinator_address: str | None, timeout_s: int) -> tuple[Any, Any, Any, Any]:
     """(coordinator address, process count, process id, local device ids) as JAX's detectors find them."""
     return clusters.ClusterEnv.auto_detect_unset_distributed_params(coordinator_address, None, None, None, None,
                                                                     timeout_s)
-
-
-def distributed_client():
-    """The key-value store's client of the `jax.distributed` this process joined; None if it joined none."""
-    return distributed.global_state.client

@@ -1,8 +1,6 @@
-"""One job of the trainer, from its config to its exit code: what `python pretrain_jax.py` runs and
-what a resident trainer (experiments/launcher/worker/resident.py) runs for each job handed to it.
+"""One job of the trainer, from its config to its exit code: what `python pretrain_jax.py` runs.
 
-`run_job` never exits the process: how the process ends is its caller's (pretrain_jax.py `_exit`,
-the resident's `leave`). Every failure is said (an `error:` line for bad input, else the traceback,
+`run_job` never exits the process: how the process ends is its caller's (pretrain_jax.py `_exit`). Every failure is said (an `error:` line for bad input, else the traceback,
 and a `failed` event) and becomes the exit code (runtime/errors.py).
 """
 
@@ -10,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable, Mapping
+from typing import Callable
 
 from runtime import events, libtpu_flags, liveness
 from runtime.compile_only import plan_for_topology
@@ -21,13 +19,10 @@ from runtime.hydra_compose import config_error
 from runtime.trainer import run
 
 
-def run_job(compose: Callable[[], Config], *, started: float | None = None, environ: Mapping[str, str] | None = None,
-            on_first_step: Callable[[], None] | None = None) -> int:
+def run_job(compose: Callable[[], Config], *, started: float | None = None) -> int:
     """The job whose config `compose()` returns (composing is part of the job: a config that does
     not compose is its failure), trained, or planned for a topology with `compile_only`.
-    `started`: when its process began (its time account starts there; None: now). `environ`: the
-    job's environment, where the run reads the launcher's variables (None: this process's).
-    `on_first_step`: called once its first step was dispatched."""
+    `started`: when its process began (its time account starts there; None: now)."""
     try:
         config = compose()
         libtpu_flags.apply()  # before JAX starts a TPU backend (runtime/libtpu_flags.py)
@@ -35,7 +30,7 @@ def run_job(compose: Callable[[], Config], *, started: float | None = None, envi
             code = plan_for_topology(config)
         else:
             tune_cpu_backend()  # CPU runs: before JAX starts its backend (runtime/cpu_backend.py)
-            code = run(config, started=started, environ=environ, on_first_step=on_first_step)
+            code = run(config, started=started)
     except Exception as e:  # noqa: BLE001 - every failure of the job is its exit code
         code = failed(e)
     if code not in (0, EXIT_PREEMPTED):  # said already where it failed; else its code at least

@@ -317,7 +317,7 @@ class Lease:
                  renew_every_s: float = 30.0, stale_after_s: float = 90.0,
                  on_lost: Callable[[StorageError], None] = _exit_on_loss, clock: Callable[[], float] = time.monotonic):
         self.targets = [(store_for(d), what, setting) for d, what, setting in targets]
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "run_id": run_id,
+        self.record: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "run_id": run_id,
                        "heartbeat": 0.0, "stale_after_s": stale_after_s, "token": secrets.token_hex(8)}
         self.renew_every_s, self.stale_after_s, self.on_lost = renew_every_s, stale_after_s, on_lost
         self._clock = clock  # measures how long renewals have failed (a test steps it by hand)

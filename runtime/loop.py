@@ -61,9 +61,6 @@ class LoopContext:
     check_outputs: Optional[Callable[[str], None]] = None
     timing: Timing = field(default_factory=Timing)  # the run's time account (a fresh one: from the loop's start)
     ahead: Ahead = field(default_factory=lambda: Ahead(None, None))  # steps compiled ahead (run.executables)
-    # Called once the first step has been dispatched (its train step compiled): a resident trainer
-    # compiles its next job's steps then (runtime/job.py `run_job`).
-    on_first_step: Optional[Callable[[], None]] = None
 
 
 def compiled_memory(compiled) -> dict[str, float]:
@@ -125,6 +122,12 @@ class _Progress:
         self.timer = StepTimer(ctx.plan.global_batch_size, ctx.seq_len, flops, peak_flops_per_device(jax.devices()[0]))
         self.timer.lap(position)
 
+    @property
+    def started_timer(self) -> StepTimer:
+        """The step timer, which train_loop starts before any step, evaluation or save."""
+        assert self.timer is not None, "start_timer first"
+        return self.timer
+
     def drain(self) -> bool:
         """Fetch pending metrics into `train_metrics`; False if any step was non-finite."""
         fetched = jax.device_get([m for _, m in self.pending])
@@ -150,7 +153,7 @@ class _Progress:
         """An evaluation: of the whole eval set when `final`, else of train.eval_subset of it."""
         ctx = self.ctx
         jax.block_until_ready(self.state)  # the steps still running are training's time, not evaluation's
-        with self.timer.paused(), ctx.timing.measure(Category.EVAL):
+        with self.started_timer.paused(), ctx.timing.measure(Category.EVAL):
             self.eval_metrics = evaluate(ctx.steps.at_step(step), self.state, ctx.eval_feeder,
                                          ctx.config.data.eval_max_examples, ctx.evaluators,
                                          lambda: watchdog.beat(done, "eval"),
@@ -160,7 +163,7 @@ class _Progress:
     def save(self, done: int) -> None:
         ctx, plan = self.ctx, self.ctx.plan
         jax.block_until_ready(self.state)  # as for an evaluation: only the save's own blocking part counts
-        with self.timer.paused(), ctx.timing.measure(Category.CHECKPOINT_SAVE):
+        with self.started_timer.paused(), ctx.timing.measure(Category.CHECKPOINT_SAVE):
             position = {"next_batch": done, "examples_seen": done * plan.global_batch_size,
                         "epoch": done / plan.steps_per_epoch, "global_batch_size": plan.global_batch_size,
                         "seed": ctx.config.train.seed, "train_examples": plan.train_examples}
@@ -198,8 +201,6 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
             for step in range(position, total):
                 run.profile(step)
                 run.state, metrics = run.step_fn(step)(run.state, batch)
-                if step == position and ctx.on_first_step is not None:
-                    ctx.on_first_step()
                 done = step + 1  # optimizer steps taken == index of the next global batch
                 timing.step_done(done)
                 last = done == total
@@ -219,7 +220,7 @@ def train_loop(ctx: LoopContext, state, position: int) -> tuple[int, str, dict |
                         return EXIT_NONFINITE, "nonfinite", None
                     if log_row:
                         with timing.measure(Category.OTHER):
-                            ctx.sinks.log(done, run.train_metrics | run.timer.lap(done)
+                            ctx.sinks.log(done, run.train_metrics | run.started_timer.lap(done)
                                           | curriculum_metrics(ctx.config, step, total))
                             if ctx.check_outputs is not None:
                                 ctx.check_outputs(f"at step {done}")

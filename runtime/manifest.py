@@ -15,7 +15,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -52,7 +52,7 @@ def source_commit(manifest: dict[str, Any]) -> str | None:
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
@@ -62,7 +62,7 @@ def package_versions() -> dict[str, str | None]:
 
 
 def new_manifest(*, config: dict[str, Any], plan: dict[str, Any], run_id: str, resumed_from: int | None,
-                 schedule_change: dict[str, Any] | None = None, quarantined: list[tuple[int, str | None]] = ()) -> dict[str, Any]:
+                 schedule_change: dict[str, Any] | None = None, quarantined: Sequence[tuple[int, str | None]] = ()) -> dict[str, Any]:
     """`schedule_change`: the lr schedule before and after a resume with other planned total steps
     (runtime.trainer.schedule_change); `quarantined`: (step, moved to) of unreadable checkpoint steps
     moved aside before resuming."""

@@ -207,7 +207,8 @@ class MetricsSinks:
                     settings=wandb.Settings(**settings),
                 )
         except wandb.errors.Error as e:  # a key the server rejects, an unknown entity: one line
-            self._jsonl.close()
+            if self._jsonl is not None:
+                self._jsonl.close()
             raise UserError(f"W&B did not start the run ({one_line(e)[:200]}); check WANDB_API_KEY and "
                             "run.wandb.entity / run.wandb.project, or use run.wandb.mode=offline") from e
 
@@ -218,7 +219,7 @@ class MetricsSinks:
         if "step" in metrics or "time" in metrics:  # would silently overwrite the row's own fields
             raise ValueError("metric keys 'step' and 'time' are reserved; prefix them (train/...)")
         values = {key: to_python_scalar(v) for key, v in metrics.items()}
-        row = {"step": int(step), "time": time.time()}
+        row: dict[str, Any] = {"step": int(step), "time": time.time()}
         row.update({key: json_safe(v) for key, v in values.items()})
         assert self._jsonl is not None
         self._jsonl.append(json.dumps(row, allow_nan=False) + "\n", f"at step {int(step)}")

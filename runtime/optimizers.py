@@ -42,7 +42,8 @@ def _lr_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array
 # ------------------------------------------------------------------------------- AdamATan2
 
 class AdamATan2State(NamedTuple):
-    count: jax.Array  # int32 scalar: updates done so far
+    # the field shadows tuple.count (mypy: assignment), as optax's states' `count` does; the name is in checkpoints
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: updates done so far
     mu: Any
     nu: Any
 
@@ -88,7 +89,7 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
 # ------------------------------------------------------------------------------- sparse sign-SGD
 
 class SignSGDState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as optax's states' `count` does
 
 
 def touched_rows(num_rows: int, ids: jax.Array) -> jax.Array:

@@ -63,7 +63,8 @@ class StepTimer:
     def __init__(self, global_batch: int, seq_len: int, flops_per_step: float | None, peak_flops: float | None):
         self.global_batch, self.seq_len = global_batch, seq_len
         self.flops_per_step, self.peak_flops = flops_per_step, peak_flops
-        self._mark, self._paused, self._steps_at_mark = time.perf_counter(), 0.0, None
+        self._mark, self._paused = time.perf_counter(), 0.0
+        self._steps_at_mark: int | None = None
 
     @contextlib.contextmanager
     def paused(self):

@@ -123,7 +123,7 @@ def check_wandb_key_shape(key: str) -> None:
     try:
         from wandb.sdk.lib.wbauth.validation import check_api_key  # optional heavy (wandb: over 1 s to import)
     except ImportError:  # another wandb version: only the whitespace check below
-        def check_api_key(k: str) -> str | None:
+        def check_api_key(key: str) -> str | None:
             return None
     problem = "it has leading or trailing whitespace." if key != key.strip() else check_api_key(key)
     if problem:

@@ -114,7 +114,7 @@ class RunFiles:
                 return
             os.makedirs(self.output_dir, exist_ok=True)
             with self.fs.open(f"{self.root}/{JSONL_NAME}", "r") as f:
-                rows = [line for line in f.read().splitlines() if _step(line) is not None and _step(line) <= resumed_step]
+                rows = [line for line in f.read().splitlines() if (row_step := _step(line)) is not None and row_step <= resumed_step]
             if self.fs.exists(f"{self.root}/{EVENTS_FILE}"):
                 self.fs.get_file(f"{self.root}/{EVENTS_FILE}", os.path.join(self.output_dir, EVENTS_FILE))
             for remote in self.fs.find(f"{self.root}/{WANDB_DIR}"):

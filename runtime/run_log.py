@@ -158,7 +158,7 @@ class _LateLoopCallbacks:
     to the hook that was there before."""
 
     def __init__(self, hook: Callable, log: bool) -> None:
-        self.hook = hook.hook if isinstance(hook, _LateLoopCallbacks) else hook
+        self.hook: Callable = hook.hook if isinstance(hook, _LateLoopCallbacks) else hook
         self.log = log
 
     def __call__(self, exc_type, exc_value, tb) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import flax.linen as nn
 import jax
@@ -91,14 +91,14 @@ def logical_spec(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] |
     if shape is not None:  # one name per dim (a box may carry more names than e.g. a factored moment has dims)
         names = (names + (None,) * len(shape))[:len(shape)]
     while True:
-        spec = nn.logical_to_mesh_axes(names, rules)
+        spec = cast(P, nn.logical_to_mesh_axes(names, rules))  # None only for names=None
         if shape is None:
             return spec
         bad = next((i for i, (dim, target) in enumerate(zip(shape, spec))
                     if dim % math.prod(mesh.shape[a] for a in _axes(target))), None)
         if bad is None:
             return spec
-        rules.remove((names[bad], spec[bad]))
+        rules.remove((cast(str, names[bad]), spec[bad]))  # a dim named None is replicated, never bad
 
 
 def logical_sharding(names: Sequence[str | None], mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:

@@ -6,9 +6,10 @@ Model-family specifics (loss, metrics, a carry that persists across batches) com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import flax.linen as nn
 import flax.struct
@@ -177,7 +178,7 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
         params = with_frozen(trainable, state.params)
         ema = state.ema_params
         if ema is not None:
-            ema = optimizers.ema_update(ema, trainable, ema_rate)
+            ema = optimizers.ema_update(ema, trainable, cast(float, ema_rate))  # the state has EMA iff a rate is set
         metrics = {
             "sums": sums,
             "grad_norm": optax.tree.norm(grads),
@@ -185,7 +186,8 @@ def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: opta
             "lr": schedule(state.step),
         }
         metrics["finite"] = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema, carry=carry)
+        new_state = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
+                                        carry=carry)
         return new_state, metrics
 
     return train_step

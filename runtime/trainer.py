@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, cast
 
 import jax
 import numpy as np
@@ -70,7 +70,7 @@ def ensure_dataset(config: Config, info: ProcessInfo) -> None:
 def new_run_id(config: Config) -> str:
     """A W&B-safe id agreed by all processes (process 0's random draw, broadcast)."""
     token = multihost_utils.broadcast_one_to_all(np.frombuffer(os.urandom(4), np.uint32))
-    name = re.sub(r"[^a-zA-Z0-9_-]", "-", config.run.name)[:40]
+    name = re.sub(r"[^a-zA-Z0-9_-]", "-", cast(str, config.run.name))[:40]  # validate() names every run
     return f"{name}-{int(token[0]):08x}"
 
 
@@ -189,7 +189,8 @@ def initial_state(config: Config, steps, ckpt: Checkpoints, resumed: tuple[int |
     """(state, resumed step, its metadata): the resumed state (see resumed_state), else a new one."""
     if resumed[0] is None:
         return new_state(config, steps), None, None
-    step, meta, state = resumed_state(config, steps, ckpt, resumed, train_examples)
+    # a resumed step comes with its metadata
+    step, meta, state = resumed_state(config, steps, ckpt, cast(tuple[int, dict], resumed), train_examples)
     log.info("resumed from step %d of %s", step, ckpt.directory)
     return state, step, meta
 
@@ -292,19 +293,17 @@ def open_sinks(config: Config, plan, info: ProcessInfo, run_id: str, position: i
                git_commit: str | None) -> MetricsSinks:
     wb = config.run.wandb
     return MetricsSinks(is_primary=info.is_primary, output_dir=plan.output_dir, wandb_mode=wb.mode,
-                        wandb_project=wb.project, wandb_entity=wb.entity, group=config.run.group, name=config.run.name,
+                        wandb_project=wb.project, wandb_entity=wb.entity,
+                        group=cast(str, config.run.group), name=cast(str, config.run.name),  # validate() sets both
                         run_id=run_id, config=config_dict, total_steps=plan.total_steps, start_step=position,
                         tags=list(wb.tags), progress_bar=config.run.progress_bar, system_metrics=wb.system_metrics,
                         console=wb.console, git_commit=git_commit)
 
 
-def run(config: Config, started: float | None = None, *, environ: Mapping[str, str] | None = None,
-        on_first_step: Callable[[], None] | None = None) -> int:
+def run(config: Config, started: float | None = None) -> int:
     """The run; `started`: when its process began (Unix time, runtime.goodput.process_start), where
-    its timing account starts; None: now (a run inside a longer process). `environ`: the job's
-    environment, where the launcher's proposed run id is read (None: this process's).
-    `on_first_step`: called once the first step was dispatched (runtime/job.py)."""
-    proposed = (os.environ if environ is None else environ).get(PROPOSED_RUN_ID_ENV)
+    its timing account starts; None: now (a run inside a longer process)."""
+    proposed = os.environ.get(PROPOSED_RUN_ID_ENV)
     timing = Timing(started=started)
     with compile_cache.watching(timing):
         with timing.measure(Category.RUNTIME_STARTUP, since=timing.started):  # imports, backend, jax.distributed
@@ -324,7 +323,7 @@ def run(config: Config, started: float | None = None, *, environ: Mapping[str, s
                   compile_cache.configured(config.run.compile_cache, checkpoint_dir, config.run.root) as cache):
                 try:
                     return run_leased(config, info, checkpoint_dir, lease, preemption, timing, check_run_log,
-                                      proposed_run_id=proposed, on_first_step=on_first_step)
+                                      proposed_run_id=proposed)
                 finally:
                     hits, misses = timing.cache_counts()
                     log.info("compile cache %s: %d hits, %d misses in this run", cache or "off", hits, misses)
@@ -355,7 +354,7 @@ def preempted_early(preemption: PreemptionWatcher, step: int, timing: Timing) ->
 
 def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Lease | None,
                preemption: PreemptionWatcher, timing: Timing, check_run_log: Callable[[str], None] | None = None,
-               *, proposed_run_id: str | None = None, on_first_step: Callable[[], None] | None = None) -> int:
+               *, proposed_run_id: str | None = None) -> int:
     kind = dataset_kind(config.data.name)
     with timing.measure(Category.DATA_LOADING):
         ensure_dataset(config, info)
@@ -363,8 +362,13 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
                                                                              config.data.eval_split))
         shape = kind.shape(config.data, train_split)
     files = RunFiles(output_dir_of(config), checkpoint_dir) if info.is_primary else None
+
+    def on_commit(step: int) -> None:  # the account at each commit
+        timing.emit()
+        committed(step, files)
+
     ckpt = Checkpoints(checkpoint_dir, keep=config.run.checkpoint.keep, async_save=config.run.checkpoint.async_save,
-                       on_commit=lambda step: (timing.emit(), committed(step, files)))  # the account at each commit
+                       on_commit=on_commit)
     looked = timing.clock()
     start_step, meta = resume_point(config, ckpt, shape.examples)
     with timing.measure(Category.CHECKPOINT_RESTORE if start_step is not None else Category.OTHER, since=looked):
@@ -407,7 +411,8 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         raise
     events.emit("started", run_id=run_id, step=position, total=plan.total_steps, resumed=start_step is not None,
                 run=f"{config.run.group}/{config.run.name}", output_dir=plan.output_dir, checkpoint_dir=plan.checkpoint_dir)
-    status, exit_code, final, failure = "failed", EXIT_FAILURE, None, None
+    status, exit_code, final = "failed", EXIT_FAILURE, None
+    failure: tuple[int, str, events.Failure | None] | None = None  # (exit code, line, its finer class)
     unhook = liveness.on_abrupt_exit(lambda code: record_abrupt_end(manifest, plan, code)) if info.is_primary else None
     try:
         if info.is_primary:
@@ -427,7 +432,7 @@ def run_leased(config: Config, info: ProcessInfo, checkpoint_dir: str, lease: Le
         ctx = LoopContext(config=config, plan=plan, steps=steps, feeder=feeder, eval_feeder=eval_feeder, ckpt=ckpt,
                           sinks=sinks, run_id=run_id, config_dict=config_dict, seq_len=shape.seq_len,
                           init_states=init_states, evaluators=evaluators, preemption=preemption,
-                          check_outputs=check_run_log, timing=timing, ahead=ahead, on_first_step=on_first_step)
+                          check_outputs=check_run_log, timing=timing, ahead=ahead)
         exit_code, status, final = train_loop(ctx, state, position)
         with timing.measure(Category.CHECKPOINT_SAVE):
             ckpt.wait()  # the run is done only when its last checkpoint is committed

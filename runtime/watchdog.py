@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 from runtime import events, liveness
 from runtime.errors import EXIT_HANG
@@ -38,7 +39,7 @@ def progress_phrase() -> str:
     return f"at step {latest[0] + 1} (step {latest[0]} done; {latest[1]})"
 
 
-def _labelled_wait(label: str):
+def _labelled_wait(label: str) -> Callable[[threading.Event, float], bool]:
     """`Event.wait` called from a frame whose file name is `label` (shown in fatal stack dumps)."""
     code = compile("stop.wait(timeout)", f"<podrunner: {label}>", "eval")
     return lambda stop, timeout: eval(code, {"stop": stop, "timeout": timeout})
@@ -48,7 +49,7 @@ class Watchdog:
     def __init__(self, timeout_s: float, clock=time.monotonic):
         self.timeout_s = timeout_s
         self._clock = clock  # seconds; a test steps its own
-        self._last = None  # (clock time, completed step, phase) of the latest beat
+        self._last: tuple[float, int, str] | None = None  # (clock time, completed step, phase) of the latest beat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -73,14 +74,15 @@ class Watchdog:
         return last if last is not None and self._clock() - last[0] > self.timeout_s else None
 
     def _watch(self) -> None:
-        label, wait = None, None
+        label: str | None = None
+        wait: Callable[[threading.Event, float], bool] | None = None
         while True:
             last = self.stalled()
             if last is not None:
                 self._fire(*last)
             last = self._last
             new_label = "not started" if last is None else f"last completed step {last[1]}, in step {last[1] + 1} ({last[2]})"
-            if new_label != label:
+            if wait is None or new_label != label:
                 label, wait = new_label, _labelled_wait(new_label)
             if wait(self._stop, min(1.0, self.timeout_s / 4)):
                 return

@@ -11,8 +11,8 @@ its parse here, and nowhere else:
             (experiments/launcher/worker/versions.py)
   status    `podrunner-status {json}`: a worker's training processes, last step and newest log
             (experiments/launcher/worker/status.py)
-
-and the launch guard's `--resident` argument, `cold` or `warm:SESSION` (`ResidentLaunch`).
+  doctor    `podrunner-doctor {json}`: a worker's verdicts and measured figures for `launch.py
+            doctor` (experiments/launcher/worker/doctor_checks.py, `DoctorReport`)
 
 The formats are what older trees print and what logs on disk hold: a change here must still read
 them. Standard library only, and Python 3.10 syntax: the worker tools import this module under a
@@ -21,7 +21,6 @@ TPU VM's system python3.
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -30,6 +29,7 @@ _EVENT = "podrunner-event "
 _START = "podrunner-start "
 _VERSIONS = "podrunner-versions "
 _STATUS = "podrunner-status "
+_DOCTOR = "podrunner-doctor "
 
 
 def _payload(line: str, tag: str) -> Any:
@@ -68,7 +68,7 @@ _CHATTER = ("[Gloo] ",)
 
 def for_people(line: str) -> bool:
     """Whether a launcher shows `line` on its console: not a tagged line, not library chatter."""
-    return not any(tag in line for tag in (_EVENT, _START, _VERSIONS, _STATUS, *_CHATTER))
+    return not any(tag in line for tag in (_EVENT, _START, _VERSIONS, _STATUS, _DOCTOR, *_CHATTER))
 
 
 def replayed(line: str) -> bool:
@@ -115,8 +115,8 @@ def start(line: str) -> Start | None:
 # --- versions --------------------------------------------------------------------------------
 
 def versions_line(row: dict[str, Any]) -> str:
-    """A worker's versions row: host, commit, python, a version per compared package, ok, problem,
-    resident (experiments/launcher/worker/versions.py)."""
+    """A worker's versions row: host, commit, python, a version per compared package, ok, problem
+    (experiments/launcher/worker/versions.py)."""
     return _VERSIONS + json.dumps(row)
 
 
@@ -150,35 +150,57 @@ def status(line: str) -> Status | None:
     data = _payload(line, _STATUS)
     if not isinstance(data, dict):
         return None
-    return Status(**{f.name: data.get(f.name) for f in fields(Status)})
+    values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(Status)}  # as the JSON line has them
+    return Status(**values)
 
 
-# --- resident launches -----------------------------------------------------------------------
+# --- doctor ----------------------------------------------------------------------------------
 
-class ResidentMode(enum.Enum):
-    COLD = "cold"  # start the workers' resident trainers with this job
-    WARM = "warm"  # hand the job to the resident trainers of a session
+@dataclass(frozen=True)
+class Check:
+    """One verdict: `status` ok, fail, skip (does not apply here, `detail` says why) or overrun (its
+    time budget ended first); `fix` what to do when it is not ok."""
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
-class ResidentLaunch:
-    """How a launch uses resident trainers (experiments/launcher/worker/resident.py), as the guard's
-    `--resident` argument and a ledger's launch record say it: `cold` or `warm:SESSION`."""
-    mode: ResidentMode
-    session: str | None = None
+class Measured:
+    """A figure measured on a worker: `name` as in the plan's figures (experiments/plan/bill.py
+    FIGURES) where it is one of them; `variant` the group/variant it was measured for, if any."""
+    name: str
+    seconds: float
+    what: str
+    variant: str | None = None
 
-    def __post_init__(self) -> None:
-        if (self.mode is ResidentMode.WARM) != bool(self.session):
-            raise ValueError(f"{self.mode.value} with session {self.session!r}: give cold or warm:SESSION")
 
-    def arg(self) -> str:
-        return f"warm:{self.session}" if self.mode is ResidentMode.WARM else "cold"
+@dataclass(frozen=True)
+class DoctorReport:
+    """One worker's answer to `launch.py doctor`: `platform` the devices jax saw (None: not asked),
+    `time` when it answered (Unix seconds), `versions` what the workers must agree on."""
+    host: str
+    worker: str | None
+    platform: str | None
+    time: float
+    checks: list[Check]
+    figures: list[Measured]
+    versions: dict[str, Any]
 
-    @classmethod
-    def parse(cls, text: str) -> ResidentLaunch:
-        """The launch `arg()` said; ValueError for anything else."""
-        if text == "cold":
-            return cls(ResidentMode.COLD)
-        if text.startswith("warm:") and text[len("warm:"):]:
-            return cls(ResidentMode.WARM, text[len("warm:"):])
-        raise ValueError(f"{text!r}: give cold or warm:SESSION")
+    def line(self) -> str:
+        return _DOCTOR + json.dumps(asdict(self))
+
+
+def doctor(line: str) -> DoctorReport | None:
+    data = _payload(line, _DOCTOR)
+    if not isinstance(data, dict):
+        return None
+    try:
+        return DoctorReport(
+            host=str(data["host"]), worker=data.get("worker"), platform=data.get("platform"),
+            time=float(data.get("time", 0.0)), versions=dict(data.get("versions") or {}),
+            checks=[Check(**c) for c in data.get("checks", [])], figures=[Measured(**m) for m in data.get("figures", [])])
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
+from unittest import mock
 
 from experiments.launcher.local_pod import find_free_port
 from runtime.cpu_backend import YNN_DOTS_ONLY  # standard library only
@@ -77,21 +78,17 @@ def launch_in_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
     children of their own), whose subprocess would spend its time importing the launcher again."""
     from experiments import launch  # heavy: JAX and Hydra, which this module leaves to its callers
 
-    out, err, saved, here = io.StringIO(), io.StringIO(), dict(os.environ), os.getcwd()
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    environ = mock.patch.dict(os.environ, env or {}, clear=env is not None)  # restored on the way out
     try:
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
         if cwd is not None:
             os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with environ, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = launch.main(list(argv))
             except SystemExit as e:  # argparse's own exits
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
         os.chdir(here)
     return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 

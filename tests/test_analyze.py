@@ -389,8 +389,8 @@ def test_cli_no_runs_is_one_error_line(tmp_path, capsys):
 
 def test_cli_script_prints_table_and_paths(roots, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "experiments/analyze.py", "exp06", "--root", str(roots), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "experiments/launch.py", "analyze", "exp06", "--root", str(roots), "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "## exp06: batch scaling" in proc.stdout and "| batch6144* |" in proc.stdout
     assert f"wrote {out / 'exp06.md'}" in proc.stdout

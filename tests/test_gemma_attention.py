@@ -6,6 +6,7 @@ local windows and pads to the kernel's 128. And what `auto` picks: dense on CPU,
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,26 @@ def test_auto_is_dense_on_cpu_and_splash_asks_for_the_kernel():
 
 
 @pytest.mark.slow
+def test_auto_traced_for_a_tpu_topology_runs_the_local_layers_kernel_too():
+    """Gemma 2's local windows shorter than the sequence: traced for a TPU mesh, `auto` is the
+    splash form with both kernels (global and local, under lax.cond), not the dense one."""
+    from runtime.compile_only import topology_devices
+    from runtime.sharding import activation_rules, make_mesh
+
+    _, _, devices = topology_devices("v4-8")
+    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, list(devices))
+    cfg = dataclasses.replace(CONFIGS["v2_mqa"], num_layers=2)
+    assert cfg.sliding_window is not None and cfg.sliding_window < 512
+    tokens = tokens_for(cfg, (4, 512))
+    params = random_params(cfg)
+    def kernels(form):
+        with activation_rules(mesh):
+            jaxpr = jax.make_jaxpr(lambda p: Gemma(dataclasses.replace(cfg, attention=form)).apply({"params": p}, tokens))(params)
+        return str(jaxpr).count("pallas_call")
+    assert kernels("auto") == kernels("splash") > 0 == kernels("xla")  # each form traced (platform_dependent)
+
+
+@pytest.mark.slow
 def test_auto_compiled_for_a_tpu_topology_is_splash():
     """Compiled for a v4-8 slice from this host (compile_only's libtpu devices), `auto` lowers the
     splash kernels (forward, dq, dkv), each priced (PRICED_KERNELS) by its causal blocks."""
@@ -82,3 +103,62 @@ def test_auto_compiled_for_a_tpu_topology_is_splash():
     # causal at 512 tokens in one 512 block: the one block pair, all of it computed (the kernel masks inside it)
     fwd = next(k for k in calls if k.flops == min(k.flops for k in calls))
     assert fwd.flops == 2 * 2 * 512 * 512 * 128 * cfg.num_heads
+
+
+GATHERED_MLP = re.compile(r'op_name="[^"]*/mlp/(?:gating_einsum|linear)/')
+_LAYOUT = re.compile(r"\[([\d,]+)\](\{[^{}]*\})")  # an array's dims and layout
+
+
+def gathered_mlp_relayouts(hlo: str) -> tuple[int, list[str]]:
+    """(gathers of an MLP weight, copies that change such a gathered weight's layout) in compiled
+    TPU HLO text. A gather: an all-gather or the done half of an async one, its op_name that of a
+    `gating_einsum` or `linear` product; through get-tuple-element, bitcast and reshape. A copy
+    that only moves it to another memory space (the prefetch of a copy-start, `S(1)`) is no relayout."""
+    from runtime import hlo_cost
+
+    comps, _ = hlo_cost.computations(hlo)
+    gathers, copies = 0, []
+    for lines in comps.values():
+        ins = {m.group(1): m for line in lines for m in [hlo_cost._INSTR.match(line)] if m}
+        operands = {name: {o.strip().split(" ")[-1].lstrip("%") for o in m.group(4).split(",")} for name, m in ins.items()}
+        gathered = {name for name, m in ins.items() if GATHERED_MLP.search(m.group(0))
+                    and (m.group(3) in ("all-gather", "all-gather-done") or name.startswith("async-collective-done"))}
+        gathers += len(gathered)
+        while more := {n for n, m in ins.items() if n not in gathered and m.group(3) in ("get-tuple-element", "bitcast", "reshape")
+                       and operands[n] & gathered}:
+            gathered |= more
+        for name, m in ins.items():
+            if not (m.group(3) in ("copy", "copy-start", "transpose") and operands[name] & gathered):
+                continue
+            source = next((_LAYOUT.search(ins[o].group(2)) for o in operands[name] & gathered if o in ins), None)
+            if source is None:
+                continue
+            layouts = {re.sub(r"S\(\d+\)", "", layout) for dims, layout in _LAYOUT.findall(m.group(2)) if dims == source[1]}
+            if layouts != {re.sub(r"S\(\d+\)", "", source[2])}:
+                copies.append(m.group(0)[:160])
+    return gathers, copies
+
+
+@pytest.mark.slow
+def test_gemma1_gathered_mlp_weights_need_no_relayout_copy_on_v5e():
+    """gemma2b_full_v5e8's train step compiled for a v5e-8 (two layers, a small table, the widths
+    of Gemma 1 2B): each layer's `gating_einsum` and `linear` weights are gathered straight into
+    the layout their products read, no copy after the gather (docs/ARCHITECTURE.md, Gemma's attention)."""
+    from helpers import compose_config
+    from runtime.builder import plan_and_build
+    from runtime.compile_only import topology_devices
+    from runtime.config import resolve_compute_dtype
+    from runtime.registry import dataset_kind
+    from runtime.train_step import abstract_batch
+
+    _, _, devices = topology_devices("v5e-8")
+    config = compose_config(["+experiment=gemma_sft/gemma2b_full_v5e8", "compile_only=v5e-8", "arch.num_layers=2",
+                             "arch.vocab_size=4096", "arch.real_vocab_size=null",
+                             "data.seq_len=128", "train.global_batch_size=8"])  # the weights' layouts, not the tokens', decide
+    config = resolve_compute_dtype(config, devices[0].platform)
+    shape = dataset_kind(config.data.name).planned_shape(config.data, config)
+    plan, mesh, steps = plan_and_build(config, devices=devices, num_processes=1, shape=shape)
+    batch = abstract_batch(mesh, plan.global_batch_size, shape.seq_len, steps.batch_fields, steps.batch_shapes)
+    hlo = steps.train.lower(steps.abstract_state, batch).compile().as_text()
+    gathers, copies = gathered_mlp_relayouts(hlo)
+    assert gathers >= 2 and not copies, copies  # forward and rematerialised backward gather both weights

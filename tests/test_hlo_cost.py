@@ -126,6 +126,23 @@ def test_each_branch_of_a_conditional_counts_its_share_of_the_runs():
     assert sorted(k.runs for k in hlo_cost.kernels(hlo)) == [2.0, 2.0]  # 4 iterations, half each
 
 
+def test_an_unmodelled_call_in_each_branch_of_a_conditional_is_added_back_once():
+    """libtpu's -1 for an op it has no model for counts one branch of a conditional, not each:
+    adding back every ConcatBitcast of the text put a whole second into a Gemma 2 step's compute
+    (runtime/hlo_cost.py `optimal_seconds`)."""
+    branch = """%{name} (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %k = f32[8]{{0}} custom-call(%p), custom_call_target="ConcatBitcast"
+}}
+"""
+    hlo = looped(limit=4, body_op="%pred = pred[] constant(true)\n  %c = f32[8]{0} conditional(%pred, %f, %f), "
+                                   "branch_computations={%left, %right}",
+                 entry_op='%cb = f32[8]{0} custom-call(%a), custom_call_target="ConcatBitcast"')
+    hlo = hlo.replace("%body (b:", branch.format(name="left") + "\n" + branch.format(name="right") + "\n%body (b:")
+    assert hlo_cost._custom_calls(hlo) == (2, 2)  # the entry's, and the conditional's one
+    assert hlo_cost.optimal_seconds({"optimal_seconds": -1.92, "flops": 1e9}, hlo, 275e12) == pytest.approx(0.08)
+
+
 ASYNC_GATHER = """HloModule m
 
 %fused (p: f32[256]) -> f32[256] {

@@ -23,9 +23,9 @@ from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAM_SCOPE = ("experiments",)  # where remote and local commands are composed
-# Writes documentation: the commands in its strings are printed in a group's README for a person
-# to read and type, never run by the code.
-PROGRAM_EXEMPT = ("experiments/readmes.py",)
+# readmes.py writes documentation: the commands in its strings are printed in a group's README for a
+# person to read and type, never run by the code. dashboard.py's `$name`s are GraphQL's variables.
+PROGRAM_EXEMPT = ("experiments/readmes.py", "experiments/dashboard.py")
 EXIT_SCOPE = ("runtime", "experiments", "models", "data_pipeline", "bench", "pretrain_jax.py")
 EXIT_CODES_HOME = "runtime/errors.py"
 SHELL_SCOPE = ("setup_tpu.sh", "scripts", "experiments")

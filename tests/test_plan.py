@@ -262,7 +262,7 @@ def test_the_search_tries_each_change_until_one_fits(tmp_path, monkeypatch):
 
     def lower(job, topology):
         return planner.Lowered(key=f"k{len(job.overrides)}{job.overrides[-1:]}".replace(" ", ""), steps=100,
-                            global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
+                            per_device_batch=8, remat=False, fsdp_over_all=False)
 
     def compile_job(job, topology, kind=planner.TRAIN):
         change = job.overrides[1:]
@@ -285,7 +285,7 @@ def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeyp
         pass
 
     def lower(job, topology):
-        return planner.Lowered(key=job.variant, steps=10, global_batch=8, per_device_batch=1, remat=False)
+        return planner.Lowered(key=job.variant, steps=10, per_device_batch=1, remat=False)
 
     def compile_job(job, topology, kind=planner.TRAIN):
         if job.variant == "bad":
@@ -304,7 +304,7 @@ def test_a_compile_error_is_its_rows_note_and_the_plan_goes_on(tmp_path, monkeyp
 def test_fix_candidates_in_order():
     """remat, then the batch per chip divided by the power of two that covers the overshoot (and
     twice that) as gradient accumulation; then FSDP."""
-    low = planner.Lowered(key="k", global_batch=64, per_device_batch=8, remat=False, fsdp_over_all=False)
+    low = planner.Lowered(key="k", per_device_batch=8, remat=False, fsdp_over_all=False)
     step = CompiledStep(hbm_bytes=15.75 * 2**30, total_bytes=40 * 2**30, stopped=True)
     fsdp = ("mesh.data=1", "mesh.fsdp=-1")
     assert planner.fix_candidates(low, step) == [("arch.remat=true",), ("train.grad_accum_steps=4",),
@@ -370,8 +370,6 @@ def test_train_eval_and_the_first_starts_costs():
     assert b.seconds[Category.SETUP] == pytest.approx(102) and b.seconds[Category.PROGRAM_STARTUP] == pytest.approx(50)
     later = bill.price(dataclasses.replace(VARIANT, start=Start.COLD), f)  # the slice is set up: the check only
     assert later.startup_s == pytest.approx(b.startup_s - 100 + 1)
-    resident = bill.price(dataclasses.replace(VARIANT, start=Start.RESIDENT), figures(resident_start=0.5))
-    assert resident.seconds[Category.RUNTIME_STARTUP] == 0.5  # the hand-over, not the runtime's start
     hit = bill.price(dataclasses.replace(VARIANT, train=Program.CACHED, eval=Program.AHEAD), f)
     assert hit.seconds[Category.PROGRAM_STARTUP] == pytest.approx(0.5)  # both steps read, not compiled
     no_eval = bill.price(dataclasses.replace(VARIANT, evaluations=0), f)
@@ -431,14 +429,12 @@ def trainer_event(*, saves=0, hits=0, misses=1, **seconds) -> dict:
             "hits": hits, "misses": misses, "wall": sum(seconds.values())}
 
 
-def write_ledger(root, launches: dict[str, list[LaunchTiming | tuple[LaunchTiming, str]]],
-                 gaps: dict[str, list[float]] | None = None) -> None:
+def write_ledger(root, launches: dict[str, list[LaunchTiming]], gaps: dict[str, list[float]] | None = None) -> None:
     """A programme's ledger.json as the controller writes it (the launcher's records, serialised), each
-    launch with its timing (and, given as (timing, mode), how it ran in resident trainers), each
-    slice with its idle stretches before a variant (`gaps`)."""
+    launch with its timing, each slice with its idle stretches before a variant (`gaps`)."""
     book = Ledger(variants={v: VariantRecord(state=VariantState.COMPLETED, supervision=SupervisionRecord(launches=[
         LaunchRecord(started=0.0, ended=1.0, code=0, outcome=Outcome.COMPLETED, cause="completed",
-                     timing=t[0] if isinstance(t, tuple) else t, resident=t[1] if isinstance(t, tuple) else None)
+                     timing=t)
         for t in timings])) for v, timings in launches.items()},
         slices={s: SliceRecord(gaps=g) for s, g in (gaps or {}).items()})
     (root / "ledger.json").write_text(to_text(book))
@@ -458,18 +454,13 @@ def test_calibration_takes_the_ledgers_medians(tmp_path):
                               setup=4),
                 launch_timing([trainer_event(runtime_startup=70, program_startup=50)], setup=210, setup_ran=True)],
         "g/c": [launch_timing([trainer_event(train=100)]), launch_timing([])],  # measured nothing else; said nothing
-        # in the resident trainers g/b left (its first launch was cold, as g/b's)
-        "g/d": [(launch_timing([trainer_event(runtime_startup=0.02, program_startup=4, hits=2, misses=0)], setup=3),
-                 "warm:k1"),
-                (launch_timing([trainer_event(runtime_startup=0.04, program_startup=4, hits=2, misses=0)], setup=3),
-                 "warm:k1")],
+        "g/d": [launch_timing([trainer_event(runtime_startup=60, program_startup=4, hits=2, misses=0)], setup=3),
+                launch_timing([trainer_event(runtime_startup=80, program_startup=4, hits=2, misses=0)], setup=3)],
     }, gaps={"s1": [2.0, 9.0], "s2": [4.0]})
     cal = calibrate.calibrate(tmp_path)
     assert cal.launches == 8
     f = cal.figures
-    # the process's own start: cold launches only; a warm one pays the hand-over
-    assert f["runtime_init"].seconds == 40 and "median of 4 cold launches' runtime_startup" in f["runtime_init"].source
-    assert f["resident_start"].seconds == pytest.approx(0.03) and "warm launches'" in f["resident_start"].source
+    assert f["runtime_init"].seconds == 55 and "median of 6 launches' runtime_startup" in f["runtime_init"].source
     assert f["data_load"].seconds == 4  # median of 3 and 5
     assert f["setup_check"].seconds == 3.5 and f["setup_fresh"].seconds == 200  # 8, 4, 3, 3; 190 and 210
     assert f["restore"].seconds == 6
@@ -515,7 +506,7 @@ def priced_rows() -> list[planner.Row]:
 def test_programme_cache_hits_first_on_slice_and_wall_clock():
     f = figures(setup_check=1, setup_fresh=100, compile_cache_hit=2)
     rows = priced_rows()
-    prog = price.price_programme(rows, f, slices=2, resident=False)  # the cache alone (no compiles ahead)
+    prog = price.price_programme(rows, f, slices=2)  # the cache alone (no steps kept ahead)
     a, b, c, d = (r.bill for r in rows)
     assert d is None  # not planned: no bill
     assert a.seconds[Category.PROGRAM_STARTUP] == 50 and b.seconds[Category.PROGRAM_STARTUP] == 4  # b: a's programs
@@ -525,7 +516,7 @@ def test_programme_cache_hits_first_on_slice_and_wall_clock():
     assert hours[1] < hours[0]  # b's compiles came from the cache: its slice frees first, and c runs there
     assert prog.slice_hours == pytest.approx([hours[0], hours[1] + hours[2]])
     assert prog.wall_days == pytest.approx(max(prog.slice_hours) / 24)
-    one = price.price_programme(rows, f, slices=1, resident=False)
+    one = price.price_programme(rows, f, slices=1)
     assert rows[1].bill.seconds[Category.SETUP] == 1 and one.slice_hours == pytest.approx([sum(
         r.bill.total_s for r in rows[:3]) / 3600])
 
@@ -576,63 +567,24 @@ def test_protocol_of_the_baseline_from_its_config(sudoku_dir):
     assert built.examples == 40 and built.final_batches == 1 and str(sudoku_dir) in built.source
 
 
-def test_with_resident_a_variant_after_another_on_its_slice_starts_in_the_trainers_it_left():
-    """`--resident` (what `programme submit --resident` runs: experiments/launcher/worker/resident.py).
-    On two slices a and b start on fresh slices; c takes the slice that frees first, b's (b's
-    compiles are a's cache hits), and is handed to the trainers b left: the hand-over instead of
-    the runtime start-up, the rest as a cold start (setup check, launch, data, idle). b's launch
-    named c, the queue's next, and c's 50 s of compiles ran while b's 102 s of steps did: two cache
-    hits at c's start. A restart after a preemption is cold. Without --resident (the default)
-    every later start is cold and compiles."""
-    f = figures(setup_check=1, setup_fresh=100, launch=2, runtime_init=30, resident_start=0.5, data_load=5,
-                between_variants=7, compile_cache_hit=2)
-    rows = priced_rows()
-    prog = price.price_programme(rows, f, slices=2, resident=True)
-    a, b, c = (r.bill for r in rows[:3])
-    assert a.seconds[Category.RUNTIME_STARTUP] == b.seconds[Category.RUNTIME_STARTUP] == 30
-    assert c.seconds[Category.RUNTIME_STARTUP] == 0.5 and c.seconds[Category.PROGRAM_STARTUP] == 4
-    assert (c.seconds[Category.SETUP], c.seconds[Category.DATA_LOADING], c.seconds[Category.IDLE]) == (1 + 2, 5, 7)
-    assert "handed to the resident trainers" in report.markdown(prog, "v5e-8", "cmd")
-    cold = price.price_programme(rows, f, slices=2)
-    assert rows[2].bill.seconds[Category.RUNTIME_STARTUP] == 30 and rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 50
-    assert rows[2].bill.total_s == pytest.approx(c.total_s + 29.5 + 46)
-    assert "every variant in fresh trainer processes (no --resident)" in report.markdown(cold, "v5e-8", "cmd")
-    preempted = price.price_programme(rows, f, slices=2, mtbf_s=3600.0, resident=True).rows[2].bill
-    assert preempted.restart_s == pytest.approx(100 + 2 + 30 + 5 + 2 + 2)  # fresh slice: setup, launch, runtime, ...
-    assert preempted.seconds[Category.RUNTIME_STARTUP] == pytest.approx(0.5 + preempted.preemptions * 30)
-    # b longer than a: c takes a's slice, but b's launch named it (on the other slice): c compiles
-    rows[1].steps = 5000
-    price.price_programme(rows, f, slices=2, resident=True)
-    assert rows[2].bill.seconds[Category.RUNTIME_STARTUP] == 0.5
-    assert rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 50
-    # one slice: c follows b; compiles that outlast b's steps are not ready when c starts
-    rows[1].steps = 1000
-    rows[2].compile_s = 150.0
-    price.price_programme(rows, f, slices=1, resident=True)
-    assert rows[2].bill.seconds[Category.PROGRAM_STARTUP] == 170
-
-
 def test_the_line_above_the_table_gives_the_programme_at_both_ends_and_what_each_lever_buys():
     """The table is priced at the figures' low end; the line above it also at the high end (the
-    figures with a `high`), and what resident hand-overs and steps kept ahead save at the low end."""
-    f = figures(setup_check=1, setup_fresh=100, runtime_init=30, resident_start=0.5, compile_cache_hit=2)
+    figures with a `high`), and what steps kept ahead would save at the low end."""
+    f = figures(setup_check=1, setup_fresh=100, runtime_init=30, compile_cache_hit=2)
     f["runtime_init"] = dataclasses.replace(f["runtime_init"], high=90.0, high_source="test high")
     rows = priced_rows()
     prog = price.price_programme(rows, f, slices=1)
     top = prog.again(figures=bill.ends(f)[1])
     assert top.total_h == pytest.approx(prog.total_h + 3 * 60 / 3600)  # every start is cold: 60 s more each
     assert [r.bill.total_s for r in prog.rows[:3]] != [r.bill.total_s for r in top.rows[:3]]  # prog's rows untouched
-    warm = prog.again(resident=True)
     kept = prog.again(ahead=frozenset({"p1", "p1e", "p2", "p2e"}))
     line = report.both_ends(prog)
     assert line.startswith(f"**Programme: {prog.total_h:.2f} pod-hours all in, goodput {100 * prog.goodput:.1f}% at the "
                            f"figures' low end; {top.total_h:.2f} pod-hours, {100 * top.goodput:.1f}% at the high end** "
                            "(runtime_init 30-90 s)")
-    saved, on_kept = prog.total_h - warm.total_h, kept.total_h - kept.again(resident=True).total_h
-    assert f"resident hand-overs (`--resident`, off here) buy {saved:.2f} pod-hours, " \
-           f"{100 * saved / prog.total_h:.2f}% of the paid time ({on_kept:.2f} pod-hours, " \
-           f"{100 * on_kept / kept.total_h:.2f}% of the paid time with the programs kept ahead)" in line
-    assert f"the 4 programs kept ahead (`--executables`) {prog.total_h - kept.total_h:.2f} pod-hours" in line
+    saved = prog.total_h - kept.total_h
+    assert f"the 4 programs kept ahead (`--executables`) would buy {saved:.2f} pod-hours, " \
+           f"{100 * saved / prog.total_h:.2f}% of the paid time" in line
     out = report.markdown(prog, "v5e-8", "cmd")
     assert out.index(line) < out.index("| variant |") and "| runtime_init | 30-90 |" in out
 
@@ -641,7 +593,7 @@ def test_an_eval_step_that_does_not_fit_is_its_rows_note(tmp_path, monkeypatch):
     """The train step fits, the eval step (at its eval batch) does not: the row says so and how to
     fix it, and its eval_h is not priced (no figure rather than a wrong one)."""
     def lower(job, topology):
-        return planner.Lowered(key="t", eval_key="e", exact="t", eval_exact="e", steps=100, global_batch=8,
+        return planner.Lowered(key="t", eval_key="e", exact="t", eval_exact="e", steps=100,
                             per_device_batch=1, protocol=planner.Protocol(evaluations=2, eval_batch=4096, batches=1,
                                                                         final_batches=2, examples=5000))
 

@@ -248,13 +248,11 @@ def test_local_sweep_runs_each_variant_in_its_own_run(tmp_path, capsys):
         assert manifest["config"]["arch"]["hidden"] == 64  # scaled down
 
 
-def test_pod_sweep_is_one_pod_run_per_variant(capsys):
-    assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--zone", "z", "--variants", "L2,L6", "--dry-run",
-                        "--", "train.seed=3"]) == 0
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("gcloud compute tpus tpu-vm ssh ")]
-    assert len(lines) == 2 and all("--worker=all" in l and "train.seed=3" in l for l in lines)
-    assert "+experiment=exp02a/L2" in lines[0] and "+experiment=exp02a/L6" in lines[1]
-    assert launch.main(["sweep", "exp02a", "--tpu", "t1", "--dry-run"]) == 2  # no --zone
+def test_a_sweep_without_local_points_at_programme_submit(capsys):
+    """A group's variants on a slice are a programme of one group (`programme submit`): one way."""
+    assert launch.main(["sweep", "exp02a", "--variants", "L2,L6", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "programme submit NAME exp02a --slice TPU" in err[0]
 
 
 def test_natural_order_by_value_and_never_by_the_order_found():

@@ -31,6 +31,7 @@ from experiments.launcher.controller import Alerts, Controller, Stop
 from experiments.launcher.ledger import (InFlight, LaunchRecord, Mark, Outcome, ReadyClock, Status, SupervisionRecord,
                                          load_ledger)
 from experiments.plan import planner, report
+from gcs_emulator import start_gcs_emulator
 from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, launch_in_process, logged_metrics, make_fake_workers,
                      read_jsonl, train, wait_for)
 from runtime import events, hydra_compose
@@ -76,11 +77,16 @@ class Programme:
         return [sys.executable, str(LAUNCH), "programme", verb, NAME, "--state-dir", str(self.state_dir), *args]
 
     def submit(self, *args: str, variants: list[str] = EMA, slices: tuple[str, ...] = ("s1",),
-               overrides: tuple[str, ...] = (), accelerator: str = "v4-16") -> subprocess.CompletedProcess:
+               overrides: tuple[str, ...] = (), accelerator: str = "v4-16",
+               data_on_every_slice: bool = True) -> subprocess.CompletedProcess:
         groups = sorted({v.split("/")[0] for v in variants})
         slice_args = [a for s in slices for a in ("--slice", s)]
+        # --data-on-every-slice: the stubs read no data; a spot programme whose data is on the workers'
+        # disks is refused at submit (tests/test_hardening_round4_programme.py), the real trainer's below
+        # reads it from gs://
         return self.command("submit", *groups, "--variants", ",".join(variants), *slice_args, "--zone", ZONE,
                             "--accelerator-type", accelerator, "--runtime-version", "tpu-ubuntu2204-base", "--spot",
+                            *(["--data-on-every-slice"] if data_on_every_slice else []),
                             "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--backoff-seconds", "0.1",
                             "--stop-grace", "5", *args, "--", *overrides)
 
@@ -275,12 +281,25 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     data.mkdir()
     for name in ("100-aug-1000", "1000-aug-10", "1000-aug-100"):  # not puzzles500's set
         (data / f"sudoku-extreme-{name}").symlink_to(sudoku_dir)
+    # The variants read their sets from gs:// (the emulator), as a spot programme must: a slice re-created
+    # after a preemption has empty disks. puzzles500's prefix holds no set: bad input, found on the workers.
+    emulator = start_gcs_emulator(tmp_path)
+    emulator.apply_env()  # before the programme's environment is made: its workers reach the emulator
+    emulator.create_bucket("data")
+    from google.cloud import storage
+
+    sets = storage.Client().bucket("data")
+    for name in ("100-aug-1000", "1000-aug-10", "1000-aug-100"):
+        for f in sorted(p for p in sudoku_dir.rglob("*") if p.is_file()):
+            sets.blob(f"sudoku-extreme-{name}/{f.relative_to(sudoku_dir).as_posix()}").upload_from_filename(str(f))
+    sets.blob("sudoku-extreme-500-aug-1000/README").upload_from_string("not a dataset")
     programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4", FAKE_GCLOUD_WORKERS="1")
     make_fake_workers(programme.root, 1, None, image=True)
     overrides = e2e_overrides(bucket)
     try:
-        r = programme.submit("--env", f"PODRUNNER_DATA={data}", "--poll-seconds", "0.2", variants=E2E_VARIANTS,
-                             slices=("s1", "s2"), overrides=tuple(overrides), accelerator="v4-8")
+        r = programme.submit("--env", "PODRUNNER_DATA=gs://data", "--poll-seconds", "0.2", variants=E2E_VARIANTS,
+                             slices=("s1", "s2"), overrides=tuple(overrides), accelerator="v4-8",
+                             data_on_every_slice=False)
         assert r.returncode == 0, r.stdout + r.stderr
         controller = programme.start()
 
@@ -332,7 +351,6 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
                 groups = tpu.get("workers") if tpu.get("state") == "READY" else None
             variant, home = running_on(slice_name), programme.root / slice_name / "worker-0"
             pids = [pid for pid, cmd in fake_tpu.group_members(groups[0]) if fake_tpu.is_trainer(cmd)] if groups else []
-            pids = pids or ([fake_tpu.resident_of(home)] if groups and fake_tpu.resident_of(home) else [])
             if not variant or len(pids) != 1 or step_on(slice_name) < kill_at:
                 return None
             out, recorded = home / "repo" / "outputs" / variant, len(launches_of(variant))
@@ -364,12 +382,13 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
         assert restarted.returncode == 0, out[-6000:]
     finally:
         programme.close()
+        emulator.close()
 
     ledger = programme.ledger()
     states = {v: r["state"] for v, r in ledger["variants"].items()}
     assert states == {v: "failed" if v == BAD else "completed" for v in E2E_VARIANTS}, (states, seed_note)
     book = load_ledger(json.dumps(ledger), "ledger.json")
-    assert "not found" in book.variants[BAD].verdict() and book.variants[BAD].failure == "bad input"
+    assert "not found at gs://data/" in book.variants[BAD].verdict() and book.variants[BAD].failure == "bad input"
     # Each completed variant's metrics (all but wall-clock ones), from beside its checkpoints, equal an
     # uninterrupted run's at every step.
     # Here the variants differ only in their data folder, and every folder links to one set: one
@@ -421,29 +440,28 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
     ran = [launch.timing for launch in book.variants[cold].supervision.launches
            if launch.timing and launch.timing.steps_run]
     assert len(ran) > 1 and ran[0].misses > 0 and ran[-1].hits > 0 and ran[-1].misses < ran[0].misses, (cold, ran)
-    # Resident trainers are opt-in (`programme submit --resident`, tests/test_resident.py): every launch
-    # here started its own trainer processes.
-    assert all(launch.resident is None for record in book.variants.values() for launch in record.supervision.launches)
 
 
-def test_a_tpu_sweep_recovers_after_a_preemption(stub_programme, tmp_path):
-    """`sweep --tpu` after a preemption: the first variant resumes on the slice re-created, and the
-    second runs (before: the first failed with 255 and the second on a TPU that was gone)."""
+def test_a_group_on_one_on_demand_slice_recovers_after_a_preemption(stub_programme, tmp_path):
+    """A group's variants on one slice (once `sweep --tpu`): after a preemption the first variant
+    resumes on the slice re-created, and the second runs (before: the first failed with 255 and the
+    second on a TPU that was gone)."""
     gate = tmp_path / "gate"
-    sweep = subprocess.Popen([sys.executable, str(LAUNCH), "sweep", "exp08", "--variants", "ema0.99,off", "--tpu", "t1",
-                              "--zone", ZONE, "--accelerator-type", "v4-16", "--runtime-version", "v2-alpha",
-                              "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--state-dir", str(tmp_path / "sweeps")],
-                             cwd=tmp_path, env=dict(stub_programme.env, STUB_GATE=str(gate)), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stub_programme.started.append(sweep)
+    proc = subprocess.Popen(stub_programme.launch("submit", "exp08", "--variants", "ema0.99,off", "--slice", "t1",
+                                                  "--zone", ZONE, "--accelerator-type", "v4-16", "--runtime-version",
+                                                  "v2-alpha", "--repo-dir", "~/repo", "--poll-seconds", "0.05",
+                                                  "--run"),
+                            cwd=tmp_path, env=dict(stub_programme.env, STUB_GATE=str(gate)), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stub_programme.started.append(proc)
     home = stub_programme.root / "t1" / "worker-0"
     wait_for(lambda: any(fake_tpu.is_trainer(cmd) for _, cmd in fake_tpu.vm_processes(home)), timeout=60,
-             what="the first variant's trainer", procs=[sweep])
+             what="the first variant's trainer", procs=[proc])
     assert fake_tpu.preempt(stub_programme.root, "t1")  # the stub dies on SIGTERM: no checkpoint, a hard stop
     gate.touch()
-    out = sweep.communicate(timeout=120)[0]
-    assert sweep.returncode == 0, out[-4000:]
-    assert "exp08/ema0.99                completed" in out and "exp08/off                    completed" in out
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert stub_programme.states() == {"exp08/ema0.99": "completed", "exp08/off": "completed"}
     verbs = [c[4] for c in gcloud_calls(tmp_path / "gcloud.jsonl") if c[4] in ("create", "delete")]
     assert verbs == ["create", "delete", "create", "delete"], verbs  # re-created after the preemption; deleted at the end
 
@@ -461,8 +479,6 @@ def test_a_failed_variant_and_a_stopping_controller_raise_an_alert(tmp_path, mon
     online = Alerts(sub)
     assert online.online and online.wandb.project == "p1"  # as the runs' composed config says, whatever the form
     assert not Alerts(queue_state.Submission(**{**sub.__dict__, "overrides": []})).online  # offline
-    assert not sub.spec(EMA[0], "s1", tmp_path).resident  # fresh trainer processes, unless submitted --resident
-    assert queue_state.Submission(**{**sub.__dict__, "resident": True}).spec(EMA[0], "s1", tmp_path).resident
     state = queue_state.State(tmp_path / NAME)
     state.create(sub)
     alerts: list[tuple[str, str]] = []
@@ -492,7 +508,6 @@ def test_cheapest_order_and_programme_stop(stub_programme, tmp_path):
     assert list(stub_programme.ledger()["variants"]) == [EMA[1], EMA[0]]
     submitted = json.loads((stub_programme.state_dir / NAME / "programme.json").read_text())
     assert f"run.executables={tmp_path / 'exe'}" in submitted["overrides"]  # the runs read what the plan priced
-    assert submitted["resident"] is False  # resident trainers are opt-in: `programme submit --resident`
     gate = tmp_path / "gate"
     controller = stub_programme.start(STUB_GATE=str(gate))
     progress = lambda: stub_programme.ledger()["variants"][EMA[1]]["supervision"].get("launch") or {}  # noqa: E731
@@ -599,10 +614,3 @@ def test_status_table_totals_eta_and_page(tmp_path):
     page = queue_status.page(sub, state.ledger)
     assert page.count("<tr class='completed'>") == 1 and page.count("<img alt=") == 2
     assert "<li>exp04a/puzzles100: exp04a/puzzles100: dataset not found</li>" in page
-
-
-def test_resident_trainers_are_opt_in_on_the_command_line():
-    from experiments.launch import build_parser
-
-    argv = ["programme", "submit", NAME, "exp08", "--zone", ZONE, "--accelerator-type", "v4-8", "--runtime-version", "v"]
-    assert not build_parser().parse_args(argv).resident and build_parser().parse_args([*argv, "--resident"]).resident

@@ -7,10 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 
 from runtime import wire
-from runtime.wire import ResidentLaunch, ResidentMode
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "t1v-n-my-tpu-w-3: "  # what gcloud puts before a worker's line
@@ -41,8 +39,7 @@ def test_a_start_line_round_trips_in_the_format_on_disk():
 
 
 def test_a_versions_line_round_trips():
-    row = {"host": "h", "commit": "c", "python": "3.11.9", "jax": "0.4.38", "ok": True, "problem": None,
-           "resident": {"session": "k1", "pid": 9}}
+    row = {"host": "h", "commit": "c", "python": "3.11.9", "jax": "0.4.38", "ok": True, "problem": None}
     line = wire.versions_line(row)
     assert line.startswith('podrunner-versions {"host": "h", "commit": "c"')
     assert wire.versions(PREFIX + line) == row
@@ -58,20 +55,6 @@ def test_a_status_line_round_trips_in_the_format_on_disk():
     assert wire.status(PREFIX + line) == status and status.alive
     older = wire.status('podrunner-status {"host": "h", "processes": []}')  # fields a tree may lack read as None
     assert older == wire.Status("h", None, [], None, None, None, None) and not older.alive
-
-
-@pytest.mark.parametrize("text, launch", [("cold", ResidentLaunch(ResidentMode.COLD)),
-                                          ("warm:k1", ResidentLaunch(ResidentMode.WARM, "k1"))])
-def test_a_resident_launch_round_trips(text, launch):
-    assert ResidentLaunch.parse(text) == launch and launch.arg() == text
-
-
-@pytest.mark.parametrize("text", ["warm", "warm:", "hot", "cold:k1", ""])
-def test_a_resident_launch_of_neither_form_is_refused(text):
-    with pytest.raises(ValueError, match="give cold or warm:SESSION"):
-        ResidentLaunch.parse(text)
-    with pytest.raises(ValueError):
-        ResidentLaunch(ResidentMode.WARM)
 
 
 def test_no_other_source_file_writes_or_matches_the_tags():

@@ -1,10 +1,11 @@
 """The run queue's controller (`launch.py programme run`; the queue's state: experiments/
 launcher/queue_state.py): one thread per slice takes the next queued variant, runs it under the
 supervisor's logic (experiments/launcher/supervise.py) until it completes or fails for good, and
-takes the next; a slice with nothing left to run is deleted. A variant's state changes only
-through ledger.move (ledger.TRANSITIONS). What ends a variant's run, the budget, requests and
-pod-hours: docs/RUNNING.md, "Running the whole programme unattended"; where the time went:
-experiments/launcher/account.py.
+takes the next; a slice with nothing left to run is deleted, and on a stop deleted or kept READY
+as the stop says (`Stop.release`; its line names what each variant kept or lost and the slices
+left billing). A variant's state changes only through ledger.move (ledger.TRANSITIONS). What
+ends a variant's run, the budget, requests and pod-hours: docs/RUNNING.md, "Running the whole
+programme unattended"; where the time went: experiments/launcher/account.py.
 
 Exit codes of `run`: 0 nothing left to run, the budget reached, or stopped by `programme stop`;
 1 stopped on a repeated infrastructure failure; 2 bad input, a damaged state file, a held lease,
@@ -13,7 +14,6 @@ no credentials, a refused request; 6 a state file that cannot be written; 130 in
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import shlex
@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
+from experiments.dashboard import ProgrammeDashboards
 from experiments.launcher import supervise
 from experiments.launcher.account import charge, idle_from, idle_until, live_ready_seconds, mark
 from experiments.launcher.gcloud import Target
-from experiments.launcher.ledger import (STOPS_PROGRAMME, Command, ControllerStatus, Move, ReadyClock, StateWriteError,
-                                         Status, Streak, SupervisionRecord, VariantState, Verb, can_move, log_line,
-                                         move)
+from experiments.launcher.ledger import (STOPS_PROGRAMME, Command, ControllerStatus, Move, Outcome, ReadyClock,
+                                         StateWriteError, Status, Streak, SupervisionRecord, VariantState, Verb,
+                                         can_move, log_line, move)
 from experiments.launcher.queue_state import State, Submission, hold_lease
 from runtime import events
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
@@ -63,6 +64,13 @@ class VariantSupervision(supervise.Supervision):
     def save(self) -> None:
         self.state.save()
 
+    def host_seconds(self, clock: ReadyClock) -> float:
+        """The variant's own charge: what it was charged before, and its share of the slice since it took it."""
+        with self.state.lock:
+            held = self.state.ledger.variants[self.variant]
+            since = max(0.0, clock.host_total() - held.mark.host) if held.mark else 0.0
+            return held.host_seconds + since
+
     def event(self, name: str, **fields) -> None:
         self.state.event(name, variant=self.variant, slice=self.slice, **fields)
         try:
@@ -75,11 +83,12 @@ class VariantSupervision(supervise.Supervision):
 # --- the controller ------------------------------------------------------------------------------
 
 class Stop(Exception):
-    """The controller stops, said in one line, with an exit code."""
+    """The controller stops, said in one line, with an exit code; `release`: the slices are deleted
+    once the running variants have stopped (else they are kept READY, and the line says so)."""
 
-    def __init__(self, line: str, code: int) -> None:
+    def __init__(self, line: str, code: int, release: bool = False) -> None:
         super().__init__(line)
-        self.line, self.code = line, code
+        self.line, self.code, self.release = line, code, release
 
 
 class Controller:
@@ -94,10 +103,12 @@ class Controller:
         self.stopping: Stop | None = None  # why the controller stops (None: the queue ran out)
         self.budget_line: str | None = None
         self.supervisors: dict[str, supervise.Supervisor] = {}  # running variant -> its supervisor
+        self.stopped: dict[str, tuple[int | None, int | None]] = {}  # variant stopped -> (step saved, step reached)
         self.sleep_s = sleep_s  # how often the directory's requests are looked for
         self.mirror_poll_s = mirror_poll_s  # how often the mirror's
         self.mirror_polled: float | None = None
         self.lock = state.lock
+        self.dashboards = ProgrammeDashboards.of(state.dir, state.sub.name)
 
     # -- time and money
 
@@ -124,13 +135,6 @@ class Controller:
         """The queued variants a slice may take, in queue order (call under the lock)."""
         return sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
                        and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
-
-    def coming(self) -> list[str] | None:
-        """The overrides of the variant a slice would take next (the first queued one), if any: a
-        resident trainer compiles its steps ahead (experiments/launcher/worker/resident.py)."""
-        with self.lock:
-            queued = self._queued()
-        return self.sub.overrides_of(queued[0]) if queued else None
 
     def take(self, slice_name: str) -> str | None:
         """The variant this slice runs next: its own that was running when the controller stopped
@@ -178,6 +182,8 @@ class Controller:
             record.mark = mark(self.clock(slice_name))
             self.ledger.slices[slice_name].variant = variant
         self.state.save()
+        if self.dashboards is not None:  # submit --dashboards: the group's W&B views, at its first variant
+            self.dashboards.started(variant)
         return variant
 
     def already_complete(self, variant: str) -> dict | None:
@@ -236,7 +242,7 @@ class Controller:
                      found_step=step if isinstance(step, int) else None)
             return
         sup = VariantSupervision(self.state, variant, slice_name)
-        spec = dataclasses.replace(self.sub.spec(variant, slice_name, self.state.dir), next_overrides=self.coming)
+        spec = self.sub.spec(variant, slice_name, self.state.dir)
         supervisor = supervise.Supervisor(spec, sup, self.clock(slice_name), owns_slice=False, report=lambda line: None)
         with self.lock:
             stopping = self.stop.is_set()
@@ -263,6 +269,9 @@ class Controller:
             self.end(variant, slice_name, Move.COMPLETE, metrics=last.metrics if last else None)
             self.streak_reset()
         elif status == Status.INTERRUPTED:
+            if last is not None and last.outcome == Outcome.STOPPED:
+                with self.lock:
+                    self.stopped[variant] = (last.saved_step, last.last_step)
             self.end(variant, slice_name, Move.SKIP if skip else Move.REQUEUE)
         elif status == Status.FAILED and end and end.cause in STOPS_PROGRAMME:
             raise Stop(end.line or "gcloud refused a request", end.code or EXIT_USER_ERROR)  # none fares better
@@ -332,7 +341,7 @@ class Controller:
                 if variant is None:
                     break
                 self.run_variant(variant, slice_name)
-            if not self.stop.is_set():
+            if not self.stop.is_set() or (self.stopping is not None and self.stopping.release):
                 self.release(slice_name)
         except Stop as e:
             self.halt(e)
@@ -348,9 +357,10 @@ class Controller:
         """Nothing left for this slice: delete it (its READY time ends)."""
         supervisor = supervise.Supervisor(
             supervise.Spec(Target(slice_name, self.sub.zone, self.sub.project), f"{self.state.name}-{slice_name}", [],
-                           at_end="delete"), _SliceRecord(self.state, slice_name), self.clock(slice_name))
+                           at_end="delete", queued_resource=f"{slice_name}-qr" if self.sub.queued else None),
+            _SliceRecord(self.state, slice_name), self.clock(slice_name))
         state, _ = supervise.tpu_state(supervisor.spec, supervisor.run_gcloud)
-        if state != supervise.TpuState.MISSING:
+        if state != supervise.TpuState.MISSING or self.sub.queued:  # a queued resource may wait to make one
             supervisor.release_tpu(Status.COMPLETED)
         else:
             supervisor.gone(time.time())
@@ -395,7 +405,8 @@ class Controller:
         self.state.event("command", verb=verb, variant=variant or "-")
         if verb == Verb.STOP:
             self.state.save()
-            self.halt(Stop("stopped by `programme stop`: the running variants checkpointed", 0))
+            release = self.sub.release_on_stop() if command.release is None else command.release
+            self.halt(Stop("stopped by `programme stop`", 0, release=release))
             return
         if verb == Verb.BUDGET:
             with self.lock:
@@ -447,9 +458,30 @@ class Controller:
                         self.halt(Stop(str(e), e.exit_code))
                 time.sleep(self.sleep_s)  # how often requests are looked for
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`run` turns it into this)
-                self.halt(Stop("interrupted: the running variants checkpointed; run it again to carry on",
-                               EXIT_INTERRUPTED))
+                self.halt(Stop("interrupted; run it again to carry on", EXIT_INTERRUPTED))
         return self.finish()
+
+    def stop_line(self, why: Stop) -> str:
+        """The stop's line (call under the lock): what each variant it stopped kept or lost (a stop whose
+        --stop-grace ran out before the trainer saved loses the steps since its last checkpoint), and the
+        slices it leaves READY, billing, with what they cost an hour."""
+        said = []
+        for variant, (saved, reached) in sorted(self.stopped.items()):
+            lost = lost_steps(saved, reached)
+            said.append(f"{variant} lost {lost} step{'s' * (lost != 1)} (it reached step {reached}, its last "
+                        f"checkpoint is step {saved}: the --stop-grace of {self.sub.stop_grace_s:g} s ran out "
+                        "before it saved)" if lost else f"{variant} stopped at its checkpoint of step {saved}")
+        line = why.line if not said else f"{why.line}: {'; '.join(said)}"
+        kept = {name: s.clock.hosts for name, s in self.ledger.slices.items() if s.clock.ready_since is not None}
+        if kept:
+            line += (f"; kept READY, billing {len(kept)} pod-hour{'s' * (len(kept) != 1)} ({sum(kept.values())} "
+                     f"host-hours) an hour until deleted: {', '.join(kept)} (`programme run {self.state.name}` "
+                     f"carries on on them; to delete them: `programme stop {self.state.name} --release`, then "
+                     f"`programme run {self.state.name}`, where the checkpoints are on gs://, else `gcloud compute "
+                     f"tpus tpu-vm delete SLICE --zone {self.sub.zone}`)")
+        elif why.release:
+            line += f"; its slices were deleted (`programme run {self.state.name}` creates them again)"
+        return line
 
     def recover(self) -> None:
         """A controller killed mid-run: its variants were running; each resumes on its own slice
@@ -468,7 +500,7 @@ class Controller:
                 record.skip = False
             why = self.stopping
             if why is not None:
-                status, line, code = ControllerStatus.STOPPED, why.line, why.code
+                status, line, code = ControllerStatus.STOPPED, self.stop_line(why), why.code
             elif self.budget_line:
                 status, line, code = ControllerStatus.BUDGET, self.budget_line, 0
             else:
@@ -485,6 +517,11 @@ class Controller:
         if status == ControllerStatus.STOPPED and code:
             self.alert(f"{self.state.name}: the controller stopped", line or "")
         return code
+
+
+def lost_steps(saved: int | None, reached: int | None) -> int:
+    """Steps a stopped launch ran past the step it can resume from (0: it stopped at its checkpoint)."""
+    return max(0, reached - saved) if saved is not None and reached is not None else 0
 
 
 class _SliceRecord(supervise.Supervision):

@@ -1,10 +1,7 @@
-"""Every gcloud command line the launchers run (`gcloud compute tpus tpu-vm ...` and
-`queued-resources ...`), built here and nowhere else, and how they are run: `run_quiet` for a short
-call whose output is read, `run_streaming` for an ssh whose output passes through as it comes.
-
-gcloud's own failures that no waiting fixes are recognised here, from its documented messages:
-missing or expired credentials (`auth_failure`), and a request GCP refuses (`refused`): quota, a
-wrong flag or value, no permission.
+"""Every gcloud command line the launchers run, built here and nowhere else, and how they are run:
+`run_quiet` for a short call whose output is read, `run_streaming` for an ssh whose output passes
+through as it comes. gcloud's failures that no waiting fixes are recognised here, from its
+documented messages: missing or expired credentials (`auth_failure`), a refused request (`refused`).
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from typing import Callable, Sequence, TextIO
 from runtime import wire
 
 NOT_FOUND = ("NOT_FOUND", "not found")
-# `gcloud auth login` is what gcloud tells the user to run for an expired, revoked or missing login
-# ("There was a problem refreshing your current auth tokens: Reauthentication failed ...", "You do
-# not currently have an active account selected.").
+# What gcloud says of an expired, revoked or missing login.
 AUTH_SIGNS = ("gcloud auth login", "refreshing your current auth tokens", "do not currently have an active account")
 # Requests GCP refuses for good, by their status in gcloud's error line; QUOTA is waited on, then
 # counted as an infrastructure failure (a programme stops when it repeats across variants).
@@ -45,8 +40,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Shape:
-    """What `create` makes: accelerator type, runtime version, tier (spot, reserved or None: on
-    demand) and, when it goes through a queued resource, that resource's id."""
+    """What `create` makes; tier: spot, reserved or None (on demand)."""
     accelerator_type: str | None = None
     runtime_version: str | None = None
     tier: str | None = None
@@ -147,10 +141,9 @@ def run_quiet(argv: Sequence[str]) -> tuple[int, str]:
 def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path: Path | None = None,
                   on_line: Callable[[str], None] | None = None,
                   started: Callable[[subprocess.Popen], None] | None = None) -> int:
-    """Run gcloud, passing its merged output to `log_path` unchanged and to `stream` the lines a
-    person reads (no tagged lines, no library chatter: runtime/wire.py for_people); return its
-    exit code. `started(proc)` learns the process (a controller that must end it early). On Ctrl-C
-    gcloud is stopped and KeyboardInterrupt re-raised (the remote processes may live on)."""
+    """gcloud's exit code; its merged output to `log_path` as it is and to `stream` the lines a
+    person reads (wire.for_people). `started(proc)`: for a controller that must end it early. On
+    Ctrl-C gcloud is stopped and KeyboardInterrupt re-raised (the remote processes may live on)."""
     try:
         proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except FileNotFoundError:
@@ -207,9 +200,6 @@ def end(proc: subprocess.Popen, grace: float = 10.0) -> None:
     try:
         proc.send_signal(signal.SIGINT)
         proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    except (ProcessLookupError, KeyboardInterrupt):
+    except (subprocess.TimeoutExpired, ProcessLookupError, KeyboardInterrupt):
         proc.kill()
         proc.wait()

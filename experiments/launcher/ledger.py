@@ -11,7 +11,7 @@ Each fact is said once: a launch's steps, total, W&B run id and failure line are
 `LaunchRecord`'s (the one under way: its `InFlight`); a supervision's and a variant's are derived
 from them (`SupervisionRecord.said`, `VariantRecord.said`, `VariantRecord.verdict`).
 
-Files. `ledger.json` is `Ledger` as JSON with `"schema": 4`; `supervision.json` is
+Files. `ledger.json` is `Ledger` as JSON with `"schema": 5`; `supervision.json` is
 `SupervisionRecord` with the same key. Older schemas are read and migrated (`MIGRATIONS`; a file
 without the key is version 1). Loading is strict: a file that is not JSON, whose shape differs (a
 key missing or unknown, a value of the wrong type, a number no float holds), or that cannot be
@@ -41,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from runtime.atomic import append_atomic, write_atomic
 from runtime.errors import EXIT_STORAGE, UserError, storage_fault, storage_fix
 
-SCHEMA = 4
+SCHEMA = 5
 
 
 # --- the vocabulary ------------------------------------------------------------------------------
@@ -102,6 +102,7 @@ class Outcome(enum.StrEnum):
     FATAL = "fatal"  # a permanent failure: the supervision fails
     BACKOFF = "backoff"  # wait, then relaunch (a restart)
     RESTART = "restart"  # stop stale processes, relaunch (a restart)
+    STOPPED = "stopped"  # asked to stop (`programme stop`, `skip`, Ctrl-C): neither a preemption nor a restart
 
 
 class Cause(enum.StrEnum):
@@ -112,6 +113,7 @@ class Cause(enum.StrEnum):
     QUOTA = "quota"  # the slice's creates were refused for quota
     CREATE_REFUSED = "create refused"  # ... for another reason (a stockout)
     SUPERVISOR_DIED = "stopped: its supervisor had died"  # a launch found in flight, stopped by the next supervisor
+    STOPPED = "stopped: asked to"  # a launch stopped by `programme stop` / `skip` or Ctrl-C, its slice READY
 
 
 STOPS_PROGRAMME = (Cause.GCLOUD_REFUSED, Cause.GCLOUD_CREDENTIALS)  # no variant fares better: the controller stops
@@ -224,7 +226,7 @@ class LaunchRecord(Strict):
     first_step: int | None = None  # where it started (its `started` event's step): a resume point
     timing: LaunchTiming | None = None
     unwatched: bool = False  # it ran while no supervisor watched: recorded later, from the run's events
-    resident: str | None = None  # into resident trainers: a runtime/wire.py ResidentLaunch's arg() (cold: started them)
+    saved_step: int | None = None  # the newest step it could resume from when it ended (its start, a committed checkpoint)
 
 
 @dataclass
@@ -376,6 +378,7 @@ class Command(Strict):
     verb: Verb
     variant: str | None = None
     value: float | None = None
+    release: bool | None = None  # a stop: delete the slices (True) or keep them READY (False); None: the default
 
 
 # --- reading and writing -------------------------------------------------------------------------
@@ -487,12 +490,25 @@ def _each_fact_once(data: dict) -> dict:
     return data
 
 
+def _without_residents(data: dict) -> dict:
+    """Schema 4 -> 5 (a ledger or a supervision record): each launch's `resident` mode dropped."""
+    variants = data.get("variants") if isinstance(data.get("variants"), dict) else {}
+    records = [v.get("supervision") for v in variants.values() if isinstance(v, dict)] or [data]
+    for record in (r for r in records if isinstance(r, dict)):
+        for launch in record.get("launches") if isinstance(record.get("launches"), list) else []:
+            if isinstance(launch, dict):
+                launch.pop("resident", None)
+    return data
+
+
 # Schema n -> n + 1, on the parsed JSON of a file of schema n. Version 2 only typed version 1's
 # records (the same keys, read as they are) and added fields with defaults: nothing to rewrite.
 # Version 3 added the time accounts, fields with defaults: a version-2 launch has no `timing` (its
 # time is `other`), a slice no idle time (what its clock counted before is the programme's
-# unattributed time, experiments/launcher/account.py). Version 4 says each fact once.
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data, 2: lambda data: data, 3: _each_fact_once}
+# unattributed time, experiments/launcher/account.py). Version 4 says each fact once. Version 5
+# has no resident trainers (retired): a launch drops its `resident` mode.
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: lambda data: data, 2: lambda data: data, 3: _each_fact_once,
+                                                 4: _without_residents}
 
 
 def decode(kind: type[T], data: Any, *, what: str, file: object, good_copy: str | None = None,

@@ -1,17 +1,14 @@
 """Run an N-process JAX "pod" on this machine, for testing multi-host code on CPU.
 
-Each process gets the explicit-coordinator environment that `pretrain_jax.py` reads
-(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and M fake CPU devices (collectives
-over gloo). Secrets reach the processes only through their environment, never their argv.
+Each process gets the coordinator's environment that `pretrain_jax.py` reads (JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID) and M fake CPU devices; secrets only through the environment.
 
-Exit-code policy of `run_local_pod` (shell conventions):
-  0          every process exited 0.
-  8          every process exited 0 or 8 (preempted with its checkpoint saved: all stop together).
-  c > 0      the first process seen failing exited with code c; the others were SIGKILLed.
-  128 + s    the first process seen failing was killed by signal s (e.g. 137 for SIGKILL),
-             or the launcher itself got signal s (130 for SIGINT, 143 for SIGTERM)
-             and shut the pod down, whatever the children then returned.
-  124        the overall timeout expired (same code as coreutils `timeout`).
+Exit codes of `run_local_pod` (shell conventions):
+  0          every process exited 0; 8: every one 0 or 8 (preempted, checkpoint saved).
+  c > 0      the first process seen failing exited with c; the others were SIGKILLed.
+  128 + s    the first process seen failing was killed by signal s, or the launcher got
+             signal s (130 SIGINT, 143 SIGTERM) and shut the pod down.
+  124        the overall timeout expired (as coreutils `timeout`).
 
 Why SIGKILL: once `jax.distributed` is up, JAX's preemption handler swallows SIGTERM. Each child
 runs in its own session, and its whole group is killed, so grandchildren die too.
@@ -60,19 +57,10 @@ def with_device_count(xla_flags: str, count: int) -> str:
     return " ".join([*rest, f"--xla_force_host_platform_device_count={count}"])
 
 
-def process_env(
-    process_id: int,
-    processes: int,
-    devices_per_process: int,
-    port: int,
-    extra_env: dict[str, str] | None = None,
-    base_env: dict[str, str] | None = None,
-) -> dict[str, str]:
-    """Environment of pod process `process_id`.
-
-    `extra_env` is applied last, so it may override anything, except that the
-    device count inside XLA_FLAGS always follows `devices_per_process`.
-    """
+def process_env(process_id: int, processes: int, devices_per_process: int, port: int,
+                extra_env: dict[str, str] | None = None, base_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of pod process `process_id`: `extra_env` last, except that the device count in
+    XLA_FLAGS always follows `devices_per_process`."""
     env = dict(os.environ if base_env is None else base_env)
     env.update(
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -137,7 +125,7 @@ def _pump(i: int, pipe: IO[bytes], sink: _Sink, log_path: Path | None) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Send `sig` to the child's process group (pgid == pid thanks to start_new_session)."""
+    """`sig` to the child's process group (pgid == pid: start_new_session)."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -184,8 +172,7 @@ class _Pod:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def shut_down(self, interrupts: list[int], grace_period: float) -> None:
-        """SIGTERM everyone (children may checkpoint), SIGKILL after the grace period
-        or at once on a second interrupt."""
+        """SIGTERM everyone (to checkpoint), SIGKILL after the grace period or on a second interrupt."""
         first = len(interrupts)
         self.say(f"got {signal.Signals(interrupts[0]).name}: sending SIGTERM to all "
                  f"processes, SIGKILL in {grace_period:g} s (interrupt again to kill now)")
@@ -199,23 +186,12 @@ class _Pod:
         self.kill_all()
 
 
-def run_local_pod(
-    processes: int,
-    devices_per_process: int,
-    overrides: Sequence[str],
-    *,
-    script: str = "pretrain_jax.py",
-    port: int | None = None,
-    log_dir: Path | None = None,
-    extra_env: dict[str, str] | None = None,
-    python: str = sys.executable,
-    timeout: float | None = None,
-    grace_period: float = 60.0,
-    stream: TextIO | None = None,
-) -> int:
-    """Run `python <script> <overrides...>` as an N-process local pod; see the module
-    docstring for the exit-code policy. Output goes to `stream` (default sys.stdout),
-    each line prefixed with `[p{i}] `; launcher messages are prefixed `[launch] `."""
+def run_local_pod(processes: int, devices_per_process: int, overrides: Sequence[str], *,
+                  script: str = "pretrain_jax.py", port: int | None = None, log_dir: Path | None = None,
+                  extra_env: dict[str, str] | None = None, python: str = sys.executable,
+                  timeout: float | None = None, grace_period: float = 60.0, stream: TextIO | None = None) -> int:
+    """Run `python <script> <overrides...>` as an N-process local pod (exit codes: the module
+    docstring). Output goes to `stream`, each line prefixed `[p{i}] `; the launcher's `[launch] `."""
     if processes < 1 or devices_per_process < 1:
         raise ValueError("processes and devices_per_process must be >= 1")
     port = port or find_free_port()
@@ -233,9 +209,8 @@ def run_local_pod(
                     f"coordinator 127.0.0.1:{port}: {subprocess.list2cmdline(cmd)}")
             for i in range(processes):
                 env = process_env(i, processes, devices_per_process, port, extra_env)
-                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
                 pod.procs.append(proc)
                 log_path = log_dir / f"process_{i}.log" if log_dir is not None else None
                 pump = threading.Thread(target=_pump, args=(i, proc.stdout, sink, log_path),
@@ -248,8 +223,7 @@ def run_local_pod(
             pod.join_pumps()
 
 
-def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None,
-               grace_period: float) -> int:
+def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None, grace_period: float) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if interrupts:

@@ -1,13 +1,9 @@
 """Run commands on every worker of a Cloud TPU VM slice through ONE `gcloud ... ssh --worker=all`.
 
 Why one ssh: a per-worker loop can leave some workers unstarted, and a JAX job with a missing
-process hangs at the coordinator; gcloud starts the command on all workers at once. The
-operations (`pod`, `setup`, `stop`, `status`; CLI in experiments/launch.py), the secrets file, run
-ids and `--ship` are described in docs/OPERATIONS.md ("Launch", "Set up the workers"). Every gcloud
-command line is built in experiments/launcher/gcloud.py; the programs that run on the workers are
-`python -m experiments.launcher.worker.<tool>` from the repo there. Quoting: gcloud hands
---command to the worker's login shell, so every user value is quoted exactly once with
-shlex.quote, `~/...` as "$HOME"/... so it still expands.
+process hangs at the coordinator. The operations, secrets, run ids and `--ship`: docs/OPERATIONS.md.
+gcloud hands --command to the worker's login shell, so every user value is quoted exactly once
+(shlex.quote; `~/...` as "$HOME"/... so it still expands).
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from experiments.launcher.worker import SECRETS_PREFIX, shipped
 from runtime import events, wire
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.run_ids import PROPOSED_RUN_ID_ENV, RUN_ID
-from runtime.wire import ResidentLaunch, ResidentMode
 
 __all__ = ["PodError", "Target", "Pack", "ShipError", "pack_tree", "DEFAULT_MAX_MB"]
 
@@ -63,8 +58,7 @@ def remote_path(path: str) -> str:
 
 
 def new_run_id() -> str:
-    """Sortable and unique enough: 20250131-142501-k3x9 (starts with a digit run, but Hydra
-    parses it as a string because of the dashes)."""
+    """Sortable and unique enough: 20250131-142501-k3x9 (a string to Hydra, for its dashes)."""
     suffix = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(4))
     return time.strftime("%Y%m%d-%H%M%S-") + suffix
 
@@ -87,8 +81,7 @@ def resolve_run_id(run_id: str | None, overrides: Sequence[str]) -> tuple[str, l
 
 
 def check_forwarded(forward: Iterable[str], environ: Mapping[str, str]) -> None:
-    """Every --forward-env NAME is set here: a typo'd or unexported name would reach the workers
-    as nothing at all, and the run would fail there (or worse, run without it)."""
+    """Every --forward-env NAME is set here: else the run would fail on the workers, or run without it."""
     unset = [name for name in dict.fromkeys(forward) if not environ.get(name)]
     if unset:
         raise PodError(f"--forward-env {unset[0]}: {unset[0]} is not set in this environment, so there is nothing to "
@@ -97,8 +90,7 @@ def check_forwarded(forward: Iterable[str], environ: Mapping[str, str]) -> None:
 
 def remote_env(extra: Mapping[str, str], forward: Iterable[str],
                environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(plain, secret) variables for the workers. Secrets: SECRET_ENV plus `forward`, taken from
-    `environ` when set there."""
+    """(plain, secret) variables for the workers; secrets: SECRET_ENV and `forward`, from `environ`."""
     for name in [*extra, *forward]:
         if not _ENV_NAME.fullmatch(name):
             raise PodError(f"{name!r} is not an environment variable name")
@@ -111,8 +103,7 @@ HOST = '"$(hostname)"'  # the worker's name, as its shell says it (what tags eve
 
 
 def _fail(message: str, code: int = EXIT_USER_ERROR) -> str:
-    """`|| <this>`: say on which worker and why, then end that worker's command. `message` is
-    ours (no user values: it sits inside double quotes)."""
+    """`|| <this>`: say on which worker and why, then end its command (`message`: no user values)."""
     return f'{{ echo "podrunner: $(hostname): {message}" >&2; exit {code}; }}'
 
 
@@ -122,13 +113,10 @@ def secrets_file_text(secret_env: Mapping[str, str]) -> str:
 
 
 def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mapping[str, str],
-                secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None,
-                resident: ResidentLaunch | None = None, next_overrides: Sequence[str] | None = None) -> str:
-    """Worker command: cd to the repo, activate its .venv, then the launch guard
-    (experiments/launcher/worker/once.py), which starts `python pretrain_jax.py ...` once per launch
-    `key` and follows its log. `resident`: the run starts in, or goes on in, a resident trainer
-    (worker/resident.py), which compiles `next_overrides` meanwhile. An EXIT trap removes the copied
-    files should the command end before the guard starts."""
+                secrets_file: str | None = None, ship: Pack | None = None, key: str | None = None) -> str:
+    """Worker command: cd to the repo, activate its .venv, then the launch guard (worker/once.py),
+    which starts the trainer once per launch `key`. An EXIT trap removes the copied files should
+    the command end before the guard starts."""
     plain = {PROPOSED_RUN_ID_ENV: run_id}
     if ship:
         plain[SHIPPED_TREE_ENV] = json.dumps(ship.shipped_record(), sort_keys=True)
@@ -144,10 +132,6 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
     if ship:
         copied.append(remote_path("~/" + shipped.pack_name(ship.tree_hash)))
         guard += ["--ship", remote_path(shipped.tree_dir(ship.tree_hash)), "--pack", copied[-1]]
-    if resident:
-        guard += ["--resident", shlex.quote(resident.arg())]
-        if next_overrides:
-            guard += ["--next", shlex.quote(json.dumps(list(next_overrides)))]
     guard += ["--", "python", "pretrain_jax.py", *map(shlex.quote, overrides)]
     return "; ".join([
         *([f"trap {shlex.quote('rm -f ' + ' '.join(copied))} EXIT"] if copied else []),
@@ -158,8 +142,7 @@ def pod_command(repo_dir: str, run_id: str, overrides: Sequence[str], env: Mappi
 
 
 def in_repo(repo_dir: str, module: str, *args: str, python: str = ".venv/bin/python", missing: str | None = None) -> str:
-    """Worker command: run `python -m experiments.launcher.worker.<module> ARGS` from the repo. `missing`: what
-    to say (and exit 0) when there is no repo there; else that is an error."""
+    """Worker command: a worker tool run from the repo; `missing`: what to say (exit 0) when there is none."""
     no_repo = _fail(missing, 0) if missing else _fail("no repo at --repo-dir")
     return f"cd {remote_path(repo_dir)} 2>/dev/null || {no_repo}; {worker_call(module, *args, python=python)}"
 
@@ -175,8 +158,8 @@ def versions_command(repo_dir: str) -> str:
 
 
 def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | None = None) -> str:
-    """Worker command: [git clone URL when the repo is missing (fresh disks)], [check out REF, with the
-    system python3: the .venv may not be there yet], bash setup_tpu.sh, then the versions line."""
+    """Worker command: [git clone URL on fresh disks], [check out REF with the system python3: no
+    .venv yet], bash setup_tpu.sh, then the versions line."""
     repo = remote_path(repo_dir)
     steps = []
     if clone_url:
@@ -188,9 +171,9 @@ def setup_command(repo_dir: str, git_ref: str | None = None, clone_url: str | No
     return "; ".join([*steps, " && ".join(calls)])
 
 
-def stop_command(grace: float = 0.0, repo_dir: str = DEFAULT_REPO_DIR) -> str:
-    """Runs with the system python3 (works while the repo's .venv is broken); no repo: nothing of ours runs."""
-    return in_repo(repo_dir, "stop", HOST, f"{grace:g}", python="python3",
+def stop_command(grace: float = 0.0, repo_dir: str = DEFAULT_REPO_DIR, run: str | None = None) -> str:
+    """With the system python3 (the .venv may be broken); `run`: only that run's trainers (worker/stop.py)."""
+    return in_repo(repo_dir, "stop", HOST, f"{grace:g}", *([shlex.quote(run)] if run else []), python="python3",
                    missing="no repo at --repo-dir: nothing of ours runs here")
 
 
@@ -209,11 +192,10 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
                ship_max_mb: float = DEFAULT_MAX_MB,
                environ: Mapping[str, str] | None = None, stream: TextIO | None = None,
                on_line: Callable[[str], None] | None = None,
-               on_gcloud: Callable[[subprocess.Popen], None] | None = None, resident: ResidentLaunch | None = None,
-               next_overrides: Sequence[str] | None = None) -> int:
+               on_gcloud: Callable[[subprocess.Popen], None] | None = None) -> int:
     """Run pretrain_jax.py on all workers; exit code = gcloud's (130 after Ctrl-C). `ship`: True
-    packs `ship_from` now, a Pack (a supervisor's, packed once) is sent as it is. `on_line` sees
-    every line of the output; `on_gcloud` gets the ssh's gcloud process (to end it early)."""
+    packs `ship_from` now, a Pack (packed once by a supervisor) is sent as it is. `on_gcloud`
+    gets the ssh's gcloud process (to end it early)."""
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
     run_id, overrides, fixed = resolve_run_id(run_id, overrides)
@@ -227,8 +209,7 @@ def launch_pod(target: Target, overrides: Sequence[str], *, repo_dir: str = DEFA
             except ShipError as e:
                 raise PodError(str(e)) from None
         secrets_file = SECRETS_PREFIX + secrets.token_hex(8) if secret else None
-        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack,
-                              resident=resident, next_overrides=next_overrides)
+        command = pod_command(repo_dir, run_id, overrides, plain, secrets_file, pack)
         shown = shown_commands(target, command, secret, secrets_file, pack)
         if dry_run:
             stream.write(shown)
@@ -325,10 +306,9 @@ def shown_commands(target: Target, command: str, secret: Mapping[str, str], secr
 
 def send_secrets(target: Target, secret_env: Mapping[str, str], secrets_file: str, *,
                  stream: TextIO, log_path: Path | None = None) -> int:
-    """Copy the secrets to ~/<secrets_file> on every worker (one `gcloud ... scp --worker=all`;
-    its exit code). Not through ssh's stdin: with --worker=all gcloud runs one ssh per worker, all
-    reading its one stdin, so only one worker would get the bytes. The local copy: a 0600 file in a private temporary directory, deleted as soon
-    as gcloud returns; scp creates the remote one with the same 0600 mode."""
+    """Copy the secrets to ~/<secrets_file> on every worker (one scp --worker=all; its exit code).
+    Not through ssh's stdin: gcloud's one ssh per worker all read it, so only one would get the
+    bytes. The local copy is a 0600 file, deleted when gcloud returns; scp keeps the mode."""
     with tempfile.TemporaryDirectory(prefix="podrunner-") as tmp:
         local = os.path.join(tmp, secrets_file)
         with os.fdopen(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
@@ -345,10 +325,8 @@ def _remove_secrets(target: Target, secrets_file: str, stream: TextIO, log_path:
 
 
 class _PodWatch:
-    """Reads the pod's output as it streams: warns once when workers run different commits (or trees),
-    remembers whether a worker found the TPU busy, and records the run id the trainer says it
-    uses (its `started` event) in <run_dir>/run_id (said here when it is not the launch's, i.e. a
-    resumed run). `also` sees every line too."""
+    """The pod's output as it streams: warns once when workers run different commits, notes a busy
+    TPU, and records the trainer's run id (its `started` event) in <run_dir>/run_id."""
 
     def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None,
                  also: Callable[[str], None] | None = None) -> None:
@@ -379,8 +357,7 @@ class _PodWatch:
 def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str | None = None,
               clone_url: str | None = None, dry_run: bool = False, stream: TextIO | None = None,
               on_versions: Callable[[dict], None] | None = None) -> int:
-    """setup_tpu.sh on all workers, then a version check: non-zero if workers differ.
-    `on_versions` gets each worker's versions row."""
+    """setup_tpu.sh on all workers, then a version check: non-zero if workers differ."""
     stream = stream or sys.stdout
     argv = gcloud.ssh_argv(target, setup_command(repo_dir, git_ref, clone_url))
     if dry_run:
@@ -401,7 +378,7 @@ def setup_pod(target: Target, *, repo_dir: str = DEFAULT_REPO_DIR, git_ref: str 
     return check_versions(rows, stream)
 
 
-VERDICT = ("host", "ok", "problem", "resident")  # a versions row's fields that are not versions
+VERDICT = ("host", "ok", "problem")  # a versions row's fields that are not versions
 
 
 def compared(row: dict) -> dict:
@@ -415,18 +392,8 @@ def versions_agree(rows: Sequence[dict], hosts: int) -> bool:
             and len({json.dumps(compared(r), sort_keys=True) for r in rows}) == 1)
 
 
-def resident_mode(rows: Sequence[dict], hosts: int) -> ResidentLaunch:
-    """How a programme's next launch starts (worker/resident.py): warm in the session each of the
-    `hosts` workers reported a resident trainer of, else cold."""
-    sessions = {(r.get("resident") or {}).get("session") for r in rows}
-    if len(rows) == hosts and len(sessions) == 1 and None not in sessions:
-        return ResidentLaunch(ResidentMode.WARM, sessions.pop())
-    return ResidentLaunch(ResidentMode.COLD)
-
-
 def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
-    """0 when every worker's .venv fits the project and all report the same commit and versions,
-    else EXIT_FAILURE (1) with the problems or the differences."""
+    """0 when every worker's .venv fits and all report the same versions, else 1 with the differences."""
     if not rows:
         _say(stream, "no worker reported its versions")
         return EXIT_FAILURE
@@ -449,10 +416,10 @@ def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
 
 
 def stop_pod(target: Target, *, grace: float = 0.0, dry_run: bool = False,
-             stream: TextIO | None = None, repo_dir: str = DEFAULT_REPO_DIR) -> int:
-    """Kill stale training processes / TPU holders of this login and remove the lockfile."""
+             stream: TextIO | None = None, repo_dir: str = DEFAULT_REPO_DIR, run: str | None = None) -> int:
+    """Kill this login's stale trainers and TPU holders, remove the lockfile; `run`: spare other runs."""
     stream = stream or sys.stdout
-    argv = gcloud.ssh_argv(target, stop_command(grace, repo_dir))
+    argv = gcloud.ssh_argv(target, stop_command(grace, repo_dir, run))
     if dry_run:
         stream.write(shlex.join(argv) + "\n")
         return 0

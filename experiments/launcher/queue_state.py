@@ -82,7 +82,7 @@ class Submission(Strict):
     infra_streak: int = 3
     checkpoint_dirs: dict[str, str] = field(default_factory=dict)  # variant -> its run's checkpoint directory
     total_steps: dict[str, int] = field(default_factory=dict)  # variant -> its steps, where known before its run
-    resident: bool = False  # a slice's variants run back to back in resident trainers (worker/resident.py)
+    data_on_every_slice: bool = False  # the image or setup puts the inputs on every slice: spot may read disks
 
     def run_id(self, variant: str) -> str:
         """The variant's fixed run id (every launch resumes its checkpoint): letters, digits, . _ -."""
@@ -104,8 +104,7 @@ class Submission(Strict):
             repo_dir=self.repo_dir, log_dir=state_dir / "launch-logs", env=dict(self.env),
             forward_env=list(self.forward_env), poll_s=self.poll_s,
             storage_backoff_s=self.backoff_s, stop_grace_s=self.stop_grace_s, clone_url=self.clone_url,
-            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant),
-            resident=self.resident)
+            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant))
 
     def events_file(self, variant: str) -> str | None:
         """The variant's events beside its checkpoints (runtime/run_files.py), when its directory is known."""
@@ -114,6 +113,17 @@ class Submission(Strict):
 
     def planned_hours(self, variant: str) -> float | None:
         return (self.planned.get(variant) or {}).get("pod_hours")
+
+    def local_checkpoints(self) -> list[str]:
+        """The variants whose checkpoints are not on gs:// (on the workers' disks, which a deleted slice
+        takes with it), or whose checkpoint directory is not known."""
+        return [v for v in self.variants if not self.checkpoint_dirs.get(v, "").startswith("gs://")]
+
+    def release_on_stop(self) -> bool:
+        """`programme stop`'s default (docs/RUNNING.md): delete the slices when every variant's
+        checkpoints are on gs:// (nothing is lost with them; the next `programme run` creates them
+        again), else keep them READY (deleting them would lose the checkpoints on their disks)."""
+        return not self.local_checkpoints()
 
 
 # --- preflight -------------------------------------------------------------------------------------
@@ -196,7 +206,7 @@ def preflight(sub: Submission) -> list[str]:
     from runtime import hydra_compose  # here: JAX and Hydra take seconds; only submit and run compose
     from runtime.config import run_dirs
 
-    problems = []
+    problems, on_disks = [], []
     for variant in sub.variants:
         try:  # under the workers' environment (PODRUNNER_DATA names the data), os.environ untouched
             config = hydra_compose.composed(sub.overrides_of(variant), env=sub.env)
@@ -209,14 +219,55 @@ def preflight(sub: Submission) -> list[str]:
             sub.total_steps[variant] = int(total)
         if str(config.data.path).startswith("gs://") and not _exists(str(config.data.path)):
             problems.append(f"{variant}: dataset {config.data.path} does not exist")
+        on_disks += [(variant, key, path) for key, path in worker_inputs(config) if "://" not in path]
         if sub.budget is not None and sub.planned_hours(variant) is None:
             problems.append(f"{variant}: no planned pod-hours for the budget: give --plan with the CSV of "
                             "`launch.py plan` for these groups")
+    if on_disks and sub.tier == "spot" and not sub.data_on_every_slice:
+        variant, key = on_disks[0][:2]
+        inputs = ", ".join(f"{k}={path}" for v, k, path in on_disks if v == variant)
+        more = len({v for v, _, _ in on_disks}) - 1
+        problems.append(
+            f"{variant}: {inputs} {'is' if inputs.count('=') == 1 else 'are'} on the workers' disks"
+            f"{f' (and {more} more variants read theirs there)' if more else ''}, and a spot slice re-created after "
+            "a preemption has fresh, empty disks, so every variant run there after it would fail: put the data on "
+            f"gs:// (--env PODRUNNER_DATA=gs://BUCKET/data, or -- {key}=gs://...), or give --data-on-every-slice "
+            "when the boot image or the setup puts it on every slice")
     first = sub.variants[0] if sub.variants else None
     if first and sub.budget is not None and (sub.planned_hours(first) or 0.0) > sub.budget:
         problems.append(f"{first}: its planned {sub.planned_hours(first):.3f} pod-hours exceed the budget "
                         f"{sub.budget:g}: raise --budget")
     return problems
+
+
+def stop_choice(sub: Submission, release: bool | None) -> tuple[bool, str]:
+    """`programme stop [--release | --keep]`: whether the slices are deleted once the running variants
+    have stopped (neither: the submission's default, `Submission.release_on_stop`), and the words that
+    say it. --release where checkpoints are on the workers' disks is refused (UserError): deleting the
+    slices would delete them."""
+    local = sub.local_checkpoints()
+    if release and local:
+        raise UserError(f"--release would delete the slices and with them the checkpoints on their disks ({local[0]}"
+                        f"{f' and {len(local) - 1} more' if len(local) > 1 else ''}: "
+                        f"{sub.checkpoint_dirs.get(local[0]) or 'its directory unknown'}); stop without it (the "
+                        "slices are kept READY), or put the checkpoints on gs:// (run.checkpoint.dir=gs://...)")
+    release = sub.release_on_stop() if release is None else release
+    if release:
+        return True, f"; the slices {', '.join(sub.slices)} are deleted after it (the checkpoints are on gs://)"
+    return False, (f"; the slices {', '.join(sub.slices)} are kept READY, billing {len(sub.slices)} pod-hour"
+                   f"{'s' * (len(sub.slices) != 1)} an hour ({sub.accelerator_type} each) until deleted")
+
+
+def worker_inputs(config) -> list[tuple[str, str]]:
+    """(key, path) of every input a run reads from storage: its dataset(s), tokenizer, pretrained
+    weights and imported parameters (None or empty: not read)."""
+    data, found = config.data, []
+    if data.name != "multitask":
+        found.append(("data.path", data.path))
+    found += [(f"data.tasks.{name}.path", task.path) for name, task in (data.tasks or {}).items()]
+    found += [("data.tokenizer", data.tokenizer), ("train.init_params_from", config.train.init_params_from),
+              ("arch.checkpoint", getattr(config.arch, "checkpoint", None))]
+    return [(key, str(path)) for key, path in found if isinstance(path, str) and path]
 
 
 def _exists(url: str) -> bool:
@@ -398,10 +449,11 @@ class State:
             self.stream.flush()
 
     def command(self, verb: Verb, variant: str | None = None, value: float | None = None,
-                mirror: str | None = None) -> Command:
+                mirror: str | None = None, release: bool | None = None) -> Command:
         """Leave a request for the controller, here and on the mirror (a controller on another machine
         reads it there); it applies it once, now or when it next starts."""
-        command = Command(id=f"{time.time_ns()}-{secrets.token_hex(3)}", verb=verb, variant=variant, value=value)
+        command = Command(id=f"{time.time_ns()}-{secrets.token_hex(3)}", verb=verb, variant=variant, value=value,
+                          release=release)
         text = to_text(command)
         write_text(self.dir / COMMANDS / f"{command.id}.json", text, "request")
         mirror = mirror or (self.sub.mirror if self.sub else None)

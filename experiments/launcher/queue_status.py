@@ -91,20 +91,23 @@ def _cell(value, fmt: str = "") -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def columns(r: Row) -> list[str]:
+def columns(r: Row, links: dict | None = None) -> list[str]:
+    """A row's cells; `links` (experiments/dashboard.py `links`): its W&B run as the run page's URL."""
+    run = f"{links['runs']}{r.wandb}" if links and r.wandb else r.wandb or "-"
     return [r.variant, r.state, str(r.attempts), str(r.preemptions), str(r.restarts),
             f"{r.spent:.3f}/{_cell(r.planned, '.3f')}", f"{_cell(r.step)}/{_cell(r.total)}",
             goodput_text(r.account), badput_text(r.account), f"{r.metric_name}={_cell(r.metric, '.4g')}",
-            r.wandb or "-"]
+            run]
 
 
 HEADER = ["variant", "state", "attempts", "preempted", "restarts", "pod-hours/planned", "step/total", "goodput",
           "badput (top 3)", "primary", "W&B run"]
 
 
-def totals(table: list[Row], accounts: Programme) -> list[list[str]]:
+def totals(table: list[Row], accounts: Programme, links: dict | None = None) -> list[list[str]]:
     """One line per group and one for the programme: states, pod-hours spent/planned, goodput and
-    badput (the programme's paid time is every slice's READY time: its idle time too)."""
+    badput (the programme's paid time is every slice's READY time: its idle time too), and the
+    group's W&B workspace when `links` has it."""
     groups: dict[str, list[Row]] = {}
     for r in table:
         groups.setdefault(r.variant.split("/", 1)[0], []).append(r)
@@ -115,7 +118,7 @@ def totals(table: list[Row], accounts: Programme) -> list[list[str]]:
         planned = sum(r.planned or 0.0 for r in members)
         account = accounts.total if name == "programme" else sum((r.account for r in members), Account())
         out.append([f"{name} total", counts, "", "", "", f"{account.paid / 3600:.3f}/{planned:.3f}", "",
-                    goodput_text(account), badput_text(account), "", ""])
+                    goodput_text(account), badput_text(account), "", ((links or {}).get("groups") or {}).get(name, "")])
     return out
 
 
@@ -124,7 +127,10 @@ def summary(sub: Submission, ledger: Ledger, table: list[Row], accounts: Program
     controller = ledger.controller
     eta = eta_hours(sub, table)
     idle = ", ".join(f"{name} {seconds / 3600:.3f}" for name, seconds in accounts.idle.items())
-    return [f"idle READY time (pod-hours): {idle or '-'}",
+    kept = [name for name, s in ledger.slices.items() if s.clock.ready_since is not None and not s.variant]
+    return [f"idle READY time (pod-hours): {idle or '-'}"
+            + (f"; READY with nothing running, billing {len(kept)} pod-hour{'s' * (len(kept) != 1)} an hour: "
+               f"{', '.join(kept)}" if kept and controller.status != "running" else ""),
             f"controller: {controller.status}" + (f" ({controller.line})" if controller.line else "")
             + f"; ETA {'unknown' if eta is None else f'{eta:.2f} h'}"
             + (f"; budget {sub.budget:g} pod-hours" if sub.budget is not None else "")]
@@ -134,10 +140,10 @@ def failures(table: list[Row]) -> list[str]:
     return [f"{r.variant}: {r.line}" for r in table if r.state == VariantState.FAILED and r.line]
 
 
-def text(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
+def text(sub: Submission, ledger: Ledger, now: float | None = None, links: dict | None = None) -> str:
     accounts = programme_account(ledger, now)
     table = rows(sub, ledger, now, accounts)
-    lines = [HEADER, *(columns(r) for r in table), *totals(table, accounts)]
+    lines = [HEADER, *(columns(r, links) for r in table), *totals(table, accounts, links)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out += summary(sub, ledger, table, accounts)
@@ -240,21 +246,25 @@ def picture(sub: Submission, ledger: Ledger, table: list[Row]) -> bytes:
     return _png(fig)
 
 
-def page(sub: Submission, ledger: Ledger, now: float | None = None) -> str:
-    """The static HTML page: the summary, the table, the failed variants' lines, then the pictures."""
+def page(sub: Submission, ledger: Ledger, now: float | None = None, links: dict | None = None) -> str:
+    """The static HTML page: the summary, the table (each run and group linked to W&B when `links`
+    has them), the failed variants' lines, then the pictures."""
     accounts = programme_account(ledger, now)
     table = rows(sub, ledger, now, accounts)
     listed = HEADER.index("badput (top 3)")  # its items wrap between them, never inside one
 
     def cells(line: list[str], tag: str) -> str:
         def cell(i: int, c: str) -> str:
+            if i == len(HEADER) - 1 and c.startswith(("http://", "https://")):  # a W&B run page or workspace
+                label = c.rsplit("/", 1)[-1] if "/runs/" in c else "workspace"
+                return f"<a href='{html.escape(c, quote=True)}'>{html.escape(label)}</a>"
             if i != listed or tag != "td":
                 return html.escape(c)
             return ", ".join(f"<span class='item'>{html.escape(item)}</span>" for item in c.split(", "))
         return "".join(f"<{tag}>{cell(i, c)}</{tag}>" for i, c in enumerate(line))
 
-    body = "".join(f"<tr class='{html.escape(r.state)}'>{cells(columns(r), 'td')}</tr>" for r in table)
-    body += "".join(f"<tr class='total'>{cells(line, 'td')}</tr>" for line in totals(table, accounts))
+    body = "".join(f"<tr class='{html.escape(r.state)}'>{cells(columns(r, links), 'td')}</tr>" for r in table)
+    body += "".join(f"<tr class='total'>{cells(line, 'td')}</tr>" for line in totals(table, accounts, links))
     said = "".join(f"<p>{html.escape(line)}</p>" for line in summary(sub, ledger, table, accounts))
     failed = failures(table)
     items = "".join(f"<li>{html.escape(line)}</li>" for line in failed)

@@ -1,15 +1,12 @@
 """Pack the local working tree for `launch.py pod --ship`.
 
 The set shipped is what `git ls-files --cached --others --exclude-standard` sees, minus deleted
-files: tracked files as they are on disk now, plus untracked files that are not ignored. The pack
-is a tar.gz with sorted names, mtime 0, owner root and modes normalized to 0644/0755 (as git
-does), so the same tree gives the same bytes wherever and whenever it is packed. Symlinks stay
-symlinks; the executable bit is kept.
+files. The tar.gz has sorted names, mtime 0, owner root and modes 0644/0755 (as git), so the same
+tree gives the same bytes wherever it is packed.
 
-The tree hash is sha256 over (path, kind, sha256 of the content or the link target) of every
-file, not `git write-tree` on a temporary index: that would write a blob for every changed and
-untracked file into the user's object store (a stray multi-GB file included) just to name the
-tree, and it would depend on the repository's hash algorithm.
+The tree hash is sha256 over (path, kind, content hash) of every file, not `git write-tree` on a
+temporary index, which would write every changed and untracked file (a stray multi-GB file
+included) into the user's object store just to name the tree.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ def _null_list(text: str) -> list[str]:
 
 
 def tree_files(repo: Path) -> list[str]:
-    """The shipped set, sorted: tracked + untracked-not-ignored, minus deleted files. Submodules
-    (directories in the index) are not followed."""
+    """The shipped set, sorted (submodules not followed)."""
     repo = Path(repo)
     if not repo.is_dir() or _git(repo, "rev-parse", "--is-inside-work-tree", check=False).strip() != "true":
         raise ShipError(f"{repo} is not a git work tree; --ship packs what `git ls-files` sees (use --ship-from DIR)")
@@ -129,8 +125,7 @@ def _capped(items: list[str]) -> list[str]:
 
 
 def diff_summary(top: Path) -> dict:
-    """base_commit (HEAD, None before the first commit) and the tree's difference from it: git's
-    --shortstat line, `M path`-style changes of tracked files, untracked files (lists capped)."""
+    """base_commit (HEAD, None before the first commit) and the tree's difference from it (lists capped)."""
     base = _git(top, "rev-parse", "--verify", "--quiet", "HEAD", check=False).strip() or None
     against = base or _git(top, "hash-object", "-t", "tree", "--stdin").strip()  # the empty tree
     changed = [line.replace("\t", " ", 1) for line in

@@ -38,7 +38,6 @@ from experiments.launcher.ledger import (Cause, End, InFlight, LaunchRecord, Lau
 from runtime import events, wire
 from runtime.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR
 from runtime.events import Failure, Kind, Policy
-from runtime.wire import ResidentLaunch, ResidentMode
 
 
 class TpuState(enum.StrEnum):
@@ -88,10 +87,6 @@ class Spec:
     at_end: str | None = None  # "delete" or "keep" the TPU when the run ends; None: delete when state_mirror is set
     create_attempts: int | None = None  # refused creates in a row before giving up (None: never; wait instead)
     events_file: str | None = None  # the run's events.jsonl beside its checkpoints (runtime/run_files.py), if readable
-    resident: bool = False  # launch into resident trainers (worker/resident.py): warm when every worker has one
-    # With resident: the overrides of the variant the controller hands this slice next (None: none
-    # known), whose steps the residents compile while this run trains.
-    next_overrides: Callable[[], list[str] | None] | None = None
 
     @property
     def shape(self) -> Shape:
@@ -110,6 +105,11 @@ class Supervision:
 
     def __init__(self, record: SupervisionRecord, lock: threading.RLock, stream: TextIO, path: Path) -> None:
         self.record, self.lock, self.stream, self.path = record, lock, stream, path
+
+    def host_seconds(self, clock: ReadyClock) -> float:
+        """The host-seconds this run was charged: here the slice's own (a programme's variant: its
+        share of the slice, experiments/launcher/controller.py)."""
+        return clock.host_total()
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[SupervisionRecord]:
@@ -243,8 +243,8 @@ class Supervisor:
         self.setup_from: float | None = None  # when the READY time before the next launch began (its setup)
         self.setup_carry = 0.0  # setup seconds of rounds whose setup failed: the next launch's
         self.setup_ran = False  # setup ran (not only the versions check) since the last launch
-        self.resident: ResidentLaunch | None = None  # the next launch's --resident, from the versions
         self.billing_stopped: float | None = None  # when the clock last stopped (a preempted trainer goes on past it)
+        self.queue_asked: float | None = None  # when the queued resource was last described
 
     def act(self, argv: list[str], event: str) -> tuple[int, str]:
         """Run a gcloud command and say it; GCP refusing it for good (or no credentials) raises."""
@@ -287,12 +287,14 @@ class Supervisor:
             return seen
         return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
 
-    def step_towards_ready(self, state: str) -> None:
-        """One action for a TPU that is not READY: create, delete + create, or nothing (wait)."""
+    def step_towards_ready(self, state: str) -> str | None:
+        """One action for a TPU that is not READY: create, delete + create, or nothing (wait). The
+        queued resource's state as it was seen (None: no queued resource)."""
         spec, target, shape = self.spec, self.spec.target, self.spec.shape
         if state != TpuState.UNKNOWN:
             self.gone(self.went(time.time()))
         if spec.queued_resource:
+            self.queue_asked = time.time()
             queued = queue_state(spec, self.run_gcloud)
             if queued in QUEUE_DEAD:
                 self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")
@@ -303,7 +305,7 @@ class Supervisor:
                 self.create(gcloud.queued_create_argv(target, shape), "queued-resource-created")
             else:
                 self.sup.event("waiting", tpu_state=state, queued_state=queued)
-            return
+            return queued
         if state in GONE:
             self.act(gcloud.delete_argv(target), "tpu-deleted")
             state = TpuState.MISSING
@@ -311,23 +313,32 @@ class Supervisor:
             self.create(gcloud.create_argv(target, shape), "tpu-created")
         else:
             self.sup.event("waiting", tpu_state=state)
+        return None
 
     def ensure_ready(self) -> int:
         """Wait until the TPU is READY (creating it as needed); its number of workers."""
-        wait = self.spec.poll_s
+        wait, looked_again = self.spec.poll_s, False
         while not self.stop.is_set():
             asked = time.time()
             state, hosts = tpu_state(self.spec, self.run_gcloud)
             if state in (*GONE, TpuState.MISSING, TpuState.CREATING):
                 self.seen_down = True
             if state == TpuState.READY:
-                with self.sup.changing():
-                    self.clock.ready(asked, hosts)
+                with self.sup.changing():  # READY since that describe, or since the queue said its node was made
+                    self.clock.ready(self.queue_asked if looked_again and self.queue_asked else asked, hosts)
                 self.sup.event("tpu-ready", hosts=hosts)
                 return hosts
-            self.step_towards_ready(state)
+            queued = self.step_towards_ready(state)
+            if queued == TpuState.ACTIVE and not looked_again:  # its node is made: describe it now, once (the
+                looked_again = True  # READY time starts at the describe that sees it)
+                continue
+            looked_again = False
             self.sleep(wait)
-            wait = min(wait * 1.5, max(self.spec.poll_s, 300.0))
+            # While the TPU is being made, every poll_s (the ledger's READY time starts at the describe that
+            # sees it, so it is short of GCP's by at most one poll interval per creation, docs/BILL.md);
+            # while queued or gone, longer and longer
+            being_made = state == TpuState.CREATING or queued == TpuState.PROVISIONING
+            wait = self.spec.poll_s if being_made else min(wait * 1.5, max(self.spec.poll_s, 300.0))
         return 0
 
     # --- 2. setup
@@ -340,12 +351,9 @@ class Supervisor:
         rows: list[dict] = []
         code = pod.run_gcloud(gcloud.ssh_argv(spec.target, pod.versions_command(spec.repo_dir)),
                               on_line=lambda l: rows.append(r) if (r := wire.versions(l)) else None)
-        self.resident = ResidentLaunch(ResidentMode.COLD) if spec.resident else None  # after a setup (new code, perhaps), a fresh process
         if code == 0 and not sup.record.setup_pending and pod.versions_agree(rows, hosts):
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
-            if spec.resident:
-                self.resident = pod.resident_mode(rows, hosts)
             return 0
         problem = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), None)
         if sup.record.setup_pending:
@@ -389,19 +397,17 @@ class Supervisor:
                     launch.timing = launch_timing(list(seen.timings), setup=launch.setup) if seen.timings else None
 
         seen = LaunchEvents(on_progress)
-        started, resident = time.time(), self.resident
+        started = time.time()
         setup = self.setup_carry + (max(0.0, started - self.setup_from) if self.setup_from is not None else 0.0)
         setup_ran, self.setup_carry, self.setup_from, self.setup_ran = self.setup_ran, 0.0, None, False
-        sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1,
-                  **({"resident": resident.arg()} if resident else {}))
+        sup.event("launch", run_id=spec.run_id, attempt=len(sup.record.launches) + 1)
         with sup.changing() as record:
             record.in_flight = True
             record.launch = InFlight(started=started, setup=round(setup, 3))
         code = pod.launch_pod(spec.target, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id,
                               log_dir=spec.log_dir, env=spec.env, forward_env=spec.forward_env,
                               interrupt_grace=spec.stop_grace_s, ship=spec.ship or False, stream=sup.stream,
-                              on_line=seen.line, on_gcloud=self._gcloud_started, resident=resident,
-                              next_overrides=spec.next_overrides() if resident and spec.next_overrides else None)
+                              on_line=seen.line, on_gcloud=self._gcloud_started)
         self.gcloud_proc = None
         state_after = billed_until = None
         if code != 0 or seen.stopped_at() is not None:  # the TPU may have gone, even under a run that completed
@@ -411,9 +417,13 @@ class Supervisor:
                 billed_until = min(looked, seen.stopped_at() or looked)
                 self.gone(billed_until)
         outcome = classify(code, seen, state_after)
-        launch = seen.record(started, time.time(), code, outcome, state_after, cause(code, outcome, seen),
+        said_cause = cause(code, outcome, seen)
+        if self.stop.is_set() and outcome not in (Outcome.COMPLETED, Outcome.FATAL) and state_after in (
+                None, TpuState.READY, TpuState.UNKNOWN):  # asked to stop, its slice still there: not a preemption
+            outcome, said_cause = Outcome.STOPPED, Cause.STOPPED
+        launch = seen.record(started, time.time(), code, outcome, state_after, said_cause,
                              launch_timing(list(seen.timings), setup=setup, setup_ran=setup_ran,
-                                           billed_until=billed_until), resident=resident.arg() if resident else None)
+                                           billed_until=billed_until))
         self.end_launch(launch)
         sup.event("launch-ended", code=code, outcome=outcome, cause=shlex.quote(launch.cause), last_step=seen.last_step,
                   tpu_state=state_after or TpuState.READY)
@@ -491,13 +501,29 @@ class Supervisor:
         """Delete the TPU or keep it, as --at-end says (by default: delete when the checkpoints are on gs://)."""
         at_end = self.spec.at_end or ("delete" if self.spec.state_mirror else "keep")
         if at_end == "delete" and status in (Status.COMPLETED, Status.FAILED, Status.GAVE_UP):
-            deleting = time.time()
-            if self.act(gcloud.delete_argv(self.spec.target), "tpu-deleted")[0] == 0:
-                self.gone(deleting)
+            self.delete_slice()
             return
         if self.clock.ready_since is not None:  # still billed; no longer counted here
             self.sup.event("tpu-kept", at_end=at_end if status != Status.INTERRUPTED else Status.INTERRUPTED)
         self.gone(time.time())
+
+    def delete_slice(self) -> None:
+        """Delete the TPU, and its queued resource when it was made through one (`--force`: the queued
+        resource and its node, so that nothing is left queued to make a node that bills later)."""
+        target, shape = self.spec.target, self.spec.shape
+        if shape.queued_resource:
+            deleting = None
+            if queue_state(self.spec, self.run_gcloud) != TpuState.MISSING:
+                deleting = time.time()  # the READY time ends at the request that deletes the node
+                if self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")[0] != 0:
+                    return
+            looked = time.time()
+            if tpu_state(self.spec, self.run_gcloud)[0] == TpuState.MISSING:
+                self.gone(deleting or looked)
+                return
+        deleting = time.time()
+        if self.act(gcloud.delete_argv(target), "tpu-deleted")[0] == 0:
+            self.gone(deleting)
 
     def finish(self, status: Status, code: int, release: bool = True, *, line: str | None = None,
                cause: str | None = None, reason: str | None = None, max_restarts: int | None = None) -> int:
@@ -518,7 +544,7 @@ class Supervisor:
         said = {k: v for k, v in (("cause", cause and shlex.quote(cause)), ("reason", reason),
                                   ("max_restarts", max_restarts), ("last_step", last_step)) if v is not None}
         sup.event(status, code=code, restarts=restarts, preemptions=preemptions,
-                  host_hours=f"{self.clock.host_total() / 3600:.3f}", **said)
+                  host_hours=f"{sup.host_seconds(self.clock) / 3600:.3f}", **said)
         return code
 
     def run(self) -> int:
@@ -553,7 +579,8 @@ class Supervisor:
                 sup.event("preempted-unwatched", last_step=sup.record.said("last_step"))
             if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
                 orphaned = False
-                code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
+                code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream,
+                                    repo_dir=spec.repo_dir, run=spec.run_id)
                 sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
                 unwatched = self.record_unwatched(down=False)
                 ready_at = time.time()  # the time until now was that launch's
@@ -588,7 +615,8 @@ class Supervisor:
         if outcome == Outcome.BACKOFF:
             sup.event("backoff", seconds=spec.storage_backoff_s)
             self.sleep(spec.storage_backoff_s)
-        code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir)
+        code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir,
+                            run=spec.run_id)
         sup.event("stopped-stale-processes", code=code, restarts=sup.record.restarts)
 
 
@@ -600,6 +628,7 @@ class LaunchEvents:
     def __init__(self, on_progress: Callable[["LaunchEvents"], None] | None = None) -> None:
         self.on_progress = on_progress  # called after a `started` or `checkpoint` event
         self.run_id = self.total = self.last_step = self.first_step = None
+        self.saved_step: int | None = None  # its start or its newest committed checkpoint: where a relaunch resumes
         self.completed: dict | None = None
         self.preempted: dict | None = None
         self.failures: list[dict] = []
@@ -628,6 +657,8 @@ class LaunchEvents:
             self.failures.append(event)
         elif kind == Kind.SIGTERM and isinstance(event.get("time"), (int, float)):
             self.sigterm = min(event["time"], self.sigterm or event["time"])
+        if kind in (Kind.STARTED, Kind.CHECKPOINT, Kind.PREEMPTED, Kind.COMPLETED) and isinstance(step, int):
+            self.saved_step = max(step, self.saved_step if self.saved_step is not None else step)
         if kind in (Kind.STARTED, Kind.CHECKPOINT) and self.on_progress is not None:
             self.on_progress(self)
 
@@ -647,7 +678,7 @@ class LaunchEvents:
                             line=(self.failure() or {}).get("line"), last_step=self.last_step, total=self.total,
                             wandb_run_id=self.run_id, tpu_state_after=state_after,
                             metrics=(self.completed or {}).get("metrics"), first_step=self.first_step, timing=timing,
-                            **more)
+                            saved_step=self.saved_step, **more)
 
 
 # What a supervisor does after a failure, by its class's policy (runtime/events.py's Failure).
@@ -744,8 +775,10 @@ def dry_run(spec: Spec) -> str:
                                        j(gcloud.queued_create_argv(t, shape))] if q
                                       else [j(gcloud.delete_argv(t)), j(gcloud.create_argv(t, shape))])],
         "after a hang, a lost worker or an unknown failure (before the relaunch)":
-            [j(gcloud.ssh_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir)))],
-        "when the run has ended, with --at-end delete": [j(gcloud.delete_argv(t))],
+            [j(gcloud.ssh_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir, spec.run_id)))],
+        "when the run has ended, with --at-end delete": [*([j(gcloud.queued_describe_argv(t, shape)),
+                                                            j(gcloud.queued_delete_argv(t, shape))] if q else []),
+                                                         j(gcloud.delete_argv(t))],
     }
     if q:
         sections["queued resource FAILED or SUSPENDED"] = [j(gcloud.queued_delete_argv(t, shape)),

@@ -1,11 +1,9 @@
 """The whole bill of a variant, as `launch.py plan` prices it: arithmetic, no JAX.
 
-Pod time is paid for every second a slice is READY. A variant's share of it, by category
-(runtime/goodput.py `Category`) and by column (train_h, eval_h, startup_h, checkpoint_h,
-recovery_h, total_h, goodput: docs/BILL.md). Each of `FIGURES` is a
-measurement (its command and date) or a public figure (its address and the number it quotes);
-where the truth is uncertain it carries a `high` with its own source, and the plan prices the
-programme at both ends (`ends`).
+Pod time is paid for every second a slice is READY: a variant's share of it by category
+(runtime/goodput.py) and by column (docs/BILL.md). Each of `FIGURES` is a measurement (its command
+and date) or a public figure (its address and the number it quotes); an uncertain one carries a
+`high` with its own source, and the plan prices the programme at both ends (`ends`).
 """
 
 from __future__ import annotations
@@ -58,11 +56,6 @@ FIGURES: dict[str, Figure] = {
         high=14.5, high_source=(
             f"{_BENCH}: 4.5 s as above + public: https://github.com/pytorch/xla/issues/811, \"Each worker's topology "
             "initialization takes ~10 second\" (TPU v3 pods, the runtime before PJRT): 10 s for the backend")),
-    "resident_start": Figure(
-        0.005, Category.RUNTIME_STARTUP, "every resident hand-over (plan --resident): the job handed to the "
-                                         "slice's resident trainers, jax.distributed already joined",
-        "measured: `python bench/startup_figures.py` (2026-11-29, this repo's 2-core machine): a warm launch's "
-        "runtime_startup, under 0.005 s; the workers' vote over the pod's network not included"),
     "other": Figure(0.3, Category.OTHER, "every launch: preflight, the run directory's lease, plan and build, the "
                                          "manifest", f"{_BENCH}: the trainer's `other` (the run directory local)"),
     "data_load": Figure(
@@ -98,7 +91,6 @@ class Start(enum.Enum):
 
     FRESH_SLICE = "a fresh slice"  # the first on its slice: setup_tpu.sh, then a cold launch
     COLD = "a cold launch"  # a slice set up: the versions check, new trainer processes
-    RESIDENT = "a resident hand-over"  # into the trainers the variant before it on its slice left (--resident)
 
 
 class Program(enum.Enum):
@@ -188,8 +180,8 @@ class Bill:
 
 
 def save_count(v: Variant) -> tuple[int, float]:
-    """(saves, wall seconds between saves) of the variant's uninterrupted run: a save every
-    `checkpoint_every` steps or `checkpoint_minutes`, whichever comes first, and one at the end."""
+    """(saves, wall seconds between saves) of an uninterrupted run: at whichever of `checkpoint_every`
+    and `checkpoint_minutes` comes first, and one at the end."""
     work = v.train_s + (v.eval_s or 0.0)
     intervals = [work * v.checkpoint_every / v.steps] if v.checkpoint_every and v.checkpoint_every < v.steps else []
     if v.checkpoint_minutes:
@@ -209,7 +201,7 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
     s = dict.fromkeys(Category, 0.0)
     s[Category.TRAIN], s[Category.EVAL] = v.train_s, eval_s or 0.0
     s[Category.SETUP] = f["setup_fresh" if v.start is Start.FRESH_SLICE else "setup_check"] + f["launch"]
-    s[Category.RUNTIME_STARTUP] = f["resident_start" if v.start is Start.RESIDENT else "runtime_init"]
+    s[Category.RUNTIME_STARTUP] = f["runtime_init"]
     s[Category.DATA_LOADING], s[Category.OTHER], s[Category.IDLE] = f["data_load"], f["other"], f["between_variants"]
     s[Category.PROGRAM_STARTUP] = v.program_s(v.train, v.eval, hit)
     periodic = (saves - 1) * f["save"]

@@ -1,30 +1,31 @@
 """`plan --calibrate-from <programme state dir>`: the figures replaced by the medians a programme's
-ledger measured, read through the controller's own records (experiments/launcher/ledger.py)."""
+ledger measured, read through the controller's own records (experiments/launcher/ledger.py).
+`plan --calibrate-from <doctor file>`: the figures `launch.py doctor` measured on a slice
+(experiments/doctor.py), and its measured step time against the plan's estimate (`from_doctor`,
+`scale_steps`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from experiments.launcher.ledger import LaunchTiming, Ledger, RecordError, load_ledger, read_state
 from experiments.plan.bill import FIGURES, Figure
 from runtime.errors import UserError
 from runtime.goodput import Category
-from runtime.wire import ResidentLaunch, ResidentMode
 
 
-def ledger_timings(book: Ledger, warm: bool | None = None) -> dict[str, list[LaunchTiming]]:
+def ledger_timings(book: Ledger) -> dict[str, list[LaunchTiming]]:
     """{variant: the `timing` of each of its launches that ended with one} (the trainer's last
     `timing` event, with the supervisor's `setup` and `setup_ran` beside it); a launch without one,
-    or under way, is left out. `warm`: only the launches into resident trainers (True), or the others."""
+    or under way, is left out."""
     out = {}
     for name, record in book.variants.items():
-        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None
-                   and (warm is None or warm == (launch.resident is not None and
-                                                 ResidentLaunch.parse(launch.resident).mode is ResidentMode.WARM))]
+        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None]
         if timings:
             out[name] = timings
     return out
@@ -37,6 +38,9 @@ class Calibration:
     figures: dict[str, Figure]
     program_startup: dict[str, float] = field(default_factory=dict)  # variant -> median compile seconds a start
     launches: int = 0
+    steps: dict[str, float] = field(default_factory=dict)  # a doctor file's: variant -> measured step seconds
+    accelerator: str | None = None  # the doctor's slice (None: a ledger, or CPU workers)
+    platform: str | None = None  # the doctor's workers' devices: tpu or cpu
 
 
 def read_ledger(state_dir: Path) -> Ledger:
@@ -55,7 +59,7 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     """The figures with the medians of a programme's ledger, each over the launches (or idle
     stretches) where it was above zero: `setup_check` and `setup_fresh` from the supervisor's
     `setup`, split by `setup_ran`; `data_load`, `restore`, `other` from the trainer's categories;
-    `runtime_init` from the cold launches and `resident_start` from the warm ones; `save` per
+    `runtime_init` from the launches; `save` per
     save; `compile_cache_hit` per hit of a launch that only hit; `between_variants` from the
     slices' idle stretches; and each variant's median program start-up of the launches that
     compiled. The rest keep their figures. UserError for a directory without a readable ledger."""
@@ -63,8 +67,6 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     book = read_ledger(state_dir)
     runs = ledger_timings(book)
     every = [t for timings in runs.values() for t in timings]
-    cold = [t for timings in ledger_timings(book, warm=False).values() for t in timings]
-    warm = [t for timings in ledger_timings(book, warm=True).values() for t in timings]
     out = dict(figures)
 
     def seconds(t: LaunchTiming, category: Category) -> float:
@@ -77,10 +79,8 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
                         "launches' setup (the workers set up)"),
         **{name: ([seconds(t, c) for t in every if seconds(t, c) > 0], f"launches' {c}") for name, c in (
             ("data_load", Category.DATA_LOADING), ("restore", Category.CHECKPOINT_RESTORE), ("other", Category.OTHER))},
-        "runtime_init": ([x for t in cold if (x := seconds(t, Category.RUNTIME_STARTUP)) > 0],
-                         f"cold launches' {Category.RUNTIME_STARTUP}"),
-        "resident_start": ([seconds(t, Category.RUNTIME_STARTUP) for t in warm],
-                           f"warm launches' {Category.RUNTIME_STARTUP} (in resident trainers)"),
+        "runtime_init": ([x for t in every if (x := seconds(t, Category.RUNTIME_STARTUP)) > 0],
+                         f"launches' {Category.RUNTIME_STARTUP}"),
         "save": ([seconds(t, Category.CHECKPOINT_SAVE) / t.saves for t in every
                   if t.saves > 0 and Category.CHECKPOINT_SAVE in t.seconds], "launches' checkpoint_save per save"),
         "compile_cache_hit": ([seconds(t, Category.PROGRAM_STARTUP) / t.hits for t in every
@@ -97,3 +97,85 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
                 if (x := [seconds(t, Category.PROGRAM_STARTUP) for t in timings
                           if seconds(t, Category.PROGRAM_STARTUP) > 0 and not (t.hits > 0 and t.misses == 0)])}
     return Calibration(out, compiles, len(every))
+
+
+# --- a doctor's file -----------------------------------------------------------------------------
+
+def from_doctor(path: Path, figures: Mapping[str, Figure] = FIGURES, *, allow_platform_mismatch: bool = False
+                ) -> Calibration:
+    """The figures `launch.py doctor` measured (its `summary`: each the slowest worker's, as a pod
+    waits for its last) instead of the defaults, its measured step times, and each measured
+    variant's cold compile as its program start-up. A file measured on
+    other devices than a TPU is refused unless `allow_platform_mismatch`: UserError, one line."""
+    try:
+        data = json.loads(Path(path).read_text())
+        summary = data["summary"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--calibrate-from {path}: not a doctor file ({type(e).__name__}: {e}); give the --out "
+                        "file of `launch.py doctor`, or a programme's state directory") from None
+    platform = data.get("platform")
+    if platform != "tpu" and not allow_platform_mismatch:
+        raise UserError(f"--calibrate-from {path}: its figures were measured on {platform or 'no'} devices, not a "
+                        "TPU slice's; run the doctor on the slice, or give --allow-platform-mismatch to use them")
+    out, steps, compiles, slowest = dict(figures), {}, {}, {}
+    for entry in summary.values():
+        name, seconds = entry.get("name"), entry.get("seconds")
+        if not isinstance(seconds, (int, float)):
+            continue
+        if name == "step_time" and entry.get("variant"):
+            steps[entry["variant"]] = float(seconds)
+        elif name == "compile_cold" and entry.get("variant"):  # the variant's program start-up, as a ledger's
+            compiles[entry["variant"]] = float(seconds)
+        elif name in figures and (name not in slowest or seconds > slowest[name]["seconds"]):
+            slowest[name] = entry  # measured for several variants: the slowest of them
+    for name, entry in slowest.items():
+        out[name] = dataclasses.replace(
+            figures[name], seconds=float(entry["seconds"]), high=None,
+            source=f"doctor: {entry.get('what')}, the slowest of {entry.get('workers')} workers, "
+                   f"{entry.get('platform')} devices ({path})")
+    return Calibration(out, compiles, steps=steps, accelerator=data.get("accelerator"), platform=platform)
+
+
+def moved(before: Mapping[str, Figure], after: Mapping[str, Figure]) -> list[str]:
+    """One line per figure that changed: its name, from, to, by how much, and where it came from."""
+    lines = []
+    for name, new in after.items():
+        old = before.get(name)
+        if old is not None and new.seconds != old.seconds:
+            change = (new.seconds - old.seconds) / old.seconds * 100 if old.seconds else float("inf")
+            lines.append(f"calibrated: {name} {old.seconds:.3g} s -> {new.seconds:.3g} s ({change:+.0f}%), "
+                         f"from {new.source}")
+    return lines
+
+
+def _topology_of(accelerator: str | None) -> str | None:
+    return accelerator.replace("v5litepod-", "v5e-") if accelerator else None
+
+
+def scale_steps(rows: list, calibration: Calibration, topology: str, family_of: Callable[[str], str]) -> list[str]:
+    """Each measured step time against the plan's estimate for the same variant: their ratio scales
+    the estimate of every row of the same model family (`family_of(group)`) on this topology. A
+    doctor file of another slice (or of CPU workers, allowed) is said, and scales nothing unless it
+    came from CPU workers (their figures were allowed in: applied as told)."""
+    lines: list[str] = []
+    measured_on = _topology_of(calibration.accelerator)
+    for variant, seconds in calibration.steps.items():
+        row = next((r for r in rows if f"{r.group}/{r.variant}" == variant), None)
+        estimate = getattr(getattr(row, "estimate", None), "total_s", None)
+        if row is None or not estimate:
+            lines.append(f"calibrated: step time of {variant} measured {seconds:.4g} s; not in this plan (or no "
+                         "estimate), nothing scaled")
+            continue
+        if measured_on is not None and measured_on != topology:
+            lines.append(f"calibrated: step time of {variant} measured on {measured_on}, the plan is for {topology}: "
+                         "nothing scaled")
+            continue
+        ratio, family = seconds / estimate, family_of(row.group)
+        scaled = [r for r in rows if r.estimate is not None and family_of(r.group) == family]
+        for r in scaled:
+            r.estimate = dataclasses.replace(r.estimate, compute_s=None if r.estimate.compute_s is None else
+                                             r.estimate.compute_s * ratio, collective_s=r.estimate.collective_s * ratio)
+        where = f"on {topology}" if measured_on else f"on {calibration.platform} workers (--allow-platform-mismatch)"
+        lines.append(f"calibrated: step time of {variant} measured {seconds:.4g} s {where} against the estimate "
+                     f"{estimate:.4g} s: x{ratio:.3g} applied to the {len(scaled)} {family} variant(s) on {topology}")
+    return lines

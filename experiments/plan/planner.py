@@ -1,13 +1,10 @@
 """Fits and step times: every variant lowered and compiled for a topology without one
 (runtime/compile_only.py), cached on disk by what is compiled, not by the config.
 
-The cache key is the step's lowered StableHLO with every literal that cannot change the compiled
-program's cost blanked out (`hlo_key`), plus the topology: variants that differ only in a learning
-rate, betas, an EMA rate, a seed, names, step counts or cadences share one compile; anything that
-changes a shape, a dtype, a sharding or an op lowers differently. Results are kept in
-`CACHE_DIR/<jax and libtpu versions>_<recorder>/<key>.json` (`cache_dir`), so a second run compiles
-nothing. A run's persistent compilation cache keys on the exact program, literals included
-(`exact_key`: what the pricing uses to tell which starts would find their steps there).
+The cache key (`hlo_key`) is the lowered StableHLO with the literals that cannot change the
+program's cost blanked, plus the topology: variants that differ only in a learning rate, a seed or
+a cadence share one compile. A run's persistent compilation cache keys on the exact program
+(`exact_key`), which the pricing uses to tell which starts find their steps there.
 """
 
 from __future__ import annotations
@@ -52,14 +49,11 @@ from runtime.task import sub_batches
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / "outputs" / "plan" / "cache"
 CSV_DIR = REPO / "outputs" / "plan"
-# A compiling process only grows (to 5-7 GB after some 25 steps at v4-64), so the pool of them is
-# replaced after this many compiles per process. By the Planner, not by max_tasks_per_child, which
-# hangs the executor once it replaces a process (Python 3.11).
+# A compiling process only grows (5-7 GB after some 25 steps at v4-64): its pool is replaced after this
+# many compiles per process, by the Planner (max_tasks_per_child hangs the executor, Python 3.11).
 COMPILES_PER_PROCESS = 8
 
-# Literal values kept in the key: the ones XLA's simplifier treats specially (x*1, x+0, x**2,
-# x**0.5, select on a constant predicate), so a variant that sets one is never merged with one
-# that does not. Every other scalar or splat literal outside a loop condition is blanked.
+# Literals kept in the key: those XLA's simplifier treats specially (x*1, x+0, x**2, x**0.5).
 _KEPT_VALUES = {0.0, 1.0, -1.0, 2.0, 0.5, -0.5}
 _CONSTANT = re.compile(r"(stablehlo\.constant dense<)(.*?)(> : tensor<(?:[\d?]+x)*(\w+)>)")
 
@@ -67,7 +61,6 @@ _CONSTANT = re.compile(r"(stablehlo\.constant dense<)(.*?)(> : tensor<(?:[\d?]+x
 @dataclass(frozen=True)
 class Job:
     """One config to plan: +experiment=<group>/<variant> with `overrides`."""
-
     group: str
     variant: str
     overrides: tuple[str, ...] = ()
@@ -80,7 +73,6 @@ class Job:
 @dataclass(frozen=True)
 class Protocol:
     """A variant's evaluations and checkpoints, from its config and plan (no compile)."""
-
     evaluations: int = 0  # at every eval_every steps and at the last
     eval_batch: int = 0  # rows of one eval batch (train.eval_batch_size, else the global batch)
     batches: int = 0  # eval batches of an intermediate evaluation (on train.eval_subset, else the whole set)
@@ -96,13 +88,11 @@ class Protocol:
 @dataclass(frozen=True)
 class Lowered:
     """A job lowered for the topology: its cache keys and what the table needs beside the compiles."""
-
     key: str = ""
     error: str = ""  # the job could not be planned (a UserError's message)
     steps: int = 0  # 0: not known here (an epoch count of a dataset that is not on this machine)
     model_flops: float | None = None  # per chip per step, by formula, of the compiled stage
     compute_scale: float = 1.0  # a curriculum's mean formula FLOPs per step / the compiled stage's
-    global_batch: int = 0
     per_device_batch: float = 0.0
     remat: bool | None = None  # the family's remat knob (None: it has none)
     fsdp_over_all: bool = False  # the mesh already shards over every device
@@ -117,9 +107,7 @@ class Lowered:
 @dataclass
 class Row:
     """One variant's line of the plan. `estimate` and `steps` are the variant's own, or, when it
-    does not fit, those of its `change` (the overrides a compile showed to fit); `bill` is set
-    by `price.price_programme`."""
-
+    does not fit, those of its `change` (the overrides a compile showed to fit)."""
     group: str
     variant: str
     fits: bool | None = None  # None: not planned (see note)
@@ -148,24 +136,18 @@ class Row:
 
 
 def ctrl_c_to_the_parent() -> None:
-    """A compiling process ignores Ctrl-C (SIGINT reaches the terminal's whole process group): the
-    plan says it once, in one line (launch.py), not each process with its traceback."""
+    """A compiling process ignores Ctrl-C: the plan says it once (launch.py), not each process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def exact_key(stablehlo: str, topology: str) -> str:
-    """The program itself, literals included: what a run's persistent compilation cache keys on
-    (with the compiler's version and options, the same for every start of a programme)."""
+    """The program itself, literals included: what a run's persistent compilation cache keys on."""
     return hashlib.sha256((stablehlo + "\n" + topology).encode()).hexdigest()[:24]
 
 
 def hlo_key(stablehlo: str, topology: str) -> str:
-    """The compile cache key of a lowered train step (see the module docstring).
-
-    Literals inside a while loop's `cond` region stay (they are trip counts), as do values in
-    `_KEPT_VALUES` and anything `_kept` keeps; shapes, dtypes, shardings, ops and attributes are
-    never touched, so two steps with one key compile to the same program up to the values of
-    scalars and of floating-point arrays."""
+    """The plan's cache key of a lowered step: literals blanked except in a while loop's `cond`
+    (trip counts) and those `_kept` keeps; shapes, dtypes, shardings and ops untouched."""
     lines, in_cond = [], 0
     for line in stablehlo.splitlines():
         stripped = line.strip()
@@ -181,8 +163,8 @@ def hlo_key(stablehlo: str, topology: str) -> str:
 
 
 def _kept(value: str, element: str) -> bool:
-    """Whether a literal stays in the key: anything but a plain number or floating-point array
-    data (integer arrays stay: XLA may turn a gather with constant indices into slices)."""
+    """Anything but a plain number or float array data stays (XLA may turn a gather with constant
+    integer indices into slices)."""
     try:
         number = float(value)
     except ValueError:
@@ -204,9 +186,8 @@ def _build(job: Job, topology: str):
 
 
 def eval_set_size(data) -> tuple[int | None, str]:
-    """(examples, source) of the eval split: the built split's own rows where it is on this
-    machine, else the size the data config states for it (data.generate_test_puzzles: what a
-    generated build holds out, and what a reference build's config records of its test set)."""
+    """(examples, source) of the eval split: the built split's rows where it is on this machine,
+    else the size its data config states (data.generate_test_puzzles)."""
     kind = dataset_kind(data.name)
     if isinstance(kind, PuzzleKind):
         try:
@@ -252,8 +233,7 @@ def protocol(config, plan) -> Protocol:
 
 
 def lower(job: Job, topology: str) -> Lowered:
-    """The job's cache keys and plan figures; a UserError (e.g. a batch that does not divide over
-    the topology) is the row's note, not a failure of the whole plan."""
+    """The job's cache keys and plan figures; a UserError is the row's note, not the plan's failure."""
     try:
         config, plan, mesh, steps, batch, data = _build(job, topology)
     except UserError as e:
@@ -272,16 +252,15 @@ def lower(job: Job, topology: str) -> Lowered:
         note = "; ".join(n for n in (note, f"steps unknown: train.epochs of a set not on this machine ({data.source}); "
                                            "plan with data.path at the built set") if n)
     return Lowered(key=key, steps=plan.total_steps if counted else 0, model_flops=flops, compute_scale=scale,
-                   global_batch=plan.global_batch_size, per_device_batch=plan.per_device_batch_size,
+                   per_device_batch=plan.per_device_batch_size,
                    remat=remat if isinstance(remat, bool) else None,
                    fsdp_over_all=plan.mesh_shape["fsdp"] == devices, note=note, exact=exact, stages=stages,
                    eval_key=eval_key, eval_exact=eval_exact, protocol=protocol(config, plan))
 
 
 def _curriculum_scale(config, total_steps: int, steps, seq_len: int) -> tuple[float, int, str]:
-    """A curriculum compiles one step per (H_cycles, L_cycles) stage; only the arch's own is
-    compiled here. The others' compute is taken in proportion to their formula FLOPs, their
-    compiles as long as its. (scale, stages, note)."""
+    """(scale, stages, note): a curriculum compiles one step per (H_cycles, L_cycles) stage; the
+    plan compiles the arch's own and scales the others' compute by their formula FLOPs."""
     c = config.curriculum
     if not (c.H_cycles.on or c.L_cycles.on):
         return 1.0, 1, ""
@@ -306,8 +285,7 @@ def _curriculum_scale(config, total_steps: int, steps, seq_len: int) -> tuple[fl
 
 
 def cache_dir(root: Path) -> Path:
-    """`root/<jax and libtpu versions>_<recorder>`: a compiler update, or a change to the code that
-    turns a compile into a `CompiledStep`, starts a fresh cache."""
+    """`root/<jax and libtpu versions>_<recorder digest>`: a new compiler or recorder starts afresh."""
     try:
         libtpu = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
@@ -339,8 +317,7 @@ TRAIN, EVAL = "train", "eval"  # what a compile task compiles
 
 
 def compile_seconds(compiled: CompiledStep) -> float:
-    """What a start pays for this compile: its wall time, or its CPU time where that is less
-    (other work on this machine stretches the wall time of a compile, not its CPU time)."""
+    """Its wall time, or its CPU time where less (other work here stretches the wall time only)."""
     return min(compiled.compile_s, compiled.compile_cpu_s) if compiled.compile_cpu_s else compiled.compile_s
 
 
@@ -355,10 +332,8 @@ def compile_job(job: Job, topology: str, kind: str = TRAIN) -> CompiledStep:
 
 def keep_job(job: Job, topology: str, folder: str, kind: str = TRAIN,
              cache_root: Path = CACHE_DIR) -> tuple[str, str] | None:
-    """The job's train or eval step compiled for the topology and kept in `folder` for its runs to
-    read (runtime/executables.py), unless the file of its program there is one this machine wrote
-    (the record under `cache_root`): (its key, the file's sha256), for the manifest. None: it cannot
-    be kept (the run compiles it)."""
+    """The job's train or eval step compiled and kept in `folder` for its runs (runtime/executables.py),
+    unless this machine wrote it there already: (its key, the file's sha256); None: not kept."""
     config, plan, mesh, steps, batch, data = _build(job, topology)
     step, args = eval_step_args(plan, mesh, steps, data.seq_len) if kind == EVAL else (
         steps.train, (steps.abstract_state, batch))
@@ -373,9 +348,8 @@ def keep_job(job: Job, topology: str, folder: str, kind: str = TRAIN,
 
 
 def programs_to_keep(rows: list[Row]) -> dict[str, tuple[int, str]]:
-    """{exact_key: (the index of the first row that runs it, TRAIN or EVAL)}: every distinct program
-    of the variants that fit as they are. A curriculum's train steps are left to its runs (one
-    program a stage; the plan lowers the first)."""
+    """{exact_key: (the first row that runs it, TRAIN or EVAL)} of the variants that fit as they are;
+    not a curriculum's train steps (one program a stage; the plan lowers the first)."""
     todo: dict[str, tuple[int, str]] = {}
     for i, row in enumerate(rows):
         low = row.lowered
@@ -390,9 +364,8 @@ def programs_to_keep(rows: list[Row]) -> dict[str, tuple[int, str]]:
 
 def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, workers: int = 1,
                progress: Callable[[str], None] = lambda line: None, cache_root: Path = CACHE_DIR) -> frozenset[str]:
-    """`programs_to_keep` compiled for the topology into `folder` (`plan --executables`), and the
-    folder's manifest of them: the exact keys kept; each row that has one names the folder and the
-    manifest's digest (`Row.executables`, `Row.executables_digest`, for the CSV)."""
+    """`programs_to_keep` compiled into `folder` with its manifest (`plan --executables`): the exact
+    keys kept; each row that has one names the folder and the manifest's digest, for the CSV."""
     todo = {exact: (jobs[i], kind) for exact, (i, kind) in programs_to_keep(rows).items()}
     kept: set[str] = set()
     manifest: dict[str, str] = {}
@@ -427,10 +400,8 @@ def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, wor
 
 
 def fix_candidates(lowered: Lowered, compiled) -> list[tuple[str, ...]]:
-    """Changes to try, in order, for a step that does not fit: remat (where the family has the
-    knob), a smaller batch per chip (gradient accumulation), FSDP over every device. The batch
-    factor k starts at the power of two that covers the overshoot (the activations scale with the
-    batch) and is tried doubled once."""
+    """Changes to try, in order, for a step that does not fit: remat, gradient accumulation by the
+    power of two that covers the overshoot (then doubled), FSDP over every device."""
     out: list[tuple[str, ...]] = []
     if lowered.remat is False:
         out.append(("arch.remat=true",))
@@ -445,12 +416,9 @@ def fix_candidates(lowered: Lowered, compiled) -> list[tuple[str, ...]]:
 
 
 class Planner:
-    """Lowers, compiles (cached on disk) and tabulates jobs for one topology.
-
-    Event-driven, so that the `workers` compile processes never wait for the plan: each job's
-    train and eval compiles start as soon as lowering finds a new key, and a train step that
-    does not fit starts its search for a change (`fix_candidates`, one compile each) as soon as
-    its result is in."""
+    """Lowers, compiles (cached on disk) and tabulates jobs for one topology. Event-driven, so the
+    compile processes never wait: a compile starts as soon as lowering finds a new key, and a step
+    that does not fit starts its search for a change (`fix_candidates`) as soon as its result is in."""
 
     def __init__(self, topology: str, cache_root: Path = CACHE_DIR, workers: int = 1,
                  progress: Callable[[str], None] | None = None):
@@ -488,8 +456,7 @@ class Planner:
         return [self._row(job) for job in jobs]
 
     def _collect(self, timeout: float | None) -> None:
-        """Take in the compiles that have finished (waiting up to `timeout` for one; None: no limit),
-        then start queued ones in the processes that are free."""
+        """Take in finished compiles (waiting up to `timeout`), then start queued ones."""
         done, _ = wait(self._running, timeout=timeout, return_when=FIRST_COMPLETED)
         for future in done:
             key, job, kind = self._running.pop(future)
@@ -497,9 +464,8 @@ class Planner:
         self._start_queued()
 
     def _start_queued(self) -> None:
-        """Submit queued compiles while a process is free. A pool that has had its share of
-        compiles takes no more: once its last one is in, it is shut down and a fresh one started.
-        A pool whose process died (BrokenProcessPool, e.g. killed for memory) is replaced too."""
+        """Submit queued compiles while a process is free. A pool that had its share of compiles, or
+        whose process died (e.g. killed for memory), is drained and replaced by a fresh one."""
         while self._queued and len(self._running) < self.workers:
             spent = self._pool_compiles >= max(1, round(self.workers * COMPILES_PER_PROCESS))
             if self._pool is not None and (spent or self._pool_broken):
@@ -561,8 +527,8 @@ class Planner:
             self._known(waiter, origin, waiter_kind)
 
     def _known(self, job: Job, origin: Job | None, kind: str = TRAIN) -> None:
-        """The job's compile is known: a train step that does not fit starts its search for a
-        change; a tried change that fits ends its origin's search, one that does not tries the next."""
+        """A train step that does not fit starts its search for a change; a tried change that fits
+        ends its origin's search, one that does not tries the next."""
         if kind == EVAL:
             return  # an eval step that does not fit is its row's note (a smaller train.eval_batch_size)
         fits = self.lowered[job].key not in self.errors and self.compiled(job).fits

@@ -11,8 +11,7 @@ from experiments.plan.planner import Row
 
 
 def variant_costs(row: Row, compiles: Mapping[str, float] | None = None) -> Variant | None:
-    """What `bill.price` needs of a row with a step time (None without one); compiles as the plan
-    measured them, or the ledger's median program start-up for the variant (`compiles`)."""
+    """What `bill.price` needs of a row with a step time (None without one); `compiles`: a ledger's."""
     total = getattr(row.estimate, "total_s", None)
     if total is None or not row.steps:
         return None
@@ -37,48 +36,39 @@ class Programme:
     figures: dict[str, Figure] = field(default_factory=lambda: dict(FIGURES))
     mtbf_s: float | None = None
     slices: int = 1
-    resident: bool = False  # a variant after another on its slice starts in its resident trainers
     ahead: frozenset[str] = frozenset()  # exact keys of the programs kept ahead (plan --executables)
     compiles: Mapping[str, float] = field(default_factory=dict)  # a ledger's program start-up per variant
     slice_hours: list[float] = field(default_factory=list)
 
     def priced(self) -> Programme:
-        """One pass in plan order. Each variant takes the slice that frees first (what the
-        controller does); the first on a slice starts on a fresh slice, the others cold or, with
-        `resident`, in the trainers the one before left. A step comes from the persistent cache
-        when an earlier variant ran the same program (`exact_key`) with run.compile_cache set.
-        Residents compile the queue's next variant's steps once their first step ran
-        (worker/resident.py): cache hits at its start, if it follows that launch on its slice and
-        the steps before it outlast the compiles."""
-        free, last, seen, previous = [0.0] * self.slices, {}, set(), None
+        """One pass in plan order: each variant takes the slice that frees first (as the controller
+        does); a step is cached when an earlier variant ran its program with run.compile_cache."""
+        free, last, seen = [0.0] * self.slices, {}, set()
         for row in self.rows:
             row.bill = None
             costs = variant_costs(row, self.compiles)
             if costs is None:
                 continue
             where = min(range(self.slices), key=lambda j: (free[j], j))
-            low, before = row.lowered, last.get(where)
-            start = Start.FRESH_SLICE if before is None else Start.RESIDENT if self.resident else Start.COLD
+            low = row.lowered
+            start = Start.FRESH_SLICE if where not in last else Start.COLD
 
             def source(exact: str) -> Program:
                 return Program.AHEAD if exact in self.ahead else \
                     Program.CACHED if costs.compile_cache and exact in seen else Program.COMPILED
 
             train, evals = source(low.exact), source(low.eval_exact)
-            if (start is Start.RESIDENT and before is previous and costs.compile_cache and low.stages == 1
-                    and costs.compile_train_s + costs.compile_eval_s <= before.bill.train_s + before.bill.eval_s):
-                train, evals = (p if p is Program.AHEAD else Program.CACHED for p in (train, evals))
             row.bill = price(dataclasses.replace(costs, start=start, train=train, eval=evals), self.figures,
                              self.mtbf_s)
             if costs.compile_cache:
                 seen |= {low.exact, low.eval_exact}
-            last[where] = previous = row
+            last[where] = row
             free[where] += row.bill.total_s / 3600
         self.slice_hours = free
         return self
 
     def again(self, **changes) -> Programme:
-        """The same rows priced with `changes` (figures, resident, ahead...), these rows' bills left as they are."""
+        """The same rows priced with `changes` (figures, ahead...), these rows' bills left as they are."""
         return dataclasses.replace(self, rows=[dataclasses.replace(r) for r in self.rows], **changes).priced()
 
     @property

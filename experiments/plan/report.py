@@ -94,15 +94,12 @@ def both_ends(programme: Programme) -> str:
         return f"{saved:.2f} pod-hours, {100 * saved / without.total_h if without.total_h else 0:.2f}% of the paid time"
 
     kept = frozenset(programs_to_keep(programme.rows))
-    cold, warm, cold_kept, warm_kept = (programme.again(figures=low, resident=r, ahead=a)
-                                        for a in (frozenset(), kept) for r in (False, True))
-    plain = cold if not programme.resident else warm
+    plain = programme.again(figures=low, ahead=frozenset())
     return (f"**Programme: {programme.total_h:.2f} pod-hours all in, goodput {_percent(programme.goodput)} at the "
             f"figures' low end; {top.total_h:.2f} pod-hours, {_percent(top.goodput)} at the high end** "
             f"({spread or 'one value'})."
-            f" At the low end, resident hand-overs (`--resident`, {'on' if programme.resident else 'off'} here) buy "
-            f"{buys(cold, warm)} ({buys(cold_kept, warm_kept)} with the programs kept ahead); the {len(kept)} programs "
-            f"kept ahead (`--executables`) {buys(plain, plain.again(ahead=kept))}.")
+            f" At the low end, the {len(kept)} programs kept ahead (`--executables`) would buy "
+            f"{buys(plain, plain.again(ahead=kept))}.")
 
 
 def markdown(programme: Programme, topology: str, command: str, calibrated: str = "") -> str:
@@ -115,11 +112,11 @@ def markdown(programme: Programme, topology: str, command: str, calibrated: str 
         f"`{command}`", "",
         "Estimates, not measurements (how to read them: docs/BILL.md). Step time = XLA's "
         "compute of the compiled step + its collectives at the chip's ICI bandwidth less what its schedule overlaps "
-        "with compute; against MaxText's measured v4/v5e runs, 15% slower to 6% faster (docs/ARCHITECTURE.md). Hours are pod-hours; startup_h = each first start's fixed costs; recovery_h = replayed steps "
+        "with compute; against MaxText's published measured runs (MaxText/configs/v5e/README.md: 16B-128B on v5e-256 "
+        "slices; MaxText/configs/v4/README.md: 22B and 52B on v4), 15% slower to 6% faster before the overlap rule "
+        "(their configs and figures: docs/ARCHITECTURE.md). Hours are pod-hours; startup_h = each first start's fixed costs; recovery_h = replayed steps "
         f"and restarts at {mtbf}; total_h = their sum (the CSV's pod_hours); goodput = (train_h + eval_h) / total_h. "
-        "* = with the change that makes it fit. Starts: "
-        + ("a variant after another on its slice is handed to the resident trainers the one before it left "
-           "(--resident)." if programme.resident else "every variant in fresh trainer processes (no --resident).")
+        "* = with the change that makes it fit. Every variant starts in fresh trainer processes."
         + (f" Steps kept ahead: {len(programme.ahead)} programs, read instead of compiled." if programme.ahead else ""),
         "", both_ends(programme), "",
         f"| variant | fits (GiB per chip of {gen.hbm_gib}) | step time | MFU | steps | eval step | evals | "
@@ -150,8 +147,7 @@ def markdown(programme: Programme, topology: str, command: str, calibrated: str 
 
 
 def summary(programme: Programme, calibrated: str = "") -> str:
-    """Under the table: wall-clock, where the pod-hours go, checkpoint cadence (Young's rule), and
-    every figure with its source."""
+    """Under the table: wall-clock, where the pod-hours go, checkpoint cadence, every figure's source."""
     h = totals(programme.rows).get("all", Total({}))
     slices = programme.slice_hours
     out = [f"**{programme.wall_days:.2f} days on {programme.slices} slice{'s' if programme.slices > 1 else ''}** "
@@ -193,8 +189,7 @@ def _g(value: float | None) -> str:
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
-    """One line per variant, then one per group (variant TOTAL) and the programme (group ALL).
-    pod_hours = total_h (the queue's budget and ETA read it)."""
+    """One line per variant, then one per group (variant TOTAL) and the programme (group ALL)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp, open(tmp, "w", newline="") as f:  # whole or not at all: the budget reads it
         out = csv.DictWriter(f, CSV_FIELDS)

@@ -74,8 +74,8 @@ class GemmaConfig(Freezable):
     # Attention over a whole sequence (training, evaluation; decoding with a cache is always dense):
     # xla: the scores written out in float32; splash: jax's Pallas TPU kernel, blocks by the causal
     # and local masks (Pallas' interpreter off TPU); auto: splash where the step is lowered for TPU
-    # from SPLASH_MIN_LENGTH tokens (models/attention.py) unless local layers' windows are shorter
-    # than the sequence (model.py `whole_sequence_attention`), xla elsewhere.
+    # from SPLASH_MIN_LENGTH tokens (models/attention.py; local layers' windows included: model.py
+    # `whole_sequence_attention`), xla elsewhere.
     attention: str = "auto"
     remat: str = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
     scan_layers: bool = True  # layers under lax.scan: compile time flat in depth

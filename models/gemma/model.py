@@ -179,10 +179,9 @@ def whole_sequence_attention(cfg: GemmaConfig, q, k, v, is_global, segment_ids, 
     (what packing and unpacked rows give)."""
     B, T, H, hd = q.shape
     window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < T else None  # else masks nothing
-    # auto keeps the dense form where local layers need their own kernel (lax.cond in the scanned
-    # body): the estimate of such a step is not trusted yet (gemma2_2b_full on v5e-8 at 1024 with
-    # the cond read 4.75 s a step against 507 ms dense, about 1 s of it in XLA's optimal_seconds)
-    if cfg.attention == "xla" or (cfg.attention == "auto" and (tpu_form(T) == "xla" or window is not None)):
+    # auto: splash on TPU from SPLASH_MIN_LENGTH tokens, local layers too (their kernel picked by
+    # lax.cond in the scanned body; docs/ARCHITECTURE.md has the figures of both forms)
+    if cfg.attention == "xla" or (cfg.attention == "auto" and tpu_form(T) == "xla"):
         return dense(q, k, v)
     windows = [None if cfg.is_global_layer(i) else window for i in range(cfg.num_layers)]
     SPLASH_BLOCKS[(padded_length(T), hd)] = causal_stats(padded_length(T), windows, H // k.shape[2])

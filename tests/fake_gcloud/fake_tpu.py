@@ -109,10 +109,10 @@ def became(state: dict, name: str, new: str, at: float | None = None) -> None:
     tpu["state"] = new
 
 
-def ready_host_seconds(root: Path) -> float:
-    """Seconds each TPU was READY x its hosts, summed (intervals still open: up to now)."""
+def ready_host_seconds(root: Path, now: float | None = None) -> float:
+    """Seconds each TPU was READY x its hosts, summed (intervals still open: up to `now`, default now)."""
     with control(root) as state:
-        now = time.time()
+        now = time.time() if now is None else now
         closed = sum((end - start) * hosts for _, start, end, hosts in state["ready_log"])
         open_ = sum((now - t["ready_since"]) * t.get("hosts", 1) for t in state["tpus"].values() if t.get("ready_since"))
     return closed + open_
@@ -158,17 +158,6 @@ def vm_processes(home: Path) -> list[tuple[int, str]]:
 
 def is_trainer(cmd: str) -> bool:
     return TRAINER in cmd and GUARD not in cmd
-
-
-def resident_of(home: Path) -> int | None:
-    """The pid of the worker's resident trainer (experiments/launcher/worker/resident.py: its own
-    session, outside the ssh's process group), when one is alive."""
-    try:
-        pid = json.loads((Path(home) / ".podrunner-resident" / "state.json").read_text())["pid"]
-    except (OSError, ValueError, KeyError):
-        return None
-    found = _proc(str(pid))
-    return pid if found is not None and is_trainer(found[1]) else None
 
 
 def signal_trainers(pgid: int, sig: int) -> list[int]:

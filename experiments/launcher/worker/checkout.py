@@ -1,8 +1,6 @@
-"""`python3 -m experiments.launcher.worker.checkout HOST REF`: check out REF, detached, in the repo (the
-working directory) for `launch.py setup --git-ref REF`: fetch origin with its tags, then check out
-origin/REF when that is a fetched remote branch (a branch name means the remote's branch, not a
-stale local one), else REF itself (a tag, a commit). Runs with the system python3, before
-setup_tpu.sh has made the .venv. A failure is one line naming the worker, and exit 2.
+"""`python3 -m experiments.launcher.worker.checkout HOST REF` (`launch.py setup --git-ref REF`): fetch
+origin, then check out origin/REF, detached, when it is a remote branch (not a stale local one),
+else REF itself (a tag, a commit). A failure is one line naming the worker, and exit 2.
 """
 
 import subprocess

@@ -1,48 +1,27 @@
 """`python -m experiments.launcher.worker.once --key KEY --log LOG --host HOST --start TEXT [--secrets FILE]
 [--env NAME=VALUE ...] [--ship TREE --pack FILE] -- python pretrain_jax.py ...`: a launch on one worker
-(the command experiments/launcher/pod.py `pod_command` builds), run from the repo with its .venv
-active. It starts the trainer once per launch, however often its command runs.
+(built by experiments/launcher/pod.py `pod_command`), run from the repo with its .venv active.
 
-gcloud re-runs an ssh `--command` that ended with 255 (a dropped connection), up to 10 times, on
-that worker. The trainer started the first time is still running there (or has finished); a
-second one would fight it, and the secrets file is gone already. So the first run claims the
-launch (a directory `launch-KEY` beside LOG, created once; LOG's directory is made first) and a
-re-run finds the claim: it says so, replays the launch's events, follows its log and exits with
-its exit code.
+It starts the trainer once per launch, however often its command runs: gcloud re-runs an ssh
+`--command` that ended with 255 (a dropped connection) up to 10 times, and a second trainer would
+fight the first. The first run claims the launch (a directory `launch-KEY` beside LOG); a re-run
+finds the claim, replays the launch's events, follows its log and exits with its exit code.
 
-The first run:
-  - reads and removes the secrets file (KEY='value' lines, shell-quoted): the values go into the
-    trainer's environment only (with the --env variables), never a command line or another
-    process's environment;
-  - with --ship: makes the shipped tree TREE (~/podrunner-shipped/<tree hash>) from the pack FILE
-    that gcloud copied (shipped.py), warns when it pins other packages than the repo's .venv has,
-    and runs the trainer there (PYTHONPATH=TREE: a subprocess's python imports the shipped code
-    too);
-  - writes the start line (runtime/wire.py `Start`: the host, the commit, TEXT, LOG; with --ship
-    the tree's hash instead of the commit) into LOG and starts the trainer with its output
-    appended to LOG, not to this ssh: a dropped connection must not take the trainer's stdout
-    (and its log) with it;
-  - copies LOG to stdout as it grows until the trainer ends, records its exit code in the claim
-    and exits with it. It outlives SIGTERM, SIGHUP and a stdout that is gone (a VM shutdown
-    signals every process; the trainer saves its checkpoint meanwhile): the exit code is
-    recorded whenever the trainer ends first. The first SIGTERM is said at once, as an event of
-    the guard's own, `sigterm` (time, host): when the worker was told to stop (a preemption's
-    shutdown, `launch.py stop`), earlier than the trainer can say it (its `preempted` event
-    comes after the agreed step and the save), for a launcher that counts READY time.
+The first run reads and removes the secrets file (the values go into the trainer's environment
+alone), unpacks --ship's tree (shipped.py), writes the start line into LOG and starts the trainer
+with its output appended to LOG, not to this ssh: a dropped connection must not take the
+trainer's stdout with it. It then copies LOG to stdout until the trainer ends and records its
+exit code. It outlives SIGTERM and SIGHUP (a VM shutdown signals every process while the trainer
+saves) and says the first SIGTERM at once as a `sigterm` event: earlier than the trainer's
+`preempted`, for a launcher that counts READY time.
 
-With --resident (opt-in, a programme's launches: resident.py), `cold` starts a resident trainer
-in a session of its own and `warm:SESSION` finds the worker's resident of that session; either
-hands it the job (its overrides, its environment, the log's descriptor, `--next`) and follows it
-as a trainer until the job's exit code (in `done` beside the claim). Without it, a resident on
-the worker is ended first: it holds the TPU.
-
-Whatever fails before the trainer starts is one line naming the worker (`podrunner: HOST: ...`)
-and exit 2; the secrets file never outlives this command.
+A worker where a trainer of this login runs another run is busy: the launch is refused
+(`tpu-busy`). Whatever fails before the trainer starts is one line naming the worker
+(`podrunner: HOST: ...`) and exit 2; the secrets file never outlives this command.
 """
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -50,13 +29,13 @@ import subprocess
 import sys
 import time
 
-from experiments.launcher.worker import procs, resident, shipped, versions
+from experiments.launcher.worker import procs, shipped, versions
 from runtime.atomic import write_atomic  # standard library only, like this
-from runtime.errors import EXIT_FAILURE, EXIT_RESIDENT_LOST, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
+from runtime.errors import EXIT_FAILURE, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
 from runtime import events, wire
 
 POLL_S = 0.1
-EXIT_FILE, PID_FILE, OFFSET_FILE, DONE_FILE = "exit", "pid", "offset", "done"  # done: a resident's job
+EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
 _told = {"sigterm": None}  # when the first SIGTERM came (the handler only notes it; `follow` says it)
 
 
@@ -143,26 +122,26 @@ def first_run(args, claim):
             secrets = read_secrets(args.secrets)
         except OSError:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: the secrets file did not arrive (gcloud scp)\n")
+    this_run = procs.run_of(None, args.start.split())
+    busy = [t for t in procs.trainers_of_ours() if t[1] != this_run]  # this run's own: the run's lease decides
+    if busy:  # one TPU, one job: another's trainer would fail at the backend's start, or on CPU run beside it
+        pid, run, cmd = busy[0]
+        line = (f"podrunner: {args.host}: the TPU is busy: pid {pid} trains {f'run {run}' if run else 'a run'} here "
+                f"({cmd[:160]}); wait for it to end, or end it: `python experiments/launch.py stop --tpu NAME --zone ZONE`")
+        events.failed(EXIT_USER_ERROR, line, events.Failure.TPU_BUSY)
+        return record(claim, EXIT_USER_ERROR, line + "\n")
     if args.ship:
         try:
             shipped.prepare(args.pack, args.ship, os.path.abspath(".venv"))
         except shipped.ShipFailed as e:
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: {e}\n")
         shipped.warn_if_pins_differ(args.ship, os.getcwd(), args.host)
-    warm = args.resident is not None and args.resident.mode is wire.ResidentMode.WARM
-    if not warm:
-        resident.end()  # a resident trainer holds the TPU: a launch that does not use it ends it first
     with open(args.log, "ab") as log:
         offset = log.tell()
         write_atomic(os.path.join(claim, OFFSET_FILE), str(offset))
         made = {"tree": os.path.basename(args.ship)} if args.ship else {"commit": (versions.commit() or "unknown")[:12]}
         log.write((wire.Start(args.host, args.log, launch=args.start, **made).line() + "\n").encode())
         log.flush()
-        if warm or (args.resident is not None and resident.in_tree(args.ship or os.getcwd())):
-            return resident_run(args, claim, secrets, log, offset)
-        if args.resident is not None:
-            say(f"podrunner: {args.host}: the code run here has no resident trainer (older than it); a process of its "
-                "own\n")
         try:
             trainer = subprocess.Popen(args.argv, cwd=args.ship or None, env=trainer_env(args, secrets),
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -172,41 +151,6 @@ def first_run(args, claim):
     write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))
     follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
     return record(claim, _code(trainer.returncode))
-
-
-def resident_run(args, claim, secrets, log, offset):
-    """Hand the job to this worker's resident trainer (resident.py), started first by a cold
-    launch, and follow it as a trainer."""
-    env, cwd, session = trainer_env(args, secrets), os.path.realpath(args.ship or os.getcwd()), args.resident.session
-    started = None
-    if session is None:  # cold
-        session = args.key
-        try:
-            started = resident.start(args.argv[0], session, args.host, env=env, cwd=cwd, log=log)
-        except OSError as e:
-            return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
-        if started.poll() is not None:  # it ended before it listened: its log says why
-            follow(args.log, offset, lambda: True, host=args.host)
-            return record(claim, _code(started.returncode))
-    done = os.path.join(claim, DONE_FILE)
-    try:
-        pid = resident.hand_over(log.fileno(), session=session, key=args.key, overrides=args.argv[2:],
-                                 env=resident.job_environment(env, [*dict(args.env), *secrets]), cwd=cwd, done=done,
-                                 next=args.next)
-    except resident.Gone as e:
-        line = (f"podrunner: {args.host}: no resident trainer of session {session} here ({e}); the next launch "
-                "starts cold")
-        events.failed(EXIT_RESIDENT_LOST, line, events.Failure.RESIDENT_LOST)
-        return record(claim, EXIT_RESIDENT_LOST, line + "\n")
-    write_atomic(os.path.join(claim, PID_FILE), str(pid))
-    follow(args.log, offset, lambda: os.path.exists(done) or not procs.alive(pid), host=args.host)
-    code = _read_code(done)
-    if code is None and started is not None:  # this guard's child: its code says how it ended (a signal)
-        code = _code(started.wait())
-    if code is None:  # a warm launch's resident is not this guard's child: it cannot be waited for
-        return record(claim, EXIT_FAILURE, f"podrunner: {args.host}: the resident trainer (pid {pid}) ended during the "
-                                           "job without an exit code (killed?)\n")
-    return record(claim, code)
 
 
 def _read_code(path):
@@ -237,12 +181,12 @@ def record(claim, code, line=""):
 
 def rerun(args, claim):
     """This launch ran here already: follow it to its end and exit with its code."""
-    exit_file, done_file, offset_file = (os.path.join(claim, name) for name in (EXIT_FILE, DONE_FILE, OFFSET_FILE))
+    exit_file, offset_file = (os.path.join(claim, name) for name in (EXIT_FILE, OFFSET_FILE))
     say(f"podrunner: {args.host}: this launch started here already (gcloud re-ran its command after an ssh "
         "drop); following it instead of starting a second trainer\n")
 
     def ended():
-        if os.path.exists(exit_file) or os.path.exists(done_file):
+        if os.path.exists(exit_file):
             return True
         pid = _read_code(os.path.join(claim, PID_FILE))
         if pid is None or procs.alive(pid):
@@ -257,7 +201,6 @@ def rerun(args, claim):
     if os.path.exists(args.log):
         follow(args.log, os.path.getsize(args.log), ended, replay_events_from=_read_code(offset_file) or 0)
     code = _read_code(exit_file)
-    code = _read_code(done_file) if code is None else code  # done: a resident's job whose guard is gone
     if code is None:
         say(f"podrunner: {args.host}: the first run of this launch ended without recording its exit code\n")
         return EXIT_FAILURE
@@ -271,13 +214,6 @@ def _variable(text):
     return name, value
 
 
-def _resident(text):
-    try:
-        return wire.ResidentLaunch.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m experiments.launcher.worker.once")
     parser.add_argument("--key", required=True, help="this launch's token (the same in every re-run)")
@@ -289,12 +225,6 @@ def parse(argv):
                         help="a variable of the trainer's environment (repeatable)")
     parser.add_argument("--ship", default=None, metavar="TREE", help="run the shipped tree at TREE (named by its hash)")
     parser.add_argument("--pack", default=None, help="with --ship: the copied pack to unpack when TREE is not there")
-    parser.add_argument("--resident", default=None, type=_resident, metavar="cold|warm:SESSION",
-                        help="cold: start a resident trainer (resident.py) with this job; warm:SESSION: hand the job "
-                             "to the one of SESSION; without: a trainer of its own (a resident is ended first)")
-    parser.add_argument("--next", default=None, type=json.loads, metavar="JSON",
-                        help="with --resident: the overrides of the job the controller hands over next (a JSON list), "
-                             "whose steps the resident compiles while this job trains")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     args.argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv

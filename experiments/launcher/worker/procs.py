@@ -33,18 +33,27 @@ def ancestors():
     return pids
 
 
-def _holds_tpu(pid, devices):
+def _open_files(pid):
+    """Where the process's open files point (nothing for one we may not look at)."""
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if any(fnmatch(target, d) for d in devices):
-                return True
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        pass
-    return False
+        return
+    for fd in fds:
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+
+
+def _environ(pid):
+    """The process's environment (OSError: it is private to its owner)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+
+
+def _holds_tpu(pid, devices):
+    return any(fnmatch(target, d) for target in _open_files(pid) for d in devices)
 
 
 def processes(with_fds):
@@ -64,11 +73,9 @@ def processes(with_fds):
         if not argv:  # kernel thread or zombie
             continue
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            proc_home = env.get(b"HOME", b"").decode(errors="replace")
+            proc_home = _environ(pid).get(b"HOME", b"").decode(errors="replace")
             ours = bool(proc_home) and os.path.realpath(proc_home) == HOME
-        except OSError:  # environ is private to the process owner
+        except OSError:
             ours = False
         yield pid, argv, ours, with_fds and ours and _holds_tpu(pid, devices)
 
@@ -84,6 +91,27 @@ def is_trainer(argv):
             and "experiments.launcher.worker.once" not in argv)
 
 
+def run_of(pid, argv):
+    """The run a training process is part of: its guard's `launch_id=RUN`, or the trainer's
+    PODRUNNER_RUN_ID (experiments/launcher/pod.py sets both); None when neither says (pid None: argv only)."""
+    for a in argv:
+        if a.startswith("launch_id="):
+            return a.split("=", 1)[1].split()[0]
+    if pid is None:
+        return None
+    try:
+        run = _environ(pid).get(b"PODRUNNER_RUN_ID")
+    except OSError:
+        return None
+    return run.decode(errors="replace") if run else None
+
+
+def trainers_of_ours():
+    """(pid, run, command line) of this login's live trainers (not the launch guards)."""
+    return [(pid, run_of(pid, argv), " ".join(argv)) for pid, argv, ours, _ in processes(False)
+            if ours and is_trainer(argv)]
+
+
 def owner(pid):
     try:
         return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
@@ -93,22 +121,8 @@ def owner(pid):
 
 def open_by(path):
     """Pids (that we may look at) with `path` open."""
-    real, pids = os.path.realpath(path), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") == real:
-                    pids.append(int(name))
-                    break
-            except OSError:
-                pass
-    return pids
+    real = os.path.realpath(path)
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and real in _open_files(name)]
 
 
 def wait_gone(pids, seconds):

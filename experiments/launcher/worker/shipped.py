@@ -1,13 +1,8 @@
-"""A shipped tree on a worker (`launch.py pod --ship`): the pack that `gcloud ... scp` copied into
-the home directory, unpacked once per tree into ~/podrunner-shipped/<tree hash> and run there
-with the repo's .venv (shipping installs nothing). Used by the launch guard (once.py), from the
-repo on the worker.
+"""A shipped tree on a worker (`launch.py pod --ship`): the copied pack, unpacked once per tree into
+~/podrunner-shipped/<tree hash> and run there with the repo's .venv (shipping installs nothing).
 
-`prepare` unpacks the pack into a temporary directory beside the tree's and renames it into
-place, so a half-unpacked tree is never used: an unpack cut short leaves no tree, and of two
-launches unpacking the same tree at once one rename wins and the other copy is removed. A tree
-that is there already is reused. Then the pack is removed and the tree's .venv links to the
-repo's.
+`prepare` unpacks into a temporary directory and renames it into place, so a half-unpacked tree is
+never used, and of two launches unpacking the same tree at once one rename wins.
 """
 
 import contextlib
@@ -72,8 +67,7 @@ def link_venv(tree, venv):
 
 
 def prepare(pack, tree, venv):
-    """The shipped tree at `tree`, ready to run with `venv`: unpacked from `pack` unless it is there,
-    the pack removed, the .venv linked. ShipFailed says which step failed."""
+    """The shipped tree at `tree`, ready to run with `venv`; ShipFailed says which step failed."""
     try:
         unpack(pack, tree)
     except (OSError, EOFError, tarfile.TarError, zlib.error) as e:  # EOFError, zlib.error: a pack cut short

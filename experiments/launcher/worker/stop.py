@@ -1,10 +1,10 @@
-"""`python3 -m experiments.launcher.worker.stop HOST GRACE`: end this login's training processes (and the
-launch guards that started them) and any of its processes holding the TPU: SIGTERM first when
-GRACE > 0 (the trainer checkpoints), SIGKILL after it. Then remove the libtpu lockfile unless a
-live process still has it open, and the secrets files of launches that never started. One line
-per process killed and a summary line, each prefixed `[HOST]`; exit 1 when something is left.
+"""`python3 -m experiments.launcher.worker.stop HOST GRACE [RUN]`: end this login's training processes
+and TPU holders (SIGTERM first when GRACE > 0, so the trainer checkpoints; SIGKILL after), then
+remove the libtpu lockfile unless a live process has it open, and unused secrets files. Exit 1
+when something is left.
 
-Processes of another login are reported with a `sudo kill` hint, never touched.
+With RUN (a supervisor freeing the TPU for its relaunch), another run's trainers are left running:
+a launcher never ends a job that is not its own. Another login's processes are never touched.
 PODRUNNER_LIBTPU_LOCKFILE (default /tmp/libtpu_lockfile) names the lockfile for tests.
 """
 
@@ -25,11 +25,13 @@ def _signal(pids, sig):
             pass
 
 
-def stop(host, grace):
-    targets, foreign = [], []
+def stop(host, grace, run=None):
+    targets, foreign, others = [], [], []
     for pid, argv, ours, holds in procs.processes(True):
-        if procs.is_training(argv) or holds:
-            (targets if ours else foreign).append((pid, " ".join(argv), holds))
+        if not (procs.is_training(argv) or holds):
+            continue
+        other_run = run is not None and procs.is_training(argv) and procs.run_of(pid, argv) not in (run, None)
+        (others if ours and other_run else targets if ours else foreign).append((pid, " ".join(argv), holds))
     pids = [t[0] for t in targets]
     if grace > 0 and pids:  # SIGTERM first: the trainer checkpoints on preemption
         _signal(pids, signal.SIGTERM)
@@ -40,6 +42,8 @@ def stop(host, grace):
         note = " (held the TPU)" if holds else ""
         print(f"[{host}] killed pid {pid}{note}: {cmd[:300]}", flush=True)
     left = procs.wait_gone(pids, 10)
+    for pid, cmd, _ in others:
+        print(f"[{host}] not killed: pid {pid} runs another run than {run}: {cmd[:300]}", flush=True)
     for pid, cmd, _ in foreign:
         print(f"[{host}] not killed: pid {pid} of user {procs.owner(pid)} (another login): {cmd[:300]}; "
               f"`sudo kill -9 {pid}` if it is stale", flush=True)
@@ -79,4 +83,4 @@ def remove_secrets():
 
 
 if __name__ == "__main__":
-    sys.exit(stop(sys.argv[1], float(sys.argv[2])))
+    sys.exit(stop(sys.argv[1], float(sys.argv[2]), *sys.argv[3:4]))

@@ -1,9 +1,7 @@
 """`.venv/bin/python -m experiments.launcher.worker.tpu_check`, run by setup_tpu.sh after installing:
-one line with what jax sees on this worker (platform, device kind, the slice's accelerator type,
-local devices, the jax/jaxlib/libtpu versions), then exit 1 with one line when jax does not see
-TPU devices, or not as many as a worker of this slice type has. The accelerator type:
-TPU_ACCELERATOR_TYPE, else the TPU VM's metadata server (runtime/distributed.py), else unknown
-(the device count is not checked). Imports jax: the .venv's python only.
+one line with what jax sees on this worker, then exit 1 with one line when jax does not see TPU
+devices, or not as many as a worker of this slice type has (TPU_ACCELERATOR_TYPE, else the
+metadata server; unknown: not checked).
 """
 
 import os

@@ -1,13 +1,9 @@
 """`python -m experiments.launcher.worker.versions HOST [--imports]`: one versions line
-(runtime/wire.py) with this worker's commit, Python, the versions of the packages the workers
-must agree on, whether the .venv fits the project: Python >= the project's requires-python,
-every pinned distribution installed at its pin (pyproject.toml) and importable (`ok`, else
-`problem`), and the resident trainer alive here, if any (`resident`: resident.py `describe`).
+(runtime/wire.py): this worker's commit, Python, the versions the workers must agree on, and
+whether the .venv fits pyproject.toml (its Python, every pin installed and importable).
 
-Without --imports, "importable" means Python finds each distribution's top-level modules
-(cheap: asked before every launch); with it (setup_tpu.sh, after installing) each one is
-imported, and a .venv that does not fit is exit 1. A .venv that a failed pip left empty reports
-its packages as missing, so it never passes for agreement.
+Without --imports, "importable" means found (cheap: asked before every launch); with it
+(setup_tpu.sh) each module is imported, and a .venv that does not fit is exit 1.
 """
 
 import importlib
@@ -21,7 +17,6 @@ try:
 except ImportError:  # Python 3.10: such a .venv does not fit (`project` says so)
     tomllib = None
 
-from experiments.launcher.worker import resident
 from runtime import wire
 from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
@@ -105,7 +100,6 @@ def main(argv):
     info.update({p: version(p) for p in COMPARED})
     found = problems(importing)
     info.update(ok=not found, problem="; ".join(found)[:600] or None)
-    info["resident"] = resident.describe()  # a resident trainer alive here: a programme's next launch may be warm
     print(wire.versions_line(info), flush=True)
     return EXIT_FAILURE if found and importing else 0  # after setup (setup_tpu.sh): a .venv that does not fit fails it
 
