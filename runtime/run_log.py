@@ -92,6 +92,12 @@ class _QuietFileHandler(logging.handlers.WatchedFileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         pass
 
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # its last lines could not be flushed (a full disk): dropped, as `emit` drops them
+            pass
+
     def check(self, when: str) -> None:
         """OutputDirError when something other than a file stands at the log's path now (put there
         mid-run: the log's lines are dropped, and the next launch would be refused for it)."""

@@ -6,6 +6,7 @@ test once the run has a complete checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import errno
 import json
 import re
@@ -96,3 +97,29 @@ def test_full_output_directory_is_one_line_and_metrics_keep_whole_lines(sudoku_d
         status = json.loads((out / "run_manifest.json").read_text())["status"]
         print(f"manifest status after the failure: {status}")
         assert status in ("running", "failed"), status
+
+
+def test_the_run_logs_handler_closes_quietly_when_its_last_lines_cannot_be_flushed(tmp_path):
+    """A full disk: the lines `emit` could not flush stay buffered, and closing the file flushes
+    them again. The close drops them as `emit` does, rather than raising over the run's own
+    one-line failure (runtime/run_log.py)."""
+    import errno
+
+    from runtime.run_log import _QuietFileHandler
+
+    class FullDisk:
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.flush()
+
+    handler = _QuietFileHandler(str(tmp_path / "run.log"))
+    handler.stream.close()
+    handler.stream = FullDisk()
+    handler.emit(logging.makeLogRecord({"msg": "a line that cannot be written"}))  # dropped, not printed
+    handler.close()  # raised ENOSPC before
+    assert handler.stream is None
