@@ -30,7 +30,7 @@ from experiments.launcher import queue_state, supervise
 from experiments.launcher.account import programme_account
 from experiments.launcher.controller import Controller, Stop, VariantSupervision
 from experiments.launcher.ledger import Command, ReadyClock, Status, Verb, load_ledger
-from helpers import LAUNCH, error_line, fake_plane, gcloud_calls, launch_in_process, make_fake_workers, wait_for
+from helpers import LAUNCH, FakeProgramme, error_line, fake_plane, gcloud_calls, launch_in_process, make_fake_workers, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu
@@ -66,41 +66,20 @@ events.emit("completed", step=10, metrics={"eval/exact_accuracy": 0.25})
 """
 
 
-class Programme:
+class Programme(FakeProgramme):
+    """tests/helpers.py's programme, its workers running `stub`, submitted with a grace of 1 s."""
+
     def __init__(self, tmp_path: Path, stub: str, **env: str) -> None:
-        self.tmp, (self.root, self.env) = tmp_path, fake_plane(tmp_path, **env)
-        self.state_dir = tmp_path / "programmes"
+        super().__init__(tmp_path, **env)
         make_fake_workers(self.root, 2, stub, image=True)
-        self.started: list[subprocess.Popen] = []
 
     def argv(self, verb: str, *args: str) -> list[str]:
-        return ["programme", verb, NAME, "--state-dir", str(self.state_dir), *args]
+        return self.launch(verb, *args)[2:]
 
-    def submit(self, *args: str, variants: tuple[str, ...], slices: tuple[str, ...], poll: str = "0.05") -> None:
-        slice_args = [a for s in slices for a in ("--slice", s)]
-        r = launch_in_process(self.argv("submit", "exp08", "--variants", ",".join(variants), *slice_args,
-                                        "--zone", ZONE, "--accelerator-type", "v4-16", "--runtime-version", "v2",
-                                        "--spot", "--data-on-every-slice", "--repo-dir", "~/repo", "--poll-seconds",
-                                        poll, "--backoff-seconds", "0.1", "--stop-grace", "1", *args),
-                              env=self.env, cwd=self.tmp)
+    def submit(self, *args: str, variants: tuple[str, ...], slices: tuple[str, ...], poll: str = "0.05"):
+        r = super().submit("--poll-seconds", poll, "--stop-grace", "1", *args, variants=variants, slices=slices)
         assert r.returncode == 0, r.stdout + r.stderr
-
-    def start(self, **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, str(LAUNCH), *self.argv("run")], cwd=self.tmp,
-                                env=dict(self.env, **env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        self.started.append(proc)
-        return proc
-
-    def ledger(self) -> dict:
-        return json.loads((self.state_dir / NAME / "ledger.json").read_text())
-
-    def close(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        fake_tpu.power_off(list(self.root.glob("*/worker-*")))
+        return r
 
 
 def describe_seconds(env: dict[str, str]) -> float:

@@ -32,7 +32,7 @@ from experiments.launcher.ledger import (InFlight, LaunchRecord, Mark, Outcome, 
                                          load_ledger)
 from experiments.plan import planner, report
 from gcs_emulator import start_gcs_emulator
-from helpers import (LAUNCH, error_line, fake_plane, gcloud_calls, launch_in_process, logged_metrics, make_fake_workers,
+from helpers import (FakeProgramme, error_line, gcloud_calls, logged_metrics, make_fake_workers,
                      read_jsonl, train, wait_for)
 from runtime import events, hydra_compose
 from runtime.checkpointing import Checkpoints
@@ -64,63 +64,9 @@ events.emit("completed", step=10, metrics={"eval/exact_accuracy": 0.25})
 """
 
 
-class Programme:
-    """A programme on the fake control plane: submit, run, the other commands, its ledger."""
-
-    def __init__(self, tmp_path: Path, **env: str) -> None:
-        self.tmp = tmp_path
-        self.root, self.env = fake_plane(tmp_path, **env)
-        self.state_dir = tmp_path / "programmes"
-        self.started: list[subprocess.Popen] = []
-
-    def launch(self, verb: str, *args: str) -> list[str]:
-        return [sys.executable, str(LAUNCH), "programme", verb, NAME, "--state-dir", str(self.state_dir), *args]
-
-    def submit(self, *args: str, variants: list[str] = EMA, slices: tuple[str, ...] = ("s1",),
-               overrides: tuple[str, ...] = (), accelerator: str = "v4-16",
-               data_on_every_slice: bool = True) -> subprocess.CompletedProcess:
-        groups = sorted({v.split("/")[0] for v in variants})
-        slice_args = [a for s in slices for a in ("--slice", s)]
-        # --data-on-every-slice: the stubs read no data; a spot programme whose data is on the workers'
-        # disks is refused at submit (tests/test_hardening_round4_programme.py), the real trainer's below
-        # reads it from gs://
-        return self.command("submit", *groups, "--variants", ",".join(variants), *slice_args, "--zone", ZONE,
-                            "--accelerator-type", accelerator, "--runtime-version", "tpu-ubuntu2204-base", "--spot",
-                            *(["--data-on-every-slice"] if data_on_every_slice else []),
-                            "--repo-dir", "~/repo", "--poll-seconds", "0.05", "--backoff-seconds", "0.1",
-                            "--stop-grace", "5", *args, "--", *overrides)
-
-    def command(self, verb: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """A controller (`run`, `submit --run`) in a process of its own, as users start it (its
-        lease, its signals, its threads); the other verbs in this one."""
-        if verb == "run" or "--run" in args:
-            return subprocess.run(self.launch(verb, *args), cwd=self.tmp, env=self.env, stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=timeout)
-        return launch_in_process(self.launch(verb, *args)[2:], env=self.env, cwd=self.tmp)
-
-    def start(self, verb: str = "run", **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(self.launch(verb), cwd=self.tmp, env=dict(self.env, **env), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.started.append(proc)
-        return proc
-
-    def ledger(self) -> dict:
-        return json.loads((self.state_dir / NAME / "ledger.json").read_text())
-
-    def states(self) -> dict[str, str]:
-        return {v: r["state"] for v, r in self.ledger()["variants"].items()}
-
-    def close(self) -> None:
-        for proc in self.started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        fake_tpu.power_off(list(self.root.glob("*/worker-*")))
-
-
 @pytest.fixture
 def stub_programme(tmp_path):
-    programme = Programme(tmp_path)
+    programme = FakeProgramme(tmp_path)
     make_fake_workers(programme.root, 2, PROGRAMME_STUB, image=True)
     yield programme
     programme.close()
@@ -214,7 +160,7 @@ def test_a_second_controller_is_refused_and_a_dead_ones_lease_taken_over(stub_pr
 
 
 def test_the_same_quota_refusal_on_three_variants_stops_the_controller(tmp_path):
-    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_ERROR="RESOURCE_EXHAUSTED")
+    programme = FakeProgramme(tmp_path, FAKE_GCLOUD_CREATE_ERROR="RESOURCE_EXHAUSTED")
     make_fake_workers(programme.root, 2, PROGRAMME_STUB, image=True)
     try:
         variants = [*EMA, "exp08/ema0.995"]
@@ -293,7 +239,7 @@ def test_the_programme_runs_itself_through_preemptions_and_a_killed_controller(t
         for f in sorted(p for p in sudoku_dir.rglob("*") if p.is_file()):
             sets.blob(f"sudoku-extreme-{name}/{f.relative_to(sudoku_dir).as_posix()}").upload_from_filename(str(f))
     sets.blob("sudoku-extreme-500-aug-1000/README").upload_from_string("not a dataset")
-    programme = Programme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4", FAKE_GCLOUD_WORKERS="1")
+    programme = FakeProgramme(tmp_path, FAKE_GCLOUD_CREATE_POLLS="4", FAKE_GCLOUD_WORKERS="1")
     make_fake_workers(programme.root, 1, None, image=True)
     overrides = e2e_overrides(bucket)
     try:
