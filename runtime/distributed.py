@@ -26,13 +26,12 @@ import os
 import re
 import socket
 import threading
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, TypedDict
 
 import jax
 
-from runtime import events, liveness
+from runtime import events, gce_metadata, liveness
 from runtime.config import DistributedConfig
 from runtime.errors import EXIT_USER_ERROR, UserError, one_line
 from runtime.jax_internals import cluster_detected, detected_cluster, on_cloud_tpu_vm
@@ -139,11 +138,7 @@ def metadata_attribute(key: str, env: Mapping[str, str]) -> str:
     """One attribute of this VM (e.g. accelerator-type) from the GCE metadata server: the one at
     GCE_METADATA_IP when set (as JAX honours it), else metadata.google.internal. OSError when it
     does not answer (no metadata server here), within 5 s."""
-    host = env.get("GCE_METADATA_IP") or "metadata.google.internal"
-    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
-                                     headers={"Metadata-Flavor": "Google"})
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return response.read().decode().strip()
+    return gce_metadata.get(f"instance/attributes/{key}", env)
 
 
 def detected_values(cfg: DistributedConfig, env: Mapping[str, str]) -> tuple[Optional[Explicit], str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from experiments.launcher.worker import procs, versions
-from runtime import wire
+from runtime import gce_metadata, wire
 
 # Seconds each check may take (the launcher's --port-wait adds to `ports`; `measure` is per variant).
 BUDGETS = {"software": 30.0, "tpu": 15.0, "disk": 5.0, "metadata": 10.0, "maintenance": 10.0, "ports": 10.0,
@@ -84,7 +84,7 @@ def worker_id() -> str | None:
     given = os.environ.get("TPU_WORKER_ID") or os.environ.get("JAX_PROCESS_ID")
     if given is None and on_gce() and "worker" not in _ASKED:
         try:
-            _ASKED["worker"] = metadata("instance/attributes/agent-worker-number")
+            _ASKED["worker"] = gce_metadata.get("instance/attributes/agent-worker-number")
         except (OSError, ValueError):
             _ASKED["worker"] = None
     return given or _ASKED.get("worker")
@@ -180,14 +180,6 @@ def check_disk(w: Worker) -> None:
                            "the slice a larger boot disk")
 
 
-def metadata(path: str, timeout: float = 5.0) -> str:
-    """GET computeMetadata/v1/<path> from the GCE metadata server (GCE_METADATA_IP, as JAX honours it)."""
-    host = os.environ.get("GCE_METADATA_IP") or "metadata.google.internal"
-    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path}", headers={"Metadata-Flavor": "Google"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode().strip()
-
-
 def on_gce() -> bool:
     """A metadata server to ask: GCE_METADATA_IP given, or a TPU VM (its accelerator type set)."""
     return bool(os.environ.get("GCE_METADATA_IP") or os.environ.get("TPU_ACCELERATOR_TYPE")
@@ -200,7 +192,7 @@ def check_metadata(w: Worker) -> None:
         w.say("metadata", "skip", "not a GCE VM (no metadata server here: a CPU stand-in)")
         return
     try:
-        kind = metadata("instance/attributes/accelerator-type")
+        kind = gce_metadata.get("instance/attributes/accelerator-type")
         w.facts["accelerator"] = kind
         w.say("metadata", "ok", f"the metadata server answers (accelerator-type {kind})")
     except (OSError, ValueError) as e:
@@ -213,13 +205,13 @@ def check_maintenance(w: Worker) -> None:
         w.say("maintenance", "skip", "not a GCE VM (no maintenance-event endpoint here)")
         return
     try:
-        event = metadata("instance/maintenance-event")
+        event = gce_metadata.get("instance/maintenance-event")
     except (OSError, ValueError) as e:
         w.say("maintenance", "fail", f"instance/maintenance-event does not answer ({e})",
               "check the VM's network to the metadata server; a preemption notice would not arrive")
         return
     try:
-        preempted = metadata("instance/preempted")
+        preempted = gce_metadata.get("instance/preempted")
     except (OSError, ValueError):
         preempted = "unknown"
     status = "ok" if event == "NONE" else "fail"
