@@ -363,25 +363,29 @@ def test_load_from_gcs_emulator(ckpts, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- 5. bad input
 def test_unread_orbax_metadata_is_tried_again_then_one_line(ckpts, monkeypatch):
-    """Orbax logs a failed metadata read (a storage blip: seen once on the GCS emulator under load)
-    and returns None: read again; when it never comes, a storage line, not "no layer tensors"."""
+    """A failed metadata read (a storage blip: seen on the GCS emulator under load, where the
+    `_METADATA` file's exists() came back false) is read again; when it never comes, one line with
+    the storage error, not "no layer tensors"."""
     import orbax.checkpoint as ocp
 
     cfg, ref, _, kaggle = ckpts["g2"]
-    real, calls = ocp.PyTreeCheckpointer.metadata, []
+    real, calls = ocp.PyTreeCheckpointHandler.metadata, []
 
     def flaky(self, path, failures):
         calls.append(path)
-        return None if len(calls) <= failures else real(self, path)
+        if len(calls) <= failures:
+            raise FileNotFoundError("Metadata file (named _METADATA) does not exist at the blip")
+        return real(self, path)
 
     monkeypatch.setattr("time.sleep", lambda s: None)
-    monkeypatch.setattr(ocp.PyTreeCheckpointer, "metadata", lambda self, path: flaky(self, path, 1))
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "metadata", lambda self, path: flaky(self, path, 1))
     assert_tree(W.load_params(str(kaggle), cfg, None), ref, cfg.param_dtype)
     assert len(calls) == 2
     calls.clear()
-    monkeypatch.setattr(ocp.PyTreeCheckpointer, "metadata", lambda self, path: flaky(self, path, 99))
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "metadata", lambda self, path: flaky(self, path, 99))
     raises_one_line(W.WeightsError, lambda: W.load_params(str(kaggle), cfg, None), str(kaggle),
-                    "Orbax metadata of this checkpoint could not be read", "3 tries")
+                    "Orbax metadata of this checkpoint could not be read", "3 tries",
+                    "FileNotFoundError: Metadata file")
     assert len(calls) == W.METADATA_READS
 
 

@@ -135,23 +135,41 @@ class _HFSource:
         return np.asarray(self._file[name].get_slice(name)[idx])
 
 
-METADATA_READS = 3  # Orbax logs a failed metadata read and returns nothing: a storage blip, tried again
+METADATA_READS = 3  # a storage blip (a timeout, a listing not yet current) is read again, not fatal
+
+
+def _read_orbax_metadata(path: str) -> Any:
+    """The checkpoint's tree metadata, or None where it has no `_METADATA` (the layout check then
+    names what is missing). Read through the handler, not `PyTreeCheckpointer.metadata`, which logs
+    a failed read and returns nothing: here the storage error is kept for the one line."""
+    meta_file = epath.Path(path, "_METADATA")
+    error: Optional[Exception] = None
+    for attempt in range(METADATA_READS):
+        try:
+            return ocp.PyTreeCheckpointHandler().metadata(epath.Path(path))
+        except (OSError, ValueError) as e:  # FileNotFoundError from a failed exists(), bad JSON
+            error = e
+        if attempt == 0 and not meta_file.exists():
+            return None
+        _forget_listings(path)
+        time.sleep(0.5 * (attempt + 1))
+    detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    raise WeightsError(f"{path}: the Orbax metadata of this checkpoint could not be read in "
+                       f"{METADATA_READS} tries ({detail}); check its access and try again")
+
+
+def _forget_listings(path: str) -> None:
+    """Drop fsspec's cached listings of `path` so a retry asks the store again."""
+    with contextlib.suppress(Exception):
+        fs, _ = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache()
 
 
 class _KaggleSource:
     """An Orbax PyTree checkpoint read leaf-slice by leaf-slice with TensorStore."""
 
     def __init__(self, path: str):
-        for attempt in range(METADATA_READS):
-            meta = ocp.PyTreeCheckpointer().metadata(path)
-            meta = getattr(meta, "item_metadata", meta)
-            if meta is not None or not epath.Path(path, "_METADATA").exists():
-                break  # read, or no Orbax metadata to read (the layout check names what is missing)
-            if attempt + 1 == METADATA_READS:
-                raise WeightsError(f"{path}: the Orbax metadata of this checkpoint could not be read "
-                                   f"({METADATA_READS} tries; the log has the storage error); check its access and "
-                                   "try again")
-            time.sleep(0.5 * (attempt + 1))
+        meta = _read_orbax_metadata(path)
         use_zarr3 = bool(getattr(meta, "use_zarr3", False))
         flat: dict[str, Any] = {}
 
