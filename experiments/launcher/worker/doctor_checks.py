@@ -14,6 +14,7 @@ its own under --measure-root (removed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -493,7 +494,11 @@ def jax_main(host: str, spec: Spec, spawned: float) -> int:
     _hbm(w, local)
     _allreduce(w, jax, np, devices, platform, local[0].device_kind)
     print(wire.DoctorReport(host, worker_id(), platform, time.time(), w.checks, w.figures, {}).line(), flush=True)
-    os._exit(0)  # said: no wait on jax.distributed's shutdown barrier (the parent ends this child anyway)
+    # The shutdown barrier: worker 0 hosts the coordination service, and a worker still finishing its
+    # report when worker 0 exits is ended by JAX as if a task had died (seen: exit with no report).
+    with contextlib.suppress(Exception):
+        jax.distributed.shutdown()
+    os._exit(0)
 
 
 def _devices(w: Worker, platform: str, local: int, kind: str) -> None:
