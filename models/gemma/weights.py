@@ -161,8 +161,8 @@ def _read_orbax_metadata(path: str) -> Any:
 def _forget_listings(path: str) -> None:
     """Drop fsspec's cached listings of `path` so a retry asks the store again."""
     with contextlib.suppress(Exception):
-        fs, _ = fsspec.core.url_to_fs(path)
-        fs.invalidate_cache()
+        fs, root = fsspec.core.url_to_fs(path)
+        fs.invalidate_cache(root)
 
 
 class _KaggleSource:
