@@ -18,7 +18,9 @@ Programmes and supervisors against the fake TPU control plane (tests/fake_gcloud
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ import pytest
 from experiments.launcher import queue_state, supervise
 from experiments.launcher.account import programme_account
 from experiments.launcher.controller import Controller, Stop, VariantSupervision
+from experiments.launcher.gcloud import OWNER_LABEL, Shape, Target, create_argv, owner_label, queued_create_argv
 from experiments.launcher.ledger import Command, ReadyClock, Status, Verb, load_ledger
 from helpers import LAUNCH, FakeProgramme, error_line, fake_plane, gcloud_calls, launch_in_process, make_fake_workers, wait_for
 
@@ -180,7 +183,7 @@ def test_a_stop_releases_a_queued_slice_with_its_queued_resource(tmp_path, monke
     root, env = fake_plane(tmp_path)
     for key in ("PATH", "FAKE_GCLOUD_ROOT", "FAKE_GCLOUD_LOG", "FAKE_GCLOUD_WORKERS"):
         monkeypatch.setenv(key, env[key])
-    fake_tpu.enable(root, {"s1": {"state": "READY"}})
+    fake_tpu.enable(root, {"s1": {"state": "READY", "labels": {OWNER_LABEL: owner_label(f"programme-{NAME}")}}})
     with fake_tpu.control(root) as plane:
         plane["queued"]["s1-qr"] = {"state": "ACTIVE", "node": "s1", "describes": 0, "accelerator": "v4-16",
                                     "spot": True}
@@ -216,6 +219,75 @@ def test_supervise_at_end_delete_leaves_no_queued_resource(tmp_path):
     assert record["slice"]["ready_since"] is None  # its clock closed at the delete
     billed = fake_tpu.ready_host_seconds(root)
     assert abs(record["slice"]["host_seconds"] - billed) <= 2 * (0.05 + describe_seconds(env)), (record, billed)
+
+
+# A trainer that has saved step 5 and goes on until $STUB_GO exists, then completes.
+WAITING_STUB = """\\
+import os, time
+from runtime import events
+events.emit("started", run_id=os.environ["PODRUNNER_RUN_ID"], step=0, total=10, resumed=False)
+events.emit("checkpoint", step=5)
+while not os.path.exists(os.environ["STUB_GO"]):
+    time.sleep(0.05)
+events.emit("checkpoint", step=10)
+events.emit("completed", step=10, metrics={"eval/exact_accuracy": 0.25})
+"""
+
+
+@pytest.mark.slow
+def test_a_programmes_release_leaves_another_programmes_slice_alone(tmp_path, monkeypatch):
+    """Two programmes name the slice s1; the first made it (labelled its own) and runs a variant there.
+    The second's end (a stop that releases its slices) leaves s1 alone, in one line naming whose it is
+    (before: it deleted s1 under the first's run); the first runs on to completion, one launch, no
+    preemption, and its own end deletes s1."""
+    programme = Programme(tmp_path, WAITING_STUB)
+    go = tmp_path / "go"
+    try:
+        programme.submit(variants=(SAVES,), slices=("s1",))
+        controller = programme.start(STUB_GO=str(go))
+        launch = lambda: programme.ledger()["variants"][SAVES]["supervision"].get("launch") or {}  # noqa: E731
+        wait_for(lambda: launch().get("last_step") == 5, timeout=120, what="the first programme's run at step 5",
+                 procs=[controller])
+        for key in ("PATH", "FAKE_GCLOUD_ROOT", "FAKE_GCLOUD_LOG", "FAKE_GCLOUD_WORKERS"):
+            monkeypatch.setenv(key, programme.env[key])
+        second = queue_state.State(tmp_path / "second", io.StringIO())
+        second.create(queue_state.Submission(name="second", variants=[KILLED], slices=["s1"], zone=ZONE,
+                                             accelerator_type="v4-16", runtime_version="v",
+                                             checkpoint_dirs={KILLED: "gs://b/a"}))
+        other = Controller(second, alert=lambda title, text: None)
+        other.apply(Command(id="1", verb=Verb.STOP))  # checkpoints on gs://: its slices are released
+        other.slice_worker("s1")
+        assert other.finish() == 0
+        with fake_tpu.control(programme.root) as plane:
+            assert plane["tpus"]["s1"]["state"] == "READY", plane["tpus"]
+            assert plane["tpus"]["s1"]["labels"] == {OWNER_LABEL: f"programme-{NAME}"}
+        said = [line for line in (second.dir / "controller.log").read_text().splitlines() if "tpu-" in line]
+        assert len(said) == 1 and f"tpu-left-alone slice=s1 tpu=s1 owner=programme-{NAME}" in said[0], said
+        go.touch()
+        out = controller.communicate(timeout=120)[0]
+    finally:
+        programme.close()
+    assert controller.returncode == 0, out[-3000:]
+    record = programme.ledger()["variants"][SAVES]
+    assert record["state"] == "completed", record
+    assert len(record["supervision"]["launches"]) == 1 and record["supervision"]["preemptions"] == 0, record
+    with fake_tpu.control(programme.root) as plane:
+        assert plane["tpus"] == {}, plane  # the first's own end deleted its slice
+
+
+def test_the_owner_label_is_a_gce_label_value_and_two_owners_never_share_one():
+    """Lowercase letters, digits, _ and -, a letter first, 63 at most; a name that had to change (case,
+    dots, slashes, a digit first, too long) ends in a hash of it, so names alike once changed differ."""
+    names = ["programme-exp08", "programme-Exp08", "programme-a.b", "programme-a/b", "programme-a-b", "7up",
+             "programme-" + "x" * 100, "programme-" + "x" * 101, ""]
+    labels = [owner_label(n) for n in names]
+    assert all(re.fullmatch(r"[a-z][a-z0-9_-]{0,62}", label) for label in labels), labels
+    assert len(set(labels)) == len(names), labels
+    assert labels[0] == "programme-exp08" and labels[4] == "programme-a-b"  # already valid: as they are
+    flag = f"--labels={OWNER_LABEL}={labels[1]}"
+    shape = Shape("v4-16", "v", "spot", "s1-qr", owner="programme-Exp08")
+    assert flag in create_argv(Target("s1", ZONE), shape) and flag in queued_create_argv(Target("s1", ZONE), shape)
+    assert not any(a.startswith("--labels") for a in create_argv(Target("s1", ZONE), Shape("v4-16", "v")))
 
 
 # --- 9: the ledger's slice time ------------------------------------------------------------------

@@ -354,12 +354,13 @@ class Controller:
             raise
 
     def release(self, slice_name: str) -> None:
-        """Nothing left for this slice: delete it (its READY time ends)."""
+        """Nothing left for this slice: delete it if it is this programme's (its READY time ends)."""
         supervisor = supervise.Supervisor(
             supervise.Spec(Target(slice_name, self.sub.zone, self.sub.project), f"{self.state.name}-{slice_name}", [],
-                           at_end="delete", queued_resource=f"{slice_name}-qr" if self.sub.queued else None),
+                           at_end="delete", queued_resource=f"{slice_name}-qr" if self.sub.queued else None,
+                           owner=self.sub.owner),
             _SliceRecord(self.state, slice_name), self.clock(slice_name))
-        state, _ = supervise.tpu_state(supervisor.spec, supervisor.run_gcloud)
+        state = supervise.tpu_state(supervisor.spec, supervisor.run_gcloud)[0]
         if state != supervise.TpuState.MISSING or self.sub.queued:  # a queued resource may wait to make one
             supervisor.release_tpu(Status.COMPLETED)
         else:

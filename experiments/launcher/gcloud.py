@@ -7,6 +7,7 @@ documented messages: missing or expired credentials (`auth_failure`), a refused 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ AUTH_SIGNS = ("gcloud auth login", "refreshing your current auth tokens", "do no
 # counted as an infrastructure failure (a programme stops when it repeats across variants).
 REFUSED = ("INVALID_ARGUMENT", "PERMISSION_DENIED", "unrecognized arguments", "Invalid value")
 QUOTA = ("RESOURCE_EXHAUSTED", "Quota", "quota")
+OWNER_LABEL = "launcher-owner"  # on every slice a programme creates: whose it is (its release deletes only its own)
 
 
 class PodError(Exception):
@@ -45,14 +47,27 @@ class Shape:
     runtime_version: str | None = None
     tier: str | None = None
     queued_resource: str | None = None
+    owner: str | None = None  # labelled on the slice as OWNER_LABEL (None: no label)
+
+
+def owner_label(owner: str) -> str:
+    """`owner` as a GCE label value (lowercase letters, digits, _ and -, a letter first, 63 at most);
+    one that had to be changed ends in a hash of `owner`, so that two owners never share a value."""
+    value = re.sub(r"[^a-z0-9_-]", "-", owner.lower())
+    value = value if re.match("[a-z]", value) else "o-" + value
+    if value == owner and len(value) <= 63:
+        return value
+    return f"{value[:54]}-{hashlib.sha256(owner.encode()).hexdigest()[:8]}"
 
 
 def _at(t: Target) -> list[str]:
     return ["--zone", t.zone, *(["--project", t.project] if t.project else [])]
 
 
-def _tier(shape: Shape) -> list[str]:
-    return [f"--{shape.tier}"] if shape.tier else []
+def _tier_owner(shape: Shape) -> list[str]:
+    """The tier and the owner's label (a queued resource gives its node the label)."""
+    return [*([f"--{shape.tier}"] if shape.tier else []),
+            *([f"--labels={OWNER_LABEL}={owner_label(shape.owner)}"] if shape.owner else [])]
 
 
 def _tpu_vm(t: Target, verb: str, *flags: str) -> list[str]:
@@ -75,7 +90,7 @@ def describe_argv(t: Target) -> list[str]:
 
 def create_argv(t: Target, shape: Shape) -> list[str]:
     return _tpu_vm(t, "create", f"--accelerator-type={shape.accelerator_type}", f"--version={shape.runtime_version}",
-                   *_tier(shape))
+                   *_tier_owner(shape))
 
 
 def delete_argv(t: Target) -> list[str]:
@@ -90,7 +105,7 @@ def queued_describe_argv(t: Target, shape: Shape) -> list[str]:
 def queued_create_argv(t: Target, shape: Shape) -> list[str]:
     return ["gcloud", "compute", "tpus", "queued-resources", "create", shape.queued_resource, f"--node-id={t.tpu}",
             *_at(t), f"--accelerator-type={shape.accelerator_type}", f"--runtime-version={shape.runtime_version}",
-            *_tier(shape)]
+            *_tier_owner(shape)]
 
 
 def queued_delete_argv(t: Target, shape: Shape) -> list[str]:

@@ -89,6 +89,11 @@ class Submission(Strict):
         raw = f"{self.name}-{variant.replace('/', '-')}"
         return "".join(c if c.isalnum() or c in "._-" else "-" for c in raw)[:64]
 
+    @property
+    def owner(self) -> str:
+        """Whose its slices are (labelled at create, gcloud.OWNER_LABEL): its release deletes only those."""
+        return f"programme-{self.name}"
+
     def overrides_of(self, variant: str) -> list[str]:
         """The trainer's overrides: the experiment, the programme's own, and its name as a W&B tag."""
         given = [o for o in self.overrides if not o.startswith("run.wandb.tags=")]
@@ -104,7 +109,8 @@ class Submission(Strict):
             repo_dir=self.repo_dir, log_dir=state_dir / "launch-logs", env=dict(self.env),
             forward_env=list(self.forward_env), poll_s=self.poll_s,
             storage_backoff_s=self.backoff_s, stop_grace_s=self.stop_grace_s, clone_url=self.clone_url,
-            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant))
+            at_end="keep", create_attempts=self.create_attempts, events_file=self.events_file(variant),
+            owner=self.owner)
 
     def events_file(self, variant: str) -> str | None:
         """The variant's events beside its checkpoints (runtime/run_files.py), when its directory is known."""

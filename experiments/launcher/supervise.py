@@ -87,10 +87,11 @@ class Spec:
     at_end: str | None = None  # "delete" or "keep" the TPU when the run ends; None: delete when state_mirror is set
     create_attempts: int | None = None  # refused creates in a row before giving up (None: never; wait instead)
     events_file: str | None = None  # the run's events.jsonl beside its checkpoints (runtime/run_files.py), if readable
+    owner: str | None = None  # a programme's slices: labelled with it at create, and only those it labels deleted
 
     @property
     def shape(self) -> Shape:
-        return Shape(self.accelerator_type, self.runtime_version, self.tier, self.queued_resource)
+        return Shape(self.accelerator_type, self.runtime_version, self.tier, self.queued_resource, self.owner)
 
 
 # --- state and events ---------------------------------------------------------------------------
@@ -194,17 +195,19 @@ class Unavailable(Exception):
 
 # --- 1. the TPU ---------------------------------------------------------------------------------
 
-def tpu_state(spec: Spec, run: Runner) -> tuple[str, int]:
-    """(state as gcloud says it, number of workers); MISSING when gcloud says NOT_FOUND."""
+def tpu_state(spec: Spec, run: Runner) -> tuple[str, int, str | None]:
+    """(state as gcloud says it, number of workers, its gcloud.OWNER_LABEL or None); MISSING when
+    gcloud says NOT_FOUND."""
     code, out = run(gcloud.describe_argv(spec.target))
     if code != 0:
         _check_credentials(out)
-        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), 0
+        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), 0, None
     try:
         node = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
     except ValueError:
-        return TpuState.UNKNOWN, 0
-    return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or [])
+        return TpuState.UNKNOWN, 0, None
+    owner = (node.get("labels") or {}).get(gcloud.OWNER_LABEL)
+    return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or []), owner
 
 
 def queue_state(spec: Spec, run: Runner) -> str:
@@ -320,7 +323,7 @@ class Supervisor:
         wait, looked_again = self.spec.poll_s, False
         while not self.stop.is_set():
             asked = time.time()
-            state, hosts = tpu_state(self.spec, self.run_gcloud)
+            state, hosts, _ = tpu_state(self.spec, self.run_gcloud)
             if state in (*GONE, TpuState.MISSING, TpuState.CREATING):
                 self.seen_down = True
             if state == TpuState.READY:
@@ -509,8 +512,17 @@ class Supervisor:
 
     def delete_slice(self) -> None:
         """Delete the TPU, and its queued resource when it was made through one (`--force`: the queued
-        resource and its node, so that nothing is left queued to make a node that bills later)."""
+        resource and its node, so that nothing is left queued to make a node that bills later). Not a
+        TPU labelled with another owner, nor, by a programme (spec.owner), one it did not label: another
+        programme's slice of that name (whose variant was refused there) runs on."""
         target, shape = self.spec.target, self.spec.shape
+        state, _, owner = tpu_state(self.spec, self.run_gcloud)
+        mine = gcloud.owner_label(self.spec.owner) if self.spec.owner else None
+        if state not in (TpuState.MISSING, TpuState.UNKNOWN) and owner != mine and (owner or mine):
+            self.sup.event("tpu-left-alone", tpu=target.tpu, owner=owner or "none", reason=shlex.quote(
+                "labelled by another owner: not deleted" if owner else "not labelled by this programme: not deleted"))
+            self.gone(time.time())  # no longer counted here
+            return
         if shape.queued_resource:
             deleting = None
             if queue_state(self.spec, self.run_gcloud) != TpuState.MISSING:
