@@ -187,6 +187,22 @@ def test_a_worker_that_never_answers(fake_slice):
     assert "worker 0: ok disk" in result.stdout
 
 
+def test_a_worker_that_answers_then_hangs(fake_slice):
+    """Worker 1's disk check hangs in a child that never ends (PODRUNNER_DOCTOR_HANG, with a budget of
+    0.5 s): one OVERRUN line for it, the checks before it and worker 0's stand, and the child is gone."""
+    result = fake_slice.doctor("--only", "tpu,disk", PODRUNNER_DOCTOR_HANG="1:disk:0.5")
+    assert result.returncode == EXIT_CHECK_FAILED, result.stdout + result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("worker 1: OVERRUN")] == [
+        "worker 1: OVERRUN disk: did not finish within its budget of 0.5 s; fix: run `launch.py doctor --only disk` "
+        "again; if it overruns again, that is the finding"], result.stdout
+    assert "worker 1: ok tpu-free" in result.stdout and "worker 0: ok disk" in result.stdout
+    assert "OVERRUN" not in result.stdout.replace("worker 1: OVERRUN disk", "")
+    assert fake_slice.left_running() == []  # the hung child ended with its process group
+    saved = json.loads(fake_slice.out.read_text())
+    assert not saved["ok"] and [(c["worker"], c["name"]) for c in saved["checks"] if c["status"] == "overrun"] == [
+        ("1", "disk")]
+
+
 def test_bad_options_are_one_line(fake_slice):
     for args, needle in ((["--only", "tpu,nothing"], "--only nothing: not a check"),
                          (["--bucket", "/local"], "give a gs://BUCKET"), (["exp02a/L6"], "+experiment=GROUP/VARIANT"),
@@ -208,9 +224,10 @@ def test_a_healthy_slice_writes_every_figure_and_the_plan_takes_them(fake_slice,
                        WANDB_BASE_URL=stub.url)
             result = fake_slice.doctor(
                 "+experiment=exp02a/L6", "--bucket", "gs://bkt/scratch", "--checkpoint-mb", "1", "--allreduce-mb",
-                "0.1,1", "--measure-steps", "2", "--measure-root", str(tmp_path / "runs"), "--",
+                "0.1,1", "--measure-steps", "1", "--measure-root", str(tmp_path / "runs"), "--",
                 f"data.path={sudoku_dir}", "data.generate_if_missing=false", "train.global_batch_size=16",
-                "arch.hidden=32", "arch.heads=2", "optim.warmup_steps=2", **env)
+                "arch.hidden=32", "arch.heads=2", "arch.L_layers=1", "arch.H_cycles=1", "arch.L_cycles=1",
+                "arch.halt_max_steps=2", "optim.warmup_steps=2", **env)  # a small model: short compiles
             emu.apply_env()
             import fsspec
 
@@ -229,8 +246,10 @@ def test_a_healthy_slice_writes_every_figure_and_the_plan_takes_them(fake_slice,
             "same-versions"} <= names
     assert all(f["platform"] == "cpu" and f["host"] and f["time"] for f in saved["figures"])
     summary = saved["summary"]
-    assert {"launch", "setup_check", "runtime_init", "gcs_write", "gcs_read", "allreduce_1mb", "step_time:exp02a/L6", "compile_cold:exp02a/L6",
-            "save:exp02a/L6", "restore:exp02a/L6"} <= set(summary)
+    assert {"launch", "setup_check", "runtime_init", "gcs_write", "gcs_read", "allreduce_1mb", "step_time:exp02a/L6",
+            "eval_step:exp02a/L6", "compile_cold:exp02a/L6", "save:exp02a/L6", "restore:exp02a/L6"} <= set(summary)
+    evals = summary["eval_step:exp02a/L6"]
+    assert evals["seconds"] > 0 and evals["platform"] == "cpu" and evals["workers"] == 1  # process 0 says it
 
     # the plan: a CPU file is refused for a TPU topology, unless told; then runtime_init and the step time move
     with pytest.raises(Exception, match="measured on cpu devices.*--allow-platform-mismatch"):
@@ -238,16 +257,25 @@ def test_a_healthy_slice_writes_every_figure_and_the_plan_takes_them(fake_slice,
     cal = calibrate.from_doctor(fake_slice.out, allow_platform_mismatch=True)
     assert cal.figures["runtime_init"].seconds == summary["runtime_init"]["seconds"]
     assert cal.program_startup == {"exp02a/L6": summary["compile_cold:exp02a/L6"]["seconds"]}
+    assert cal.evals == {"exp02a/L6": evals["seconds"]}
     moved = calibrate.moved(bill.FIGURES, cal.figures)
     assert any(line.startswith("calibrated: runtime_init 7.3 s -> ") for line in moved)
-    rows = [planner.Row("exp02a", "L6", estimate=StepEstimate(0.01, "", 0.0, None, 1.0), steps=10),
+    rows = [planner.Row("exp02a", "L6", estimate=StepEstimate(0.01, "", 0.0, None, 1.0), steps=10,
+                        eval_estimate=StepEstimate(0.004, "", 0.0, None, 1.0)),
             planner.Row("exp02a", "L2", estimate=StepEstimate(0.02, "", 0.0, None, 1.0), steps=10),
-            planner.Row("gemma01", "a", estimate=StepEstimate(0.05, "", 0.0, None, 1.0), steps=10)]
+            planner.Row("gemma01", "a", estimate=StepEstimate(0.05, "", 0.0, None, 1.0), steps=10,
+                        eval_estimate=StepEstimate(0.03, "", 0.0, None, 1.0))]
     said = calibrate.scale_steps(rows, cal, "v4-8", lambda g: "gemma" if g.startswith("gemma") else "trm")
     ratio = summary["step_time:exp02a/L6"]["seconds"] / 0.01
     assert rows[0].estimate.total_s == pytest.approx(0.01 * ratio) and rows[1].estimate.total_s == pytest.approx(
         0.02 * ratio) and rows[2].estimate.total_s == 0.05
-    assert len(said) == 1 and "step time of exp02a/L6" in said[0] and "2 trm variant(s)" in said[0]
+    # the eval-step time against the eval step's estimate: its ratio moves the family's eval estimates only
+    assert rows[0].eval_estimate.total_s == pytest.approx(evals["seconds"]) and rows[1].eval_estimate is None
+    assert rows[2].eval_estimate.total_s == 0.03
+    assert len(said) == 2 and "step time of exp02a/L6" in said[0] and "2 trm variant(s)" in said[0]
+    assert said[1].startswith(f"calibrated: eval-step time of exp02a/L6 measured {evals['seconds']:.4g} s on cpu "
+                              f"workers (--allow-platform-mismatch) against the estimate 0.004 s: "
+                              f"x{evals['seconds'] / 0.004:.3g} applied to the 1 trm variant(s)")
 
 
 def test_the_plan_refuses_a_cpu_doctor_file_for_a_tpu_topology(tmp_path):

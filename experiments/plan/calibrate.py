@@ -39,6 +39,7 @@ class Calibration:
     program_startup: dict[str, float] = field(default_factory=dict)  # variant -> median compile seconds a start
     launches: int = 0
     steps: dict[str, float] = field(default_factory=dict)  # a doctor file's: variant -> measured step seconds
+    evals: dict[str, float] = field(default_factory=dict)  # a doctor file's: variant -> measured eval-step seconds
     accelerator: str | None = None  # the doctor's slice (None: a ledger, or CPU workers)
     platform: str | None = None  # the doctor's workers' devices: tpu or cpu
 
@@ -104,7 +105,7 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
 def from_doctor(path: Path, figures: Mapping[str, Figure] = FIGURES, *, allow_platform_mismatch: bool = False
                 ) -> Calibration:
     """The figures `launch.py doctor` measured (its `summary`: each the slowest worker's, as a pod
-    waits for its last) instead of the defaults, its measured step times, and each measured
+    waits for its last) instead of the defaults, its measured step and eval-step times, and each measured
     variant's cold compile as its program start-up. A file measured on
     other devices than a TPU is refused unless `allow_platform_mismatch`: UserError, one line."""
     try:
@@ -117,13 +118,13 @@ def from_doctor(path: Path, figures: Mapping[str, Figure] = FIGURES, *, allow_pl
     if platform != "tpu" and not allow_platform_mismatch:
         raise UserError(f"--calibrate-from {path}: its figures were measured on {platform or 'no'} devices, not a "
                         "TPU slice's; run the doctor on the slice, or give --allow-platform-mismatch to use them")
-    out, steps, compiles, slowest = dict(figures), {}, {}, {}
+    out, steps, evals, compiles, slowest = dict(figures), {}, {}, {}, {}
     for entry in summary.values():
         name, seconds = entry.get("name"), entry.get("seconds")
         if not isinstance(seconds, (int, float)):
             continue
-        if name == "step_time" and entry.get("variant"):
-            steps[entry["variant"]] = float(seconds)
+        if name in ("step_time", "eval_step") and entry.get("variant"):
+            (steps if name == "step_time" else evals)[entry["variant"]] = float(seconds)
         elif name == "compile_cold" and entry.get("variant"):  # the variant's program start-up, as a ledger's
             compiles[entry["variant"]] = float(seconds)
         elif name in figures and (name not in slowest or seconds > slowest[name]["seconds"]):
@@ -133,7 +134,7 @@ def from_doctor(path: Path, figures: Mapping[str, Figure] = FIGURES, *, allow_pl
             figures[name], seconds=float(entry["seconds"]), high=None,
             source=f"doctor: {entry.get('what')}, the slowest of {entry.get('workers')} workers, "
                    f"{entry.get('platform')} devices ({path})")
-    return Calibration(out, compiles, steps=steps, accelerator=data.get("accelerator"), platform=platform)
+    return Calibration(out, compiles, steps=steps, evals=evals, accelerator=data.get("accelerator"), platform=platform)
 
 
 def moved(before: Mapping[str, Figure], after: Mapping[str, Figure]) -> list[str]:
@@ -153,29 +154,34 @@ def _topology_of(accelerator: str | None) -> str | None:
 
 
 def scale_steps(rows: list, calibration: Calibration, topology: str, family_of: Callable[[str], str]) -> list[str]:
-    """Each measured step time against the plan's estimate for the same variant: their ratio scales
-    the estimate of every row of the same model family (`family_of(group)`) on this topology. A
-    doctor file of another slice (or of CPU workers, allowed) is said, and scales nothing unless it
-    came from CPU workers (their figures were allowed in: applied as told)."""
+    """Each measured step time (and eval-step time) against the plan's estimate for the same variant:
+    their ratio scales the train (eval) estimate of every row of the same model family
+    (`family_of(group)`) on this topology. A doctor file of another slice (or of CPU workers,
+    allowed) is said, and scales nothing unless it came from CPU workers (their figures were
+    allowed in: applied as told)."""
     lines: list[str] = []
     measured_on = _topology_of(calibration.accelerator)
-    for variant, seconds in calibration.steps.items():
-        row = next((r for r in rows if f"{r.group}/{r.variant}" == variant), None)
-        estimate = getattr(getattr(row, "estimate", None), "total_s", None)
-        if row is None or not estimate:
-            lines.append(f"calibrated: step time of {variant} measured {seconds:.4g} s; not in this plan (or no "
-                         "estimate), nothing scaled")
-            continue
-        if measured_on is not None and measured_on != topology:
-            lines.append(f"calibrated: step time of {variant} measured on {measured_on}, the plan is for {topology}: "
-                         "nothing scaled")
-            continue
-        ratio, family = seconds / estimate, family_of(row.group)
-        scaled = [r for r in rows if r.estimate is not None and family_of(r.group) == family]
-        for r in scaled:
-            r.estimate = dataclasses.replace(r.estimate, compute_s=None if r.estimate.compute_s is None else
-                                             r.estimate.compute_s * ratio, collective_s=r.estimate.collective_s * ratio)
-        where = f"on {topology}" if measured_on else f"on {calibration.platform} workers (--allow-platform-mismatch)"
-        lines.append(f"calibrated: step time of {variant} measured {seconds:.4g} s {where} against the estimate "
-                     f"{estimate:.4g} s: x{ratio:.3g} applied to the {len(scaled)} {family} variant(s) on {topology}")
+    for what, attr, measured in (("step time", "estimate", calibration.steps),
+                                 ("eval-step time", "eval_estimate", calibration.evals)):
+        for variant, seconds in measured.items():
+            row = next((r for r in rows if f"{r.group}/{r.variant}" == variant), None)
+            estimate = getattr(getattr(row, attr, None), "total_s", None)
+            if row is None or not estimate:
+                lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s; not in this plan (or no "
+                             "estimate), nothing scaled")
+                continue
+            if measured_on is not None and measured_on != topology:
+                lines.append(f"calibrated: {what} of {variant} measured on {measured_on}, the plan is for "
+                             f"{topology}: nothing scaled")
+                continue
+            ratio, family = seconds / estimate, family_of(row.group)
+            scaled = [r for r in rows if getattr(r, attr) is not None and family_of(r.group) == family]
+            for r in scaled:
+                old = getattr(r, attr)
+                setattr(r, attr, dataclasses.replace(old, compute_s=None if old.compute_s is None else
+                                                     old.compute_s * ratio, collective_s=old.collective_s * ratio))
+            where = f"on {topology}" if measured_on else f"on {calibration.platform} workers (--allow-platform-mismatch)"
+            lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s {where} against the estimate "
+                         f"{estimate:.4g} s: x{ratio:.3g} applied to the {len(scaled)} {family} variant(s) on "
+                         f"{topology}")
     return lines

@@ -36,9 +36,11 @@ from runtime import gce_metadata, wire
 BUDGETS = {"software": 30.0, "tpu": 15.0, "disk": 5.0, "metadata": 10.0, "maintenance": 10.0, "ports": 10.0,
            "slice": 240.0, "storage": 180.0, "wandb": 30.0, "measure": 900.0}
 GROUPS = ("software", "tpu", "disk", "metadata", "maintenance", "ports", "slice", "storage", "wandb", "measure")
+MODULE = "experiments.launcher.worker.doctor_checks"  # this file, as its children run it
 LOCKFILE = "/tmp/libtpu_lockfile"  # libtpu's; PODRUNNER_LIBTPU_LOCKFILE for tests (as worker/stop.py)
 HELLO, WELCOME = b"podrunner-doctor-hello\n", b"podrunner-doctor-welcome\n"
 WANDB_URL = "https://api.wandb.ai"  # W&B's API; WANDB_BASE_URL (W&B's own variable) names another
+HANG_ENV = "PODRUNNER_DOCTOR_HANG"  # tests only: WORKER:CHECK:SECONDS, that check there hangs (a child) past that budget
 
 
 @dataclass
@@ -445,8 +447,8 @@ def check_slice(w: Worker) -> None:
     """The jax child (`jax_main`): its verdicts and figures become ours."""
     budget = BUDGETS["slice"] - 5  # ends before the check's own budget does
     spec = json.dumps(w.spec.__dict__)
-    code, out = child(w, [sys.executable, "-m", "experiments.launcher.worker.doctor_checks", "--jax", w.host, spec,
-                          repr(time.time())], budget, "the jax check")
+    code, out = child(w, [sys.executable, "-m", MODULE, "--jax", w.host, spec, repr(time.time())], budget,
+                      "the jax check")
     report = next((r for r in map(wire.doctor, out.splitlines()) if r is not None), None)
     if report is None:
         tail = " | ".join(line for line in out.splitlines()[-6:] if line.strip())
@@ -583,7 +585,7 @@ def ici_figure(platform: str, kind: str) -> str:
 def check_measure(w: Worker) -> None:
     """Per variant: a run of `measure_steps` steps saving at its end (cold compilation cache), then
     the same run extended by as many steps (it restores, and hits the cache): compile cold/warm,
-    step time, a save's blocking part, the restore, from the trainer's own `timing` events."""
+    step time, eval-step time, a save's blocking part, the restore, from the trainer's own `timing` events."""
     if not w.spec.variants:
         w.say("measure", "skip", "no variant given (--programme DIR or +experiment=G/V)")
         return
@@ -598,7 +600,8 @@ def check_measure(w: Worker) -> None:
         root, k = f"{scratch}/{i}", w.spec.measure_steps
         common = [*overrides, f"run.root={root}", f"run.compile_cache={root}/compile_cache", f"run.id=doctor-{i}",
                   "run.wandb.mode=disabled", "run.progress_bar=false", "train.epochs=null",
-                  "train.eval_every_epochs=null", "train.checkpoint_every_epochs=null", "train.log_every=1"]
+                  "train.eval_every_epochs=null", "train.checkpoint_every_epochs=null", "train.log_every=1",
+                  "data.eval_max_examples=1"]  # each evaluation one eval batch (padded: the step's full cost)
         timings = []
         for steps in (k, 2 * k):
             argv = [sys.executable, "pretrain_jax.py", *common, f"train.steps={steps}",
@@ -628,6 +631,8 @@ def _measured(w: Worker, name: str, timings: list) -> None:
                 f"program start-up per cache hit ({warm['hits']} hits, {warm['misses']} misses)"),
                ("step_time", (first["train"] + second["train"]) / max(1, cold["steps_run"] + warm["steps_run"]),
                 f"train seconds per step over {cold['steps_run'] + warm['steps_run']} steps"),
+               ("eval_step", (first["eval"] + second["eval"]) / 2, "eval seconds per eval step (each run's last "
+                "step evaluates one batch)"),
                ("save", first["checkpoint_save"] / max(1, cold["saves"]), "checkpoint_save per save (the last waited)"),
                ("restore", second["checkpoint_restore"], "the checkpoint read back by the extended run")]
     for figure, seconds, what in figures:
@@ -643,7 +648,14 @@ CHECKS: dict[str, Callable[[Worker], None]] = {
     "wandb": check_wandb, "measure": check_measure}
 
 
+def _hang(w: Worker) -> None:
+    """HANG_ENV's check: a child that never ends (its check overruns; `main` ends the child)."""
+    child(w, [sys.executable, "-m", MODULE, "--hang"], 1e6, "the hung check")
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "--hang":  # HANG_ENV's child: it never ends by itself
+        threading.Event().wait()
     if argv[0] == "--jax":
         return jax_main(argv[1], Spec(**json.loads(argv[2])), float(argv[3]))
     host, spec = argv[0], Spec(**json.loads(argv[1]))
@@ -669,7 +681,10 @@ def main(argv: list[str]) -> int:
         budget = BUDGETS[group] + (2 * spec.port_wait if group == "ports" else 0.0)
         if group == "measure":
             budget = spec.measure_budget * max(1, len(spec.variants)) + 10
-        run_within(w, group, budget, CHECKS[group])
+        fn, hang = CHECKS[group], os.environ.get(HANG_ENV, "").split(":")
+        if len(hang) == 3 and hang[1] == group and hang[0] == worker_id():  # a test's hung check
+            budget, fn = float(hang[2]), _hang
+        run_within(w, group, budget, fn)
     for proc in list(LIVE):  # a check that overran left its child: end it now
         end(proc)
     print(wire.DoctorReport(host, worker_id(), w.platform, time.time(), w.checks, w.figures,
