@@ -290,6 +290,46 @@ def test_the_owner_label_is_a_gce_label_value_and_two_owners_never_share_one():
     assert not any(a.startswith("--labels") for a in create_argv(Target("s1", ZONE), Shape("v4-16", "v")))
 
 
+
+def owned_slice(tmp_path: Path, state: str, label: str | None, owner: str | None):
+    """A supervisor of slice s1 (for `owner`: a programme's, None: a single `supervise`) whose gcloud
+    describes s1 in `state`, labelled with `label`'s owner value; the gcloud calls it makes, its log."""
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        calls.append(argv)
+        labels = {OWNER_LABEL: owner_label(label)} if label else {}
+        return 0, json.dumps({"state": state, "networkEndpoints": [{}], "labels": labels}) if "describe" in argv else ""
+
+    spec = supervise.Spec(Target("s1", ZONE), "run-s1", [], accelerator_type="v4-16", runtime_version="v",
+                          log_dir=tmp_path, owner=owner)
+    stream = io.StringIO()
+    return supervise.Supervisor(spec, supervise.FileSupervision(spec, stream), ReadyClock(), run=run), calls, stream
+
+
+@pytest.mark.parametrize("label, acts", [("programme-first", []), ("programme-second", ["delete", "create"])])
+def test_a_preempted_slice_another_programme_labelled_is_waited_for_not_deleted(tmp_path, label, acts):
+    """The second programme's supervisor finds the first's slice PREEMPTED: it waits (the owner re-creates
+    it) rather than delete it and create it under its own label; its own preempted slice it re-creates."""
+    supervisor, calls, stream = owned_slice(tmp_path, "PREEMPTED", label, "programme-second")
+    state, _, owner = supervise.tpu_state(supervisor.spec, supervisor.run_gcloud)
+    assert supervisor.step_towards_ready(state, owner) is None
+    assert [argv[4] for argv in calls if "describe" not in argv] == acts, calls
+    if not acts:
+        assert f"waiting tpu_state=PREEMPTED owner={owner_label(label)}" in stream.getvalue(), stream.getvalue()
+
+
+@pytest.mark.parametrize("label, owner, deleted", [
+    ("programme-first", None, False),  # `supervise --at-end delete` on a TPU a programme made: left alone
+    (None, None, True),  # ... on the unlabelled TPU the user named: deleted (docs/RUNNING.md)
+    (None, "programme-second", False),  # a programme's release of a slice it did not make: left alone
+    ("programme-second", "programme-second", True)])  # ... of its own: deleted
+def test_only_a_slices_own_supervisor_deletes_it(tmp_path, label, owner, deleted):
+    supervisor, calls, stream = owned_slice(tmp_path, "READY", label, owner)
+    supervisor.delete_slice()
+    assert any("delete" in argv for argv in calls) is deleted, calls
+    assert ("tpu-left-alone" in stream.getvalue()) is not deleted, stream.getvalue()
+
 # --- 9: the ledger's slice time ------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -290,12 +290,20 @@ class Supervisor:
             return seen
         return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
 
-    def step_towards_ready(self, state: str) -> str | None:
-        """One action for a TPU that is not READY: create, delete + create, or nothing (wait). The
-        queued resource's state as it was seen (None: no queued resource)."""
+    def theirs(self, owner: str | None) -> bool:
+        """A TPU labelled with another owner than this spec's (gcloud.OWNER_LABEL): never deleted here."""
+        return owner is not None and owner != (gcloud.owner_label(self.spec.owner) if self.spec.owner else None)
+
+    def step_towards_ready(self, state: str, owner: str | None = None) -> str | None:
+        """One action for a TPU that is not READY: create, delete + create, or nothing (wait: also for
+        a gone TPU another owner labelled, which that owner re-creates). The queued resource's state as
+        it was seen (None: no queued resource)."""
         spec, target, shape = self.spec, self.spec.target, self.spec.shape
         if state != TpuState.UNKNOWN:
             self.gone(self.went(time.time()))
+        if state in GONE and self.theirs(owner):
+            self.sup.event("waiting", tpu_state=state, owner=owner)
+            return None
         if spec.queued_resource:
             self.queue_asked = time.time()
             queued = queue_state(spec, self.run_gcloud)
@@ -323,7 +331,7 @@ class Supervisor:
         wait, looked_again = self.spec.poll_s, False
         while not self.stop.is_set():
             asked = time.time()
-            state, hosts, _ = tpu_state(self.spec, self.run_gcloud)
+            state, hosts, owner = tpu_state(self.spec, self.run_gcloud)
             if state in (*GONE, TpuState.MISSING, TpuState.CREATING):
                 self.seen_down = True
             if state == TpuState.READY:
@@ -331,7 +339,7 @@ class Supervisor:
                     self.clock.ready(self.queue_asked if looked_again and self.queue_asked else asked, hosts)
                 self.sup.event("tpu-ready", hosts=hosts)
                 return hosts
-            queued = self.step_towards_ready(state)
+            queued = self.step_towards_ready(state, owner)
             if queued == TpuState.ACTIVE and not looked_again:  # its node is made: describe it now, once (the
                 looked_again = True  # READY time starts at the describe that sees it)
                 continue
@@ -517,8 +525,7 @@ class Supervisor:
         programme's slice of that name (whose variant was refused there) runs on."""
         target, shape = self.spec.target, self.spec.shape
         state, _, owner = tpu_state(self.spec, self.run_gcloud)
-        mine = gcloud.owner_label(self.spec.owner) if self.spec.owner else None
-        if state not in (TpuState.MISSING, TpuState.UNKNOWN) and owner != mine and (owner or mine):
+        if state not in (TpuState.MISSING, TpuState.UNKNOWN) and (self.theirs(owner) or self.spec.owner and not owner):
             self.sup.event("tpu-left-alone", tpu=target.tpu, owner=owner or "none", reason=shlex.quote(
                 "labelled by another owner: not deleted" if owner else "not labelled by this programme: not deleted"))
             self.gone(time.time())  # no longer counted here
