@@ -5,13 +5,16 @@ everywhere, every worker answered), prints one verdict line per check and worker
 table, writes the JSON file (`write_file`: every check, every figure, where and when, each figure
 labelled with the platform it was measured on), and deletes the bucket's scratch prefix.
 
-`plan --calibrate-from FILE` reads that file (experiments/plan/calibrate.py `from_doctor`).
+`plan --calibrate-from FILE` reads that file (`read_calibration`, `scale_steps`).
 Exit 0 only when every check passed (or does not apply there); EXIT_CHECK_FAILED otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -20,14 +23,18 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
 
 from experiments.launcher import gcloud, pod
 from experiments.launcher.gcloud import PodError, Target
 from experiments.launcher.worker import SECRETS_PREFIX
 from experiments.launcher.worker.doctor_checks import BUDGETS, GROUPS, Spec
 from runtime import wire
-from runtime.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED
+from runtime.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, UserError
+
+if TYPE_CHECKING:  # at run time only where the plan reads a file: it imports pydantic (every command builds the parser)
+    from experiments.plan.bill import Figure
+    from experiments.plan.calibrate import Calibration
 
 FORMAT = 1  # the file's format (`format` in it)
 BAD = ("fail", "overrun")
@@ -276,3 +283,154 @@ def variant_overrides(given: Sequence[str], overrides: Sequence[str], programme:
         if not v.startswith("+experiment="):
             raise PodError(f"{v!r}: give variants as +experiment=GROUP/VARIANT (training overrides go after `--`)")
     return [[v, *overrides] for v in given]
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def main_args(args: argparse.Namespace, target: Target) -> int:
+    """Before anything else on a slice: on every worker (one ssh --worker=all, as `pod`), check the
+    software (the same everywhere), the TPU (its devices, no process holding it, no stale lockfile,
+    HBM), the ports between workers, the metadata server, jax.distributed and an all-reduce, the
+    bucket, W&B, the maintenance endpoint and the disk; measure runtime_init and, for the variants
+    given, compiles, step time, a save and a restore in short runs. One verdict line per check and
+    worker, a summary table, and --out (JSON; `plan --calibrate-from` reads it). Exit 0 only when
+    every check passed, 10 otherwise; what to do for each failure: docs/SETUP.md, "Your first slice"."""
+    only = [g for g in (args.only or ",".join(GROUPS)).split(",") if g]
+    unknown = [g for g in only if g not in GROUPS]
+    if unknown:
+        raise pod.PodError(f"--only {unknown[0]}: not a check; give some of {','.join(GROUPS)}")
+    if args.bucket and not args.bucket.startswith("gs://"):
+        raise pod.PodError(f"--bucket {args.bucket}: give a gs://BUCKET[/PREFIX] URL")
+    variants = variant_overrides(args.variants, args.overrides, args.programme)
+    scratch = "doctor-" + pod.new_run_id()
+    spec = Spec(only=only, port=args.port, liveness_port=args.liveness_port, port_wait=args.port_wait,
+                scratch=scratch, bucket=args.bucket, checkpoint_mb=args.checkpoint_mb, disk_need_gb=args.disk_need_gb,
+                variants=variants, measure_steps=args.measure_steps,
+                measure_budget=args.measure_budget, measure_root=args.measure_root, allreduce_mb=_sizes(args.allreduce_mb))
+    _, secret = pod.remote_env({}, [], os.environ)
+    if args.dry_run:
+        print(shlex.join(pod.gcloud.ssh_argv(target, doctor_command(args.repo_dir, spec, None))))
+        return 0
+    out = args.out or Path("outputs/doctor") / f"{args.tpu}-{scratch[len('doctor-'):]}.json"
+    return run_doctor(target, spec, repo_dir=args.repo_dir, out_file=out, secret_env=secret,
+                             command=" ".join(["python experiments/launch.py doctor --tpu", args.tpu, "--zone", args.zone,
+                                               *(["--bucket", args.bucket] if args.bucket else []),
+                                               *(["--only", args.only] if args.only else []), *args.variants]))
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        raise pod.PodError(f"--allreduce-mb {text}: give sizes in MB above 0, e.g. 1,16,64")
+    return sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`launch.py doctor`'s options (beside the target's: --tpu, --zone, --project, --repo-dir, --dry-run)."""
+    p.add_argument("variants", nargs="*", metavar="+experiment=G/V", help="variants to measure (short runs)")
+    p.add_argument("--programme", type=Path, default=None, metavar="DIR",
+                   help="measure a programme's variants (its state directory)")
+    p.add_argument("--bucket", default=None, metavar="gs://...", help="check it from every worker (a scratch "
+                   "prefix, deleted)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="the JSON file (default: outputs/doctor/<tpu>-<time>.json)")
+    p.add_argument("--only", default=None, metavar="CHECKS", help="comma-separated checks (default: all)")
+    p.add_argument("--port", type=int, default=8482, help="distributed.port (default: %(default)s)")
+    p.add_argument("--liveness-port", type=int, default=None, help="distributed.liveness_port (default: port + 1)")
+    p.add_argument("--port-wait", type=float, default=60.0,
+                   help="seconds the workers wait for each other (late workers; default: %(default)s)")
+    p.add_argument("--checkpoint-mb", type=float, default=64.0, help="the timed object's size (default: %(default)s)")
+    p.add_argument("--disk-need-gb", type=float, default=10.0,
+                   help="free disk a worker needs: a checkpoint and the dataset (default: %(default)s)")
+    p.add_argument("--measure-steps", type=int, default=4, help="steps of each short run (default: %(default)s)")
+    p.add_argument("--measure-budget", type=float, default=900.0,
+                   help="seconds each variant's two short runs may take (default: %(default)s)")
+    p.add_argument("--measure-root", default=None, metavar="FOLDER",
+                   help="the short runs' run.root, one folder every worker sees (default: <bucket>/<scratch>/runs)")
+    p.add_argument("--allreduce-mb", default="1,16,64", metavar="SIZES",
+                   help="the timed all-reduces' sizes per device, MB (default: %(default)s)")
+
+
+# --- what the plan takes from the file -------------------------------------------------------------
+
+def read_calibration(path: Path, figures: Mapping[str, Figure] | None = None, *, allow_platform_mismatch: bool = False
+                     ) -> Calibration:
+    """The figures `launch.py doctor` measured (its `summary`: each the slowest worker's, as a pod
+    waits for its last) instead of the defaults, its measured step and eval-step times, and each measured
+    variant's cold compile as its program start-up. A file measured on
+    other devices than a TPU is refused unless `allow_platform_mismatch`: UserError, one line."""
+    from experiments.plan.bill import FIGURES
+    from experiments.plan.calibrate import Calibration
+
+    figures = FIGURES if figures is None else figures
+    try:
+        data = json.loads(Path(path).read_text())
+        summary = data["summary"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--calibrate-from {path}: not a doctor file ({type(e).__name__}: {e}); give the --out "
+                        "file of `launch.py doctor`, or a programme's state directory") from None
+    platform = data.get("platform")
+    if platform != "tpu" and not allow_platform_mismatch:
+        raise UserError(f"--calibrate-from {path}: its figures were measured on {platform or 'no'} devices, not a "
+                        "TPU slice's; run the doctor on the slice, or give --allow-platform-mismatch to use them")
+    out, compiles = dict(figures), {}
+    steps: dict[str, float] = {}
+    evals: dict[str, float] = {}
+    slowest: dict[str, dict] = {}
+    for entry in summary.values():
+        name, seconds = entry.get("name"), entry.get("seconds")
+        if not isinstance(seconds, (int, float)):
+            continue
+        if name in ("step_time", "eval_step") and entry.get("variant"):
+            (steps if name == "step_time" else evals)[entry["variant"]] = float(seconds)
+        elif name == "compile_cold" and entry.get("variant"):  # the variant's program start-up, as a ledger's
+            compiles[entry["variant"]] = float(seconds)
+        elif name in figures and (name not in slowest or seconds > slowest[name]["seconds"]):
+            slowest[name] = entry  # measured for several variants: the slowest of them
+    for name, entry in slowest.items():
+        out[name] = dataclasses.replace(
+            figures[name], seconds=float(entry["seconds"]), high=None,
+            source=f"doctor: {entry.get('what')}, the slowest of {entry.get('workers')} workers, "
+                   f"{entry.get('platform')} devices ({path})")
+    return Calibration(out, compiles, steps=steps, evals=evals, accelerator=data.get("accelerator"), platform=platform)
+
+
+def _topology_of(accelerator: str | None) -> str | None:
+    return accelerator.replace("v5litepod-", "v5e-") if accelerator else None
+
+
+def scale_steps(rows: list, calibration: Calibration, topology: str, family_of: Callable[[str], str]) -> list[str]:
+    """Each measured step time (and eval-step time) against the plan's estimate for the same variant:
+    their ratio scales the train (eval) estimate of every row of the same model family
+    (`family_of(group)`) on this topology. A doctor file of another slice (or of CPU workers,
+    allowed) is said, and scales nothing unless it came from CPU workers (their figures were
+    allowed in: applied as told)."""
+    lines: list[str] = []
+    measured_on = _topology_of(calibration.accelerator)
+    for what, attr, measured in (("step time", "estimate", calibration.steps),
+                                 ("eval-step time", "eval_estimate", calibration.evals)):
+        for variant, seconds in measured.items():
+            row = next((r for r in rows if f"{r.group}/{r.variant}" == variant), None)
+            estimate = getattr(getattr(row, attr, None), "total_s", None)
+            if row is None or not estimate:
+                lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s; not in this plan (or no "
+                             "estimate), nothing scaled")
+                continue
+            if measured_on is not None and measured_on != topology:
+                lines.append(f"calibrated: {what} of {variant} measured on {measured_on}, the plan is for "
+                             f"{topology}: nothing scaled")
+                continue
+            ratio, family = seconds / estimate, family_of(row.group)
+            scaled = [r for r in rows if getattr(r, attr) is not None and family_of(r.group) == family]
+            for r in scaled:
+                old = getattr(r, attr)
+                setattr(r, attr, dataclasses.replace(old, compute_s=None if old.compute_s is None else
+                                                     old.compute_s * ratio, collective_s=old.collective_s * ratio))
+            where = f"on {topology}" if measured_on else f"on {calibration.platform} workers (--allow-platform-mismatch)"
+            lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s {where} against the estimate "
+                         f"{estimate:.4g} s: x{ratio:.3g} applied to the {len(scaled)} {family} variant(s) on "
+                         f"{topology}")
+    return lines

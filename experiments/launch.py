@@ -418,6 +418,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     a markdown table on stdout and a CSV file (what `programme --budget` reads). What each column
     means: docs/OPERATIONS.md, "`launch.py plan`" and "Reading the bill". Exit 0 (a variant that
     does not fit is a row)."""
+    from experiments import doctor
     from experiments.compose import variants  # here: it imports Hydra or JAX
     from experiments.plan import bill, calibrate, planner, price, report
     from experiments.programme import groups_named
@@ -430,7 +431,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_folder("--executables", args.executables, "or leave it out")
         mtbf_s = bill.parse_hours(args.mtbf) if args.mtbf else None
         source = Path(args.calibrate_from) if args.calibrate_from else None
-        calibration = None if source is None else calibrate.from_doctor(
+        calibration = None if source is None else doctor.read_calibration(
             source, allow_platform_mismatch=args.allow_platform_mismatch) if source.is_file() else calibrate.calibrate(source)
         jobs = [planner.Job(g, v, tuple(args.overrides)) for g in groups_named(args.groups) for v in variants(g)]
         rows = planner.Planner(args.topology, Path(args.cache_dir or planner.CACHE_DIR), workers=args.jobs).plan(jobs)
@@ -438,7 +439,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             from experiments.compose import family
 
             print("\n".join(calibrate.moved(bill.FIGURES, calibration.figures)
-                             + calibrate.scale_steps(rows, calibration, args.topology, family)) or
+                             + doctor.scale_steps(rows, calibration, args.topology, family)) or
                   "calibrated: no figure moved", flush=True)
         ahead = planner.keep_ahead(jobs, rows, args.topology, args.executables, workers=args.jobs,
                                    progress=lambda line: print(line, file=sys.stderr, flush=True),
@@ -500,78 +501,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 @_user_errors
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Before anything else on a slice: on every worker (one ssh --worker=all, as `pod`), check the
-    software (the same everywhere), the TPU (its devices, no process holding it, no stale lockfile,
-    HBM), the ports between workers, the metadata server, jax.distributed and an all-reduce, the
-    bucket, W&B, the maintenance endpoint and the disk; measure runtime_init and, for the variants
-    given, compiles, step time, a save and a restore in short runs. One verdict line per check and
-    worker, a summary table, and --out (JSON; `plan --calibrate-from` reads it). Exit 0 only when
-    every check passed, 10 otherwise; what to do for each failure: docs/SETUP.md, "Your first slice"."""
-    import shlex
-
     from experiments import doctor
-    from experiments.launcher.worker.doctor_checks import GROUPS, Spec
 
-    only = [g for g in (args.only or ",".join(GROUPS)).split(",") if g]
-    unknown = [g for g in only if g not in GROUPS]
-    if unknown:
-        raise pod.PodError(f"--only {unknown[0]}: not a check; give some of {','.join(GROUPS)}")
-    if args.bucket and not args.bucket.startswith("gs://"):
-        raise pod.PodError(f"--bucket {args.bucket}: give a gs://BUCKET[/PREFIX] URL")
-    variants = doctor.variant_overrides(args.variants, args.overrides, args.programme)
-    scratch = "doctor-" + pod.new_run_id()
-    spec = Spec(only=only, port=args.port, liveness_port=args.liveness_port, port_wait=args.port_wait,
-                scratch=scratch, bucket=args.bucket, checkpoint_mb=args.checkpoint_mb, disk_need_gb=args.disk_need_gb,
-                variants=variants, measure_steps=args.measure_steps,
-                measure_budget=args.measure_budget, measure_root=args.measure_root, allreduce_mb=_sizes(args.allreduce_mb))
-    target = _target(args)
-    _, secret = pod.remote_env({}, [], os.environ)
-    if args.dry_run:
-        print(shlex.join(pod.gcloud.ssh_argv(target, doctor.doctor_command(args.repo_dir, spec, None))))
-        return 0
-    out = args.out or Path("outputs/doctor") / f"{args.tpu}-{scratch[len('doctor-'):]}.json"
-    return doctor.run_doctor(target, spec, repo_dir=args.repo_dir, out_file=out, secret_env=secret,
-                             command=" ".join(["python experiments/launch.py doctor --tpu", args.tpu, "--zone", args.zone,
-                                               *(["--bucket", args.bucket] if args.bucket else []),
-                                               *(["--only", args.only] if args.only else []), *args.variants]))
-
-
-def _sizes(text: str) -> list[float]:
-    try:
-        sizes = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) <= 0:
-        raise pod.PodError(f"--allreduce-mb {text}: give sizes in MB above 0, e.g. 1,16,64")
-    return sizes
+    return doctor.main_args(args, _target(args))
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    from experiments import doctor  # light: the checks import JAX on the workers only
+
     p = sub.add_parser("doctor", help="check every worker of a slice and measure the plan's figures there",
-                       description=cmd_doctor.__doc__, epilog="Overrides for every measured variant go after `--`.")
+                       description=doctor.main_args.__doc__, epilog="Overrides for every measured variant go after `--`.")
     _add_target(p)
-    p.add_argument("variants", nargs="*", metavar="+experiment=G/V", help="variants to measure (short runs)")
-    p.add_argument("--programme", type=Path, default=None, metavar="DIR",
-                   help="measure a programme's variants (its state directory)")
-    p.add_argument("--bucket", default=None, metavar="gs://...", help="check it from every worker (a scratch "
-                   "prefix, deleted)")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="the JSON file (default: outputs/doctor/<tpu>-<time>.json)")
-    p.add_argument("--only", default=None, metavar="CHECKS", help="comma-separated checks (default: all)")
-    p.add_argument("--port", type=int, default=8482, help="distributed.port (default: %(default)s)")
-    p.add_argument("--liveness-port", type=int, default=None, help="distributed.liveness_port (default: port + 1)")
-    p.add_argument("--port-wait", type=float, default=60.0,
-                   help="seconds the workers wait for each other (late workers; default: %(default)s)")
-    p.add_argument("--checkpoint-mb", type=float, default=64.0, help="the timed object's size (default: %(default)s)")
-    p.add_argument("--disk-need-gb", type=float, default=10.0,
-                   help="free disk a worker needs: a checkpoint and the dataset (default: %(default)s)")
-    p.add_argument("--measure-steps", type=int, default=4, help="steps of each short run (default: %(default)s)")
-    p.add_argument("--measure-budget", type=float, default=900.0,
-                   help="seconds each variant's two short runs may take (default: %(default)s)")
-    p.add_argument("--measure-root", default=None, metavar="FOLDER",
-                   help="the short runs' run.root, one folder every worker sees (default: <bucket>/<scratch>/runs)")
-    p.add_argument("--allreduce-mb", default="1,16,64", metavar="SIZES",
-                   help="the timed all-reduces' sizes per device, MB (default: %(default)s)")
+    doctor.add_arguments(p)
     p.set_defaults(func=cmd_doctor)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from experiments.launcher.worker import SECRETS_PREFIX
+from experiments import doctor
 from experiments.plan import bill, calibrate, planner
 from helpers import (FAKE_GCLOUD_DIR, MetadataServer, child_env, fill, launch_in_process, make_fake_workers,
                      small_disk)
@@ -253,8 +254,8 @@ def test_a_healthy_slice_writes_every_figure_and_the_plan_takes_them(fake_slice,
 
     # the plan: a CPU file is refused for a TPU topology, unless told; then runtime_init and the step time move
     with pytest.raises(Exception, match="measured on cpu devices.*--allow-platform-mismatch"):
-        calibrate.from_doctor(fake_slice.out)
-    cal = calibrate.from_doctor(fake_slice.out, allow_platform_mismatch=True)
+        doctor.read_calibration(fake_slice.out)
+    cal = doctor.read_calibration(fake_slice.out, allow_platform_mismatch=True)
     assert cal.figures["runtime_init"].seconds == summary["runtime_init"]["seconds"]
     assert cal.program_startup == {"exp02a/L6": summary["compile_cold:exp02a/L6"]["seconds"]}
     assert cal.evals == {"exp02a/L6": evals["seconds"]}
@@ -265,7 +266,7 @@ def test_a_healthy_slice_writes_every_figure_and_the_plan_takes_them(fake_slice,
             planner.Row("exp02a", "L2", estimate=StepEstimate(0.02, "", 0.0, None, 1.0), steps=10),
             planner.Row("gemma01", "a", estimate=StepEstimate(0.05, "", 0.0, None, 1.0), steps=10,
                         eval_estimate=StepEstimate(0.03, "", 0.0, None, 1.0))]
-    said = calibrate.scale_steps(rows, cal, "v4-8", lambda g: "gemma" if g.startswith("gemma") else "trm")
+    said = doctor.scale_steps(rows, cal, "v4-8", lambda g: "gemma" if g.startswith("gemma") else "trm")
     ratio = summary["step_time:exp02a/L6"]["seconds"] / 0.01
     assert rows[0].estimate.total_s == pytest.approx(0.01 * ratio) and rows[1].estimate.total_s == pytest.approx(
         0.02 * ratio) and rows[2].estimate.total_s == 0.05
@@ -286,7 +287,7 @@ def test_the_plan_refuses_a_cpu_doctor_file_for_a_tpu_topology(tmp_path):
     r = launch_in_process(["plan", "exp08", "--topology", "v4-64", "--calibrate-from", str(file)])
     assert r.returncode == EXIT_USER_ERROR and r.stdout == "" and r.stderr.count("\n") == 1
     assert "measured on cpu devices" in r.stderr and "--allow-platform-mismatch" in r.stderr
-    cal = calibrate.from_doctor(file, allow_platform_mismatch=True)
+    cal = doctor.read_calibration(file, allow_platform_mismatch=True)
     assert cal.figures["runtime_init"].seconds == 3.0 and cal.figures["save"] == bill.FIGURES["save"]
     assert calibrate.moved(bill.FIGURES, cal.figures) == [
         f"calibrated: runtime_init 7.3 s -> 3 s (-59%), from {cal.figures['runtime_init'].source}"]
@@ -317,7 +318,6 @@ def test_a_check_that_overruns_its_budget_is_one_verdict():
 
 
 def test_a_programmes_variants_are_the_ones_measured(tmp_path):
-    from experiments import doctor
     from experiments.launcher.gcloud import PodError
 
     (tmp_path / "programme.json").write_text(json.dumps({

@@ -1,17 +1,15 @@
 """`plan --calibrate-from <programme state dir>`: the figures replaced by the medians a programme's
 ledger measured, read through the controller's own records (experiments/launcher/ledger.py).
-`plan --calibrate-from <doctor file>`: the figures `launch.py doctor` measured on a slice
-(experiments/doctor.py), and its measured step time against the plan's estimate (`from_doctor`,
+`plan --calibrate-from <doctor file>`: experiments/doctor.py reads it into a `Calibration` (`read_calibration`,
 `scale_steps`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from experiments.launcher.ledger import LaunchTiming, Ledger, RecordError, load_ledger, read_state
 from experiments.plan.bill import FIGURES, Figure
@@ -100,43 +98,6 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     return Calibration(out, compiles, len(every))
 
 
-# --- a doctor's file -----------------------------------------------------------------------------
-
-def from_doctor(path: Path, figures: Mapping[str, Figure] = FIGURES, *, allow_platform_mismatch: bool = False
-                ) -> Calibration:
-    """The figures `launch.py doctor` measured (its `summary`: each the slowest worker's, as a pod
-    waits for its last) instead of the defaults, its measured step and eval-step times, and each measured
-    variant's cold compile as its program start-up. A file measured on
-    other devices than a TPU is refused unless `allow_platform_mismatch`: UserError, one line."""
-    try:
-        data = json.loads(Path(path).read_text())
-        summary = data["summary"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--calibrate-from {path}: not a doctor file ({type(e).__name__}: {e}); give the --out "
-                        "file of `launch.py doctor`, or a programme's state directory") from None
-    platform = data.get("platform")
-    if platform != "tpu" and not allow_platform_mismatch:
-        raise UserError(f"--calibrate-from {path}: its figures were measured on {platform or 'no'} devices, not a "
-                        "TPU slice's; run the doctor on the slice, or give --allow-platform-mismatch to use them")
-    out, steps, evals, compiles, slowest = dict(figures), {}, {}, {}, {}
-    for entry in summary.values():
-        name, seconds = entry.get("name"), entry.get("seconds")
-        if not isinstance(seconds, (int, float)):
-            continue
-        if name in ("step_time", "eval_step") and entry.get("variant"):
-            (steps if name == "step_time" else evals)[entry["variant"]] = float(seconds)
-        elif name == "compile_cold" and entry.get("variant"):  # the variant's program start-up, as a ledger's
-            compiles[entry["variant"]] = float(seconds)
-        elif name in figures and (name not in slowest or seconds > slowest[name]["seconds"]):
-            slowest[name] = entry  # measured for several variants: the slowest of them
-    for name, entry in slowest.items():
-        out[name] = dataclasses.replace(
-            figures[name], seconds=float(entry["seconds"]), high=None,
-            source=f"doctor: {entry.get('what')}, the slowest of {entry.get('workers')} workers, "
-                   f"{entry.get('platform')} devices ({path})")
-    return Calibration(out, compiles, steps=steps, evals=evals, accelerator=data.get("accelerator"), platform=platform)
-
-
 def moved(before: Mapping[str, Figure], after: Mapping[str, Figure]) -> list[str]:
     """One line per figure that changed: its name, from, to, by how much, and where it came from."""
     lines = []
@@ -146,42 +107,4 @@ def moved(before: Mapping[str, Figure], after: Mapping[str, Figure]) -> list[str
             change = (new.seconds - old.seconds) / old.seconds * 100 if old.seconds else float("inf")
             lines.append(f"calibrated: {name} {old.seconds:.3g} s -> {new.seconds:.3g} s ({change:+.0f}%), "
                          f"from {new.source}")
-    return lines
-
-
-def _topology_of(accelerator: str | None) -> str | None:
-    return accelerator.replace("v5litepod-", "v5e-") if accelerator else None
-
-
-def scale_steps(rows: list, calibration: Calibration, topology: str, family_of: Callable[[str], str]) -> list[str]:
-    """Each measured step time (and eval-step time) against the plan's estimate for the same variant:
-    their ratio scales the train (eval) estimate of every row of the same model family
-    (`family_of(group)`) on this topology. A doctor file of another slice (or of CPU workers,
-    allowed) is said, and scales nothing unless it came from CPU workers (their figures were
-    allowed in: applied as told)."""
-    lines: list[str] = []
-    measured_on = _topology_of(calibration.accelerator)
-    for what, attr, measured in (("step time", "estimate", calibration.steps),
-                                 ("eval-step time", "eval_estimate", calibration.evals)):
-        for variant, seconds in measured.items():
-            row = next((r for r in rows if f"{r.group}/{r.variant}" == variant), None)
-            estimate = getattr(getattr(row, attr, None), "total_s", None)
-            if row is None or not estimate:
-                lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s; not in this plan (or no "
-                             "estimate), nothing scaled")
-                continue
-            if measured_on is not None and measured_on != topology:
-                lines.append(f"calibrated: {what} of {variant} measured on {measured_on}, the plan is for "
-                             f"{topology}: nothing scaled")
-                continue
-            ratio, family = seconds / estimate, family_of(row.group)
-            scaled = [r for r in rows if getattr(r, attr) is not None and family_of(r.group) == family]
-            for r in scaled:
-                old = getattr(r, attr)
-                setattr(r, attr, dataclasses.replace(old, compute_s=None if old.compute_s is None else
-                                                     old.compute_s * ratio, collective_s=old.collective_s * ratio))
-            where = f"on {topology}" if measured_on else f"on {calibration.platform} workers (--allow-platform-mismatch)"
-            lines.append(f"calibrated: {what} of {variant} measured {seconds:.4g} s {where} against the estimate "
-                         f"{estimate:.4g} s: x{ratio:.3g} applied to the {len(scaled)} {family} variant(s) on "
-                         f"{topology}")
     return lines
