@@ -330,6 +330,26 @@ def test_only_a_slices_own_supervisor_deletes_it(tmp_path, label, owner, deleted
     assert any("delete" in argv for argv in calls) is deleted, calls
     assert ("tpu-left-alone" in stream.getvalue()) is not deleted, stream.getvalue()
 
+
+@pytest.mark.parametrize("label, deleted", [("programme-first", False), ("programme-second", True)])
+def test_a_queued_resource_still_waiting_is_deleted_only_by_its_owner(tmp_path, label, deleted):
+    """No node yet (its describe NOT_FOUND): the queued resource's node spec carries the label."""
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        calls.append(argv)
+        if argv[3:5] == ["tpu-vm", "describe"]:
+            return 1, "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource 's1' was not found"
+        node = {"labels": {OWNER_LABEL: owner_label(label)}}
+        return 0, json.dumps({"state": {"state": "WAITING_FOR_RESOURCES"}, "tpu": {"nodeSpec": [{"node": node}]}})
+
+    spec = supervise.Spec(Target("s1", ZONE), "run-s1", [], queued_resource="s1-qr", log_dir=tmp_path,
+                          owner="programme-second")
+    stream = io.StringIO()
+    supervise.Supervisor(spec, supervise.FileSupervision(spec, stream), ReadyClock(), run=run).delete_slice()
+    assert any(argv[3:5] == ["queued-resources", "delete"] for argv in calls) is deleted, calls
+    assert ("tpu-left-alone" in stream.getvalue()) is not deleted, stream.getvalue()
+
 # --- 9: the ledger's slice time ------------------------------------------------------------------
 
 @pytest.mark.slow

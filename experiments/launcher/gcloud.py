@@ -99,7 +99,7 @@ def delete_argv(t: Target) -> list[str]:
 
 def queued_describe_argv(t: Target, shape: Shape) -> list[str]:
     return ["gcloud", "compute", "tpus", "queued-resources", "describe", shape.queued_resource, *_at(t),
-            "--format=value(state.state)"]
+            "--format=json"]
 
 
 def queued_create_argv(t: Target, shape: Shape) -> list[str]:

@@ -210,12 +210,20 @@ def tpu_state(spec: Spec, run: Runner) -> tuple[str, int, str | None]:
     return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or []), owner
 
 
-def queue_state(spec: Spec, run: Runner) -> str:
+def queue_state(spec: Spec, run: Runner) -> tuple[str, str | None]:
+    """(the queued resource's state, the OWNER_LABEL it gives its node or None); MISSING when gcloud
+    says NOT_FOUND."""
     code, out = run(gcloud.queued_describe_argv(spec.target, spec.shape))
     if code != 0:
         _check_credentials(out)
-        return TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN
-    return out.strip().splitlines()[0].strip() if out.strip() else TpuState.UNKNOWN  # stdout's line; stderr follows
+        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), None
+    try:
+        queued = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
+        node = ((queued.get("tpu") or {}).get("nodeSpec") or [{}])[0].get("node") or {}
+        return (queued.get("state") or {}).get("state", TpuState.UNKNOWN), (node.get("labels") or {}).get(
+            gcloud.OWNER_LABEL)
+    except (ValueError, AttributeError, IndexError):
+        return TpuState.UNKNOWN, None
 
 
 def _check_credentials(out: str) -> None:
@@ -306,7 +314,10 @@ class Supervisor:
             return None
         if spec.queued_resource:
             self.queue_asked = time.time()
-            queued = queue_state(spec, self.run_gcloud)
+            queued, owner = queue_state(spec, self.run_gcloud)
+            if queued in QUEUE_DEAD and self.theirs(owner):  # another owner's to delete and queue again
+                self.sup.event("waiting", tpu_state=state, queued_state=queued, owner=owner)
+                return queued
             if queued in QUEUE_DEAD:
                 self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")
                 queued = state = TpuState.MISSING  # --force deleted its node too
@@ -525,14 +536,19 @@ class Supervisor:
         programme's slice of that name (whose variant was refused there) runs on."""
         target, shape = self.spec.target, self.spec.shape
         state, _, owner = tpu_state(self.spec, self.run_gcloud)
-        if state not in (TpuState.MISSING, TpuState.UNKNOWN) and (self.theirs(owner) or self.spec.owner and not owner):
+        queued = None
+        if shape.queued_resource:  # no node yet: its queued resource says whose it will be
+            queued, queued_owner = queue_state(self.spec, self.run_gcloud)
+            owner = owner or queued_owner
+        there = state not in (TpuState.MISSING, TpuState.UNKNOWN) or queued not in (None, TpuState.MISSING, TpuState.UNKNOWN)
+        if there and (self.theirs(owner) or self.spec.owner and not owner):
             self.sup.event("tpu-left-alone", tpu=target.tpu, owner=owner or "none", reason=shlex.quote(
                 "labelled by another owner: not deleted" if owner else "not labelled by this programme: not deleted"))
             self.gone(time.time())  # no longer counted here
             return
         if shape.queued_resource:
             deleting = None
-            if queue_state(self.spec, self.run_gcloud) != TpuState.MISSING:
+            if queued != TpuState.MISSING:
                 deleting = time.time()  # the READY time ends at the request that deletes the node
                 if self.act(gcloud.queued_delete_argv(target, shape), "queued-resource-deleted")[0] != 0:
                     return
