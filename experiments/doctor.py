@@ -292,7 +292,7 @@ def main_args(args: argparse.Namespace, target: Target) -> int:
     software (the same everywhere), the TPU (its devices, no process holding it, no stale lockfile,
     HBM), the ports between workers, the metadata server, jax.distributed and an all-reduce, the
     bucket, W&B, the maintenance endpoint and the disk; measure runtime_init and, for the variants
-    given, compiles, step time, a save and a restore in short runs. One verdict line per check and
+    given, compiles, step and eval-step time, a save and a restore in short runs. One verdict line per check and
     worker, a summary table, and --out (JSON; `plan --calibrate-from` reads it). Exit 0 only when
     every check passed, 10 otherwise; what to do for each failure: docs/SETUP.md, "Your first slice"."""
     only = [g for g in (args.only or ",".join(GROUPS)).split(",") if g]
@@ -313,9 +313,9 @@ def main_args(args: argparse.Namespace, target: Target) -> int:
         return 0
     out = args.out or Path("outputs/doctor") / f"{args.tpu}-{scratch[len('doctor-'):]}.json"
     return run_doctor(target, spec, repo_dir=args.repo_dir, out_file=out, secret_env=secret,
-                             command=" ".join(["python experiments/launch.py doctor --tpu", args.tpu, "--zone", args.zone,
-                                               *(["--bucket", args.bucket] if args.bucket else []),
-                                               *(["--only", args.only] if args.only else []), *args.variants]))
+                      command=" ".join(["python experiments/launch.py doctor --tpu", args.tpu, "--zone", args.zone,
+                                        *(["--bucket", args.bucket] if args.bucket else []),
+                                        *(["--only", args.only] if args.only else []), *args.variants]))
 
 
 def _sizes(text: str) -> list[float]:
