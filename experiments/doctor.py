@@ -384,7 +384,7 @@ def read_calibration(path: Path, figures: Mapping[str, Figure] | None = None, *,
         name, seconds = entry.get("name"), entry.get("seconds")
         if not isinstance(seconds, (int, float)):
             continue
-        if name in ("step_time", "eval_step") and entry.get("variant"):
+        if name in ("step_time", "eval_step") and entry.get("variant") and seconds > 0:  # a ratio's numerator
             (steps if name == "step_time" else evals)[entry["variant"]] = float(seconds)
         elif name == "compile_cold" and entry.get("variant"):  # the variant's program start-up, as a ledger's
             compiles[entry["variant"]] = float(seconds)

@@ -283,12 +283,15 @@ def test_the_plan_refuses_a_cpu_doctor_file_for_a_tpu_topology(tmp_path):
     file = tmp_path / "doctor.json"
     file.write_text(json.dumps({"platform": "cpu", "accelerator": None, "summary": {
         "runtime_init": {"name": "runtime_init", "variant": None, "seconds": 3.0, "workers": 2, "platform": "cpu",
-                         "what": "w"}}}))
+                         "what": "w"},
+        "eval_step:exp08/off": {"name": "eval_step", "variant": "exp08/off", "seconds": 0.0, "workers": 1,
+                                "platform": "cpu", "what": "nothing evaluated"}}}))
     r = launch_in_process(["plan", "exp08", "--topology", "v4-64", "--calibrate-from", str(file)])
     assert r.returncode == EXIT_USER_ERROR and r.stdout == "" and r.stderr.count("\n") == 1
     assert "measured on cpu devices" in r.stderr and "--allow-platform-mismatch" in r.stderr
     cal = doctor.read_calibration(file, allow_platform_mismatch=True)
     assert cal.figures["runtime_init"].seconds == 3.0 and cal.figures["save"] == bill.FIGURES["save"]
+    assert cal.evals == {}  # a 0 s eval step (no eval set) is no ratio to scale estimates by
     assert calibrate.moved(bill.FIGURES, cal.figures) == [
         f"calibrated: runtime_init 7.3 s -> 3 s (-59%), from {cal.figures['runtime_init'].source}"]
 

@@ -33,7 +33,8 @@ from experiments.launcher.account import programme_account
 from experiments.launcher.controller import Controller, Stop, VariantSupervision
 from experiments.launcher.gcloud import OWNER_LABEL, Shape, Target, create_argv, owner_label, queued_create_argv
 from experiments.launcher.ledger import Command, ReadyClock, Status, Verb, load_ledger
-from helpers import LAUNCH, FakeProgramme, error_line, fake_plane, gcloud_calls, launch_in_process, make_fake_workers, wait_for
+from helpers import (LAUNCH, FakeProgramme, error_line, fake_plane, gcloud_calls, launch_in_process, make_fake_workers,
+                     wait_for)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_gcloud"))
 import fake_tpu
@@ -299,7 +300,8 @@ def owned_slice(tmp_path: Path, state: str, label: str | None, owner: str | None
     def run(argv: list[str]) -> tuple[int, str]:
         calls.append(argv)
         labels = {OWNER_LABEL: owner_label(label)} if label else {}
-        return 0, json.dumps({"state": state, "networkEndpoints": [{}], "labels": labels}) if "describe" in argv else ""
+        described = {"state": state, "networkEndpoints": [{}], "labels": labels}
+        return 0, json.dumps(described) if "describe" in argv else ""
 
     spec = supervise.Spec(Target("s1", ZONE), "run-s1", [], accelerator_type="v4-16", runtime_version="v",
                           log_dir=tmp_path, owner=owner)

@@ -202,9 +202,8 @@ def tpu_state(spec: Spec, run: Runner) -> tuple[str, int, str | None]:
     if code != 0:
         _check_credentials(out)
         return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), 0, None
-    try:
-        node = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
-    except ValueError:
+    node = _described(out)
+    if node is None:
         return TpuState.UNKNOWN, 0, None
     owner = (node.get("labels") or {}).get(gcloud.OWNER_LABEL)
     return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or []), owner
@@ -217,13 +216,23 @@ def queue_state(spec: Spec, run: Runner) -> tuple[str, str | None]:
     if code != 0:
         _check_credentials(out)
         return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), None
-    try:
-        queued = json.JSONDecoder().raw_decode(out, out.index("{"))[0]  # stdout's JSON; a stderr notice may follow
-        node = ((queued.get("tpu") or {}).get("nodeSpec") or [{}])[0].get("node") or {}
-        return (queued.get("state") or {}).get("state", TpuState.UNKNOWN), (node.get("labels") or {}).get(
-            gcloud.OWNER_LABEL)
-    except (ValueError, AttributeError, IndexError):
+    queued = _described(out)
+    if queued is None or not isinstance(queued.get("state"), dict):
         return TpuState.UNKNOWN, None
+    try:
+        owner = queued["tpu"]["nodeSpec"][0]["node"]["labels"].get(gcloud.OWNER_LABEL)
+    except (KeyError, IndexError, TypeError, AttributeError):  # no node spec with labels: no owner said
+        owner = None
+    return queued["state"].get("state", TpuState.UNKNOWN), owner
+
+
+def _described(out: str) -> dict | None:
+    """A describe's JSON object (stdout's; a stderr notice may follow it), None when there is none."""
+    try:
+        found = json.JSONDecoder().raw_decode(out, out.index("{"))[0]
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _check_credentials(out: str) -> None:
@@ -540,8 +549,8 @@ class Supervisor:
         if shape.queued_resource:  # no node yet: its queued resource says whose it will be
             queued, queued_owner = queue_state(self.spec, self.run_gcloud)
             owner = owner or queued_owner
-        there = state not in (TpuState.MISSING, TpuState.UNKNOWN) or queued not in (None, TpuState.MISSING, TpuState.UNKNOWN)
-        if there and (self.theirs(owner) or self.spec.owner and not owner):
+        unseen = (None, TpuState.MISSING, TpuState.UNKNOWN)  # nothing there, or not known to be
+        if (state not in unseen or queued not in unseen) and (self.theirs(owner) or self.spec.owner and not owner):
             self.sup.event("tpu-left-alone", tpu=target.tpu, owner=owner or "none", reason=shlex.quote(
                 "labelled by another owner: not deleted" if owner else "not labelled by this programme: not deleted"))
             self.gone(time.time())  # no longer counted here

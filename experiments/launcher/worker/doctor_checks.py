@@ -635,6 +635,8 @@ def _measured(w: Worker, name: str, timings: list) -> None:
                 "step evaluates one batch)"),
                ("save", first["checkpoint_save"] / max(1, cold["saves"]), "checkpoint_save per save (the last waited)"),
                ("restore", second["checkpoint_restore"], "the checkpoint read back by the extended run")]
+    # A variant without an eval set evaluates nothing: no eval-step figure (a 0 would scale the plan's to 0)
+    figures = [f for f in figures if f[0] != "eval_step" or f[1] > 0]
     for figure, seconds, what in figures:
         w.figures.append(wire.Measured(figure, round(seconds, 4), f"{name}: {what}", variant=name))
     w.say("measure", "ok", f"{name}: " + ", ".join(f"{f} {s:.3f} s" for f, s, _ in figures))
