@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from experiments import compose
-from experiments.programme import COMMON_METRICS, GROUPS, Group, GroupFileError, Plot, natural_key
+from experiments.programme import COMMON_METRICS, GROUPS, Group, Plot, natural_key
 from runtime.atomic import replacing, write_atomic
 from runtime.errors import EXIT_USER_ERROR, UserError
 
@@ -66,12 +66,7 @@ class Run:
 
     def values(self, key: str) -> list[tuple[int, float | int]]:
         """[(step, value)] of every row that has `key`, in logging order (NaN kept)."""
-        out = []
-        for row in self.rows:
-            value = _num(row.get(key))
-            if value is not None:
-                out.append((int(row.get("step") or 0), value))
-        return out
+        return [(int(row.get("step") or 0), value) for row in self.rows if (value := _num(row.get(key))) is not None]
 
     def last(self, key: str) -> float | int | None:
         vals = self.values(key)
@@ -79,15 +74,11 @@ class Run:
 
     def best(self, key: str) -> float | int | None:
         """The largest finite value logged for `key` (None if none)."""
-        finite = [v for _, v in self.values(key) if math.isfinite(v)]
-        return max(finite) if finite else None
+        return max((v for _, v in self.values(key) if math.isfinite(v)), default=None)
 
     def curve(self, key: str) -> list[tuple[int, float | int]]:
         """[(step, value)] sorted by step; a step logged twice (a resumed run) keeps the later value."""
-        by_step: dict[int, float | int] = {}
-        for step, value in self.values(key):
-            by_step[step] = value
-        return sorted(by_step.items())
+        return sorted(dict(self.values(key)).items())
 
     def config_value(self, key: str, default: Any = None) -> Any:
         """A config value by dotted key ("arch.hidden")."""
@@ -117,8 +108,7 @@ def match_variant(name: str, known: Iterable[str]) -> str | None:
     known = list(known)
     if name in known:
         return name
-    prefixes = [v for v in known if name.startswith(v + "_")]
-    return max(prefixes, key=len) if prefixes else None
+    return max((v for v in known if name.startswith(v + "_")), key=len, default=None)
 
 
 def _variants(group: str) -> list[str]:
@@ -128,7 +118,7 @@ def _variants(group: str) -> list[str]:
 def ordered(group: str, runs: Iterable[Run]) -> list[Run]:
     """Runs in the group's variant order (sweep jobs of a variant by name); other names last."""
     order = {v: i for i, v in enumerate(_variants(group))}
-    return sorted(runs, key=lambda r: (order.get(r.variant, len(order)) if r.variant else len(order), natural_key(r.name)))
+    return sorted(runs, key=lambda r: (order.get(r.variant, len(order)), natural_key(r.name)))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -136,10 +126,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
+            try:  # a blank line does not parse either
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
@@ -290,17 +277,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _header(key: str) -> str:
-    return "params" if key == PARAMS else key
-
-
 def table(group: str, runs: Iterable[Run]) -> str:
     """Markdown: a header line naming the group, then one row per run in variant order."""
     spec = GROUPS[group]
     runs = ordered(group, runs)
     columns = metric_columns(spec)
-    head = ["variant", "changes", f"final {spec.primary}", f"best {spec.primary}", *map(_header, columns),
-            "status", f"steps to {spec.target:g}"]
+    head = ["variant", "changes", f"final {spec.primary}", f"best {spec.primary}",
+            *("params" if k == PARAMS else k for k in columns), "status", f"steps to {spec.target:g}"]
     lines = [f"## {group}: {spec.title}", "",
              f"Varies {spec.varies}. Primary metric `{spec.primary}`; target {spec.target:g}"
              + (f"; * marks the baseline ({spec.baseline_variant})." if spec.baseline_variant else "."),
@@ -354,12 +337,11 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
         have = [r for r in runs if r.name not in no_y]
         for i, r in enumerate(have):
             label = r.name + (" (baseline)" if is_base[r.name] else "")
-            for key, style in ((plot.y, "-"), (subset_y, "--")):
+            for key, style, shown in ((plot.y, "-", label), (subset_y, "--", label + " (subset)")):
                 pts = [(s, v) for s, v in r.curve(key) if not plot.log_x or s > 0] if key else []
                 if not pts:
                     continue
                 xs, ys = zip(*pts)
-                shown = label + (" (subset)" if style == "--" else "")
                 if is_base[r.name]:
                     ax.plot(xs, ys, color="black", linewidth=2.5, linestyle=style, marker="o" if len(xs) == 1 else None,
                             label=shown, zorder=3)
@@ -392,25 +374,23 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
         _bars(ax, runs_, [f"{r.name}\n{plot.x}={_short_value(x)}" for x, r in other], plot.y, is_base)
         return notes
     points.sort(key=lambda p: p[0])
-    means: dict[float, list[float]] = {}
+    means: dict[float, list[float]] = {}  # by x, in x order (points are sorted)
     for x, y, _ in points:
         means.setdefault(x, []).append(y)
     if len(means) > 1:
-        mx = sorted(means)
-        ax.plot(mx, [sum(means[x]) / len(means[x]) for x in mx], color="C0", linewidth=1.2, zorder=1)
+        ax.plot(list(means), [sum(ys) / len(ys) for ys in means.values()], color="C0", linewidth=1.2, zorder=1)
     for x, y, r in points:
         base = is_base[r.name]
         ax.scatter([x], [y], s=90 if base else 36, color="C3" if base else "C0", marker="*" if base else "o",
                    zorder=3, edgecolors="black" if base else "none")
         ax.annotate(r.name + (" (baseline)" if base else ""), (x, y), textcoords="offset points", xytext=(4, 4),
                     fontsize=7, fontweight="bold" if base else "normal")
-    for i, (x, r) in enumerate(other):  # e.g. ema_rate null: a labelled horizontal line
-        if plot.x == "params":
-            notes.append(f"no {PARAMS}: {r.name}")
-            continue
-        ax.axhline(r.last(plot.y), color=f"C{(i + 1) % 10}", linestyle="--", linewidth=1.2,
-                   label=f"{r.name} ({plot.x}={_short_value(x)})")
-    if other and plot.x != "params":
+    if plot.x == "params":
+        notes += [f"no {PARAMS}: {r.name}" for _, r in other]
+    elif other:
+        for i, (x, r) in enumerate(other):  # e.g. ema_rate null: a labelled horizontal line
+            ax.axhline(r.last(plot.y), color=f"C{(i + 1) % 10}", linestyle="--", linewidth=1.2,
+                       label=f"{r.name} ({plot.x}={_short_value(x)})")
         ax.legend(fontsize=8, loc="best")
     if points:
         if plot.log_x:
@@ -419,16 +399,15 @@ def _draw(ax, group: str, plot: Plot, runs: list[Run]) -> list[str]:
         if plot.log_x and plot.x != "params" and len(means) <= 12:  # config values over decades: a tick at each
             from matplotlib.ticker import NullLocator  # optional heavy, as in `make_figure`
 
-            ax.set_xticks(sorted(means), [_g(x) for x in sorted(means)])
+            ax.set_xticks(list(means), [_g(x) for x in means])
             ax.xaxis.set_minor_locator(NullLocator())
     return notes
 
 
 def _bars(ax, runs: list[Run], labels: list[str], y: str, is_base: dict[str, bool]) -> None:
     values = [r.last(y) for r in runs]
-    colors = ["C3" if is_base[r.name] else "C0" for r in runs]
     pos = list(range(len(runs)))
-    bars = ax.bar(pos, [v if _is_number(v) else 0 for v in values], color=colors,
+    bars = ax.bar(pos, values, color=["C3" if is_base[r.name] else "C0" for r in runs],
                   edgecolor=["black" if is_base[r.name] else "none" for r in runs])
     for bar, v in zip(bars, values):
         ax.annotate(format_value(y, v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -483,10 +462,7 @@ def analyze(group: str, runs: Iterable[Run], out_dir: str | Path | None = None, 
     runs = ordered(group, runs)
     out = Path(out_dir) if out_dir is not None else Path(root) / group / "analysis"
     pngs = plot(group, runs, out)
-    spec = GROUPS[group]
-    parts = [table(group, runs)]
-    for p, path in zip(spec.plots, pngs):
-        parts.append(f"![{p.title or p.y}]({path.name})\n")
+    parts = [table(group, runs), *(f"![{p.title or p.y}]({path.name})\n" for p, path in zip(GROUPS[group].plots, pngs))]
     md = out / f"{group}.md"
     write_atomic(md, "\n".join(parts))  # whole or not at all: an earlier analysis stays until this one is written
     return md, pngs
@@ -516,13 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        parser = build_parser()
-    except GroupFileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+    try:  # a broken group file (GroupFileError) too: it is a UserError
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         if args.group not in GROUPS:
             raise UserError(f"unknown group {args.group!r}; pick one of {', '.join(GROUPS)}")
         if args.entity and not args.wandb:

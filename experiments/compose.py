@@ -28,10 +28,7 @@ LOCAL_SCALE = Path(__file__).resolve().parent / "local_scale.yaml"
 IGNORED = ("run.",)  # where a run goes is not what it studies
 
 
-def variants(group: str) -> list[str]:
-    return variant_files(group)
-
-
+variants = variant_files  # a group's variants, in natural order
 GROUP_CHOICES = ("arch", "data", "optim", "mesh")  # config groups an experiment may swap
 
 
@@ -148,12 +145,8 @@ def local_settings(group: str, variant: str, scale_name: str = "local") -> tuple
     """(config groups to swap, {dotted key: value} to set) that run `<group>/<variant>` scaled down."""
     scale = local_scale(family(group), scale_name)
     diff = differences(group, variant)
-    values: dict[str, Any] = {}
-    for key, local in scale["set"].items():
-        if key in diff and diff[key][0] is not None:
-            values[key] = _rescaled(key, local, diff[key][0], diff[key][1], scale)
-        else:
-            values[key] = local
+    values = {key: _rescaled(key, local, *diff[key], scale) if key in diff and diff[key][0] is not None else local
+              for key, local in scale["set"].items()}
     tasks = OmegaConf.select(compose(f"{group}/{variant}"), "data.tasks") or {}
     for task in tasks:  # multi-task data: each task's set is generated small, under the local data root
         for key, local in scale.get("task", {}).items():

@@ -52,10 +52,9 @@ def run_variant(group: str, variant: str, root: Path, steps: int, scale: str) ->
     return root / group / variant
 
 
-def run_group(group: str, root: Path, steps: int, scale: str, baselines: dict[str, Path]) -> list[Path]:
+def run_group(group: str, root: Path, steps: int, scale: str, baselines: dict[str, Path]) -> None:
     """The group's example variants, plus its baseline variant (copied from the run of its base)."""
     spec = GROUPS[group]
-    out = []
     if spec.baseline_variant is not None:
         if spec.base not in baselines:
             baselines[spec.base] = run_variant(group, spec.baseline_variant, root / f"_baselines_{os.getpid()}",
@@ -63,16 +62,9 @@ def run_group(group: str, root: Path, steps: int, scale: str, baselines: dict[st
         target = root / group / spec.baseline_variant
         if not target.exists():
             shutil.copytree(baselines[spec.base], target, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
-        out.append(target)
     for variant in spec.example_variants:
         if variant != spec.baseline_variant:
-            out.append(run_variant(group, variant, root, steps, scale))
-    return out
-
-
-def run_smoke(group: str, root: Path, steps: int, scale: str) -> list[Path]:
-    """The group's smoke variants (each adds a code path the tests train)."""
-    return [run_variant(group, variant, root, steps, scale) for variant in GROUPS[group].smoke_variants]
+            run_variant(group, variant, root, steps, scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         groups = [g for g in groups if GROUPS[g].smoke_variants]
     for group in groups:
         try:
-            if args.smoke:
-                run_smoke(group, args.root, steps, scale)
+            if args.smoke:  # the group's smoke variants: each adds a code path the tests train
+                for variant in GROUPS[group].smoke_variants:
+                    run_variant(group, variant, args.root, steps, scale)
             else:
                 run_group(group, args.root, steps, scale, baselines)
         except Exception as e:  # noqa: BLE001 - one group's failure must not hide the others

@@ -340,20 +340,6 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_list)
 
 
-def _sweep_variants(args: argparse.Namespace) -> list[str]:
-    from experiments.compose import variants  # here: it imports Hydra or JAX
-    from experiments.programme import GROUPS
-
-    if args.group not in GROUPS:  # (a bad group.yaml: GroupFileError, one line too)
-        raise pod.PodError(f"unknown group {args.group!r}; `python experiments/launch.py list` shows the groups")
-    known = variants(args.group)
-    chosen = args.variants.split(",") if args.variants else known
-    bad = [v for v in chosen if v not in known]
-    if bad:
-        raise pod.PodError(f"{args.group} has no variant(s) {bad}; it has {known}")
-    return chosen
-
-
 @_user_errors
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run every variant of GROUP (or --variants) scaled down on this machine, as one Hydra multirun
@@ -362,11 +348,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     variant. On TPU slices: `launch.py programme submit NAME GROUP --slice TPU ...`. Then:
     `launch.py analyze GROUP`."""
     from experiments import sweep  # here: it imports Hydra or JAX
+    from experiments.compose import variants
+    from experiments.programme import GROUPS
 
     if not args.local:
         raise pod.PodError(f"sweep runs scaled down here (--local); on a TPU slice: `launch.py programme submit "
                            f"NAME {args.group} --slice TPU --zone ZONE ...`")
-    jobs = sweep.run_local(args.group, _sweep_variants(args), Path(args.root), args.overrides, dry_run=args.dry_run)
+    if args.group not in GROUPS:  # (a bad group.yaml: GroupFileError, one line too)
+        raise pod.PodError(f"unknown group {args.group!r}; `python experiments/launch.py list` shows the groups")
+    known = variants(args.group)
+    chosen = args.variants.split(",") if args.variants else known
+    bad = [v for v in chosen if v not in known]
+    if bad:
+        raise pod.PodError(f"{args.group} has no variant(s) {bad}; it has {known}")
+    jobs = sweep.run_local(args.group, chosen, Path(args.root), args.overrides, dry_run=args.dry_run)
     if not args.dry_run:
         print("\n".join(f"  {args.group}/{job.run:<20} exit {job.code}" for job in jobs))
     return next((job.code for job in jobs if job.code), 0)
@@ -396,19 +391,13 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_analyze)
 
 
-def cmd_dashboard(args: argparse.Namespace) -> int:
-    from experiments import dashboard
-
-    return dashboard.main_args(args)
-
-
 def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     from experiments import dashboard  # light: it imports wandb only when it runs
 
     p = sub.add_parser("dashboard", help="each group's W&B workspace and report, made or updated in place",
                        description=dashboard.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     dashboard.add_arguments(p)
-    p.set_defaults(func=cmd_dashboard)
+    p.set_defaults(func=dashboard.main_args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -448,17 +437,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         programme = price.price_programme(
             rows, calibration.figures if calibration else bill.FIGURES, mtbf_s=mtbf_s, slices=args.slices,
             ahead=ahead, compiles=calibration.program_startup if calibration else {})
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    command = "python experiments/launch.py plan " + " ".join(
-        args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
-        + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
-        + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
-        + (["--allow-platform-mismatch"] if args.allow_platform_mismatch else [])
-        + (["--executables", args.executables] if args.executables else [])
-        + (["--", *args.overrides] if args.overrides else []))
-    try:
+        command = "python experiments/launch.py plan " + " ".join(
+            args.groups + ["--topology", args.topology] + (["--mtbf", args.mtbf] if args.mtbf else [])
+            + (["--slices", str(args.slices)] if args.slices != 1 or args.mtbf else [])
+            + (["--calibrate-from", args.calibrate_from] if args.calibrate_from else [])
+            + (["--allow-platform-mismatch"] if args.allow_platform_mismatch else [])
+            + (["--executables", args.executables] if args.executables else [])
+            + (["--", *args.overrides] if args.overrides else []))
         ledger = args.calibrate_from if source is not None and not source.is_file() else ""  # a doctor file has no compiles
         text = report.markdown(programme, args.topology, command, ledger)  # prices the high end too
     except UserError as e:
@@ -499,13 +484,6 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-@_user_errors
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from experiments import doctor
-
-    return doctor.main_args(args, _target(args))
-
-
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
     from experiments import doctor  # light: the checks import JAX on the workers only
 
@@ -513,7 +491,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
                        description=doctor.main_args.__doc__, epilog="Overrides for every measured variant go after `--`.")
     _add_target(p)
     doctor.add_arguments(p)
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=_user_errors(lambda args: doctor.main_args(args, _target(args))))
 
 
 # --- the whole programme, unattended (experiments/launcher/queue_state.py, controller.py) ----------------
@@ -562,12 +540,9 @@ def cmd_programme(args: argparse.Namespace) -> int:
         what = " ".join(str(x) for x in (args.verb, getattr(args, "variant", None), getattr(args, "hours", None)) if x)
         print(f"{what}: asked; the running controller does it now, or the next `programme run` when none runs{slices}")
         return 0
-    except LeaseHeld as e:
+    except LeaseHeld as e:  # (any other UserError: one `error:` line from _user_errors)
         print(f"error: another controller runs programme {args.name}: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
 
 
 def _variant_problem(value: str, *, group: bool) -> str | None:
@@ -581,12 +556,9 @@ def _variant_problem(value: str, *, group: bool) -> str | None:
 def _check_programme_names(args: argparse.Namespace) -> None:
     """The programme's name, its slices and the variants named are safe folder names, by the rules
     the trainer checks run.name with (runtime/ranges.py), before anything is read or written."""
-    problem = name_error("programme NAME", args.name)
-    if problem:
-        raise UserError(problem)
     slices = getattr(args, "slice", None) or []
-    for name in slices:
-        problem = name_error("--slice", name)
+    for label, name in [("programme NAME", args.name), *(("--slice", name) for name in slices)]:
+        problem = name_error(label, name)
         if problem:
             raise UserError(problem)
     twice = sorted({name for name in slices if slices.count(name) > 1})
@@ -608,16 +580,6 @@ def _check_programme_names(args: argparse.Namespace) -> None:
         if problem:
             raise UserError(f"{variant[:80]!r} names no variant ({problem}); `programme status {args.name}` lists "
                             "them")
-
-
-def _preflight(sub) -> bool:
-    """The submission's preflight passed; else each problem is one `error:` line."""
-    from experiments.launcher import queue_state
-
-    problems = queue_state.preflight(sub)
-    for line in problems:
-        print(f"error: {line}", file=sys.stderr)
-    return not problems
 
 
 def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
@@ -650,7 +612,10 @@ def _programme_submit(args: argparse.Namespace, directory: Path) -> int:
         stop_grace_s=args.stop_grace, create_attempts=args.create_attempts, infra_streak=args.infra_streak)
     sub.data_on_every_slice = args.data_on_every_slice
     queue_state.check_run_ids(sub)
-    if not _preflight(sub):
+    problems = queue_state.preflight(sub)
+    for line in problems:  # each problem one `error:` line
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
         return EXIT_USER_ERROR
     views = dashboard.programme_settings(controller.Alerts.runs_wandb(sub)) if args.dashboards else None
     state.create(sub)  # a write that fails: exit 6, nothing left half-submitted
@@ -740,19 +705,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="launch.py", description="Launch experiments locally or on a TPU pod.",
         epilog="Training-script overrides go after `--`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_local(sub)
-    _add_pod(sub)
-    _add_setup(sub)
-    _add_stop(sub)
-    _add_status(sub)
-    _add_supervise(sub)
-    _add_list(sub)
-    _add_sweep(sub)
-    _add_analyze(sub)
-    _add_dashboard(sub)
-    _add_plan(sub)
-    _add_doctor(sub)
-    _add_programme(sub)
+    for add in (_add_local, _add_pod, _add_setup, _add_stop, _add_status, _add_supervise, _add_list, _add_sweep,
+                _add_analyze, _add_dashboard, _add_plan, _add_doctor, _add_programme):
+        add(sub)
     return parser
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, MutableMapping
+from collections import UserDict
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,7 @@ def natural_key(name: str) -> tuple:
 
 def variant_files(group: str) -> list[str]:
     """The variants of `group`: conf/experiment/<group>/*.yaml, in natural order (hidden256 < hidden1024)."""
-    files = sorted((VARIANTS_DIR / group).glob("*.yaml"), key=lambda p: natural_key(p.stem))
-    return [p.stem for p in files]
+    return sorted((p.stem for p in (VARIANTS_DIR / group).glob("*.yaml")), key=natural_key)
 
 
 def _strings(where: str, key: str, value: Any) -> tuple[str, ...]:
@@ -124,17 +124,15 @@ def _plot(where: str, i: int, raw: Any) -> Plot:
         raise GroupFileError(f"{where}: plots[{i}] must be a mapping with y, x and optionally log_x, title; got {raw!r}")
     if not all(isinstance(raw[k], str) for k in ("x", "y")) or not isinstance(raw.get("log_x", False), bool):
         raise GroupFileError(f"{where}: plots[{i}]: x and y are names, log_x true/false; got {raw!r}")
-    return Plot(**{k: raw[k] for k in raw})
+    return Plot(**raw)
 
 
 def _check_names(where: str, name: str, spec: dict[str, Any]) -> None:
     known = variant_files(name)
     if not known:
         raise GroupFileError(f"{where}: the group has no variants; add conf/experiment/{name}/<variant>.yaml files")
-    chosen = [spec["baseline_variant"]] if spec["baseline_variant"] is not None else []
-    for key in ("example_variants", "smoke_variants"):
-        chosen += list(spec.get(key, ()))
-    bad = sorted({v for v in chosen if v not in known})
+    chosen = [spec["baseline_variant"], *spec.get("example_variants", ()), *spec.get("smoke_variants", ())]
+    bad = sorted({v for v in chosen if v is not None and v not in known})
     if bad:
         raise GroupFileError(f"{where}: no variant file(s) {bad} in conf/experiment/{name}/; the variants are {known}")
 
@@ -149,14 +147,13 @@ def load_group(folder: Path) -> Group:
         raise GroupFileError(f"{where}: cannot read it: {' '.join(str(e).split())}") from e
     if not isinstance(raw, dict):
         raise GroupFileError(f"{where}: expected a mapping of {sorted(_FIELDS)}, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_FIELDS))
-    missing = [k for k in _REQUIRED if k not in raw]
-    if unknown or missing:
-        raise GroupFileError(f"{where}: " + "; ".join(
-            ([f"unknown key(s) {unknown}"] if unknown else []) + ([f"missing key(s) {missing}"] if missing else []))
-            + f"; the keys are {sorted(_FIELDS)}")
+    wrong = [f"{what} key(s) {keys}" for what, keys in (("unknown", sorted(set(raw) - set(_FIELDS))),
+                                                         ("missing", [k for k in _REQUIRED if k not in raw])) if keys]
+    if wrong:
+        raise GroupFileError(f"{where}: {'; '.join(wrong)}; the keys are {sorted(_FIELDS)}")
     spec: dict[str, Any] = {}
     for key, value in raw.items():
+        spec[key] = value
         if key == "plots":
             if not isinstance(value, list) or not value:
                 raise GroupFileError(f"{where}: plots must be a non-empty list of {{y, x, log_x, title}}")
@@ -170,52 +167,36 @@ def load_group(folder: Path) -> Group:
         elif key == "readme":
             if not isinstance(value, dict):
                 raise GroupFileError(f"{where}: readme must be a mapping of its README's facts (experiments/readmes.py), got {value!r}")
-            spec[key] = value
-        elif key == "baseline_variant" and value is None:
-            spec[key] = None
-        elif not isinstance(value, str) or not value:
+        elif (key != "baseline_variant" or value is not None) and not (isinstance(value, str) and value):
             raise GroupFileError(f"{where}: {key} must be a non-empty string, got {value!r}")
-        else:
-            spec[key] = value
     if not spec["varies_keys"]:
         raise GroupFileError(f"{where}: varies_keys is empty; name the config keys the variants change")
     _check_names(where, name, spec)
     return Group(name=name, **spec)
 
 
-def load_groups(root: Path | None = None) -> dict[str, Group]:
-    """Every `<root>/<group>/group.yaml` (root: experiments/), in natural order of the folder names."""
-    root = EXPERIMENTS_DIR if root is None else root
-    folders = sorted((p.parent for p in root.glob(f"*/{GROUP_FILE}")), key=lambda p: natural_key(p.name))
+def load_groups() -> dict[str, Group]:
+    """Every `experiments/<group>/group.yaml`, in natural order of the folder names."""
+    folders = sorted((p.parent for p in EXPERIMENTS_DIR.glob(f"*/{GROUP_FILE}")), key=lambda p: natural_key(p.name))
     return {folder.name: load_group(folder) for folder in folders}
 
 
-class _Groups(MutableMapping):
+class _Groups(UserDict[str, Group]):
     """GROUPS, loaded on first use: a bad file is one `error:` line of the command that needs it, not
-    a traceback at import."""
+    a traceback at import. UserDict's methods all go through `data`, here loaded when first read."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # not UserDict's, which sets `data`
         self._groups: dict[str, Group] | None = None
 
-    def _loaded(self) -> dict[str, Group]:
+    @property
+    def data(self) -> dict[str, Group]:
         if self._groups is None:
             self._groups = load_groups()
         return self._groups
 
-    def __getitem__(self, name: str) -> Group:
-        return self._loaded()[name]
-
-    def __setitem__(self, name: str, group: Group) -> None:
-        self._loaded()[name] = group
-
-    def __delitem__(self, name: str) -> None:
-        del self._loaded()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._loaded())
-
-    def __len__(self) -> int:
-        return len(self._loaded())
+    @data.setter
+    def data(self, groups: dict[str, Group]) -> None:
+        self._groups = groups
 
     def __repr__(self) -> str:
         return f"GROUPS({list(self)})"

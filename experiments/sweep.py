@@ -45,13 +45,6 @@ def write_scaled(group: str, variants: list[str], root: Path) -> Path:
     return searchpath
 
 
-def command(group: str, variants: list[str], root: Path, searchpath: Path, overrides: list[str]) -> list[str]:
-    """The multirun command line of these variants."""
-    experiments = ",".join(f"{SCALED}/{group}/{v}" for v in variants)
-    return [sys.executable, str(REPO / "pretrain_jax.py"), "-m", f"hydra.searchpath=[file://{searchpath}]",
-            f"+experiment={experiments}", f"run.group={group}", f"run.root={root}", *overrides]
-
-
 def _fresh_manifests(root: Path, group: str, since: float) -> dict[str, dict]:
     """{run name: manifest} of the runs of `group` whose manifest was written after `since`."""
     out = {}
@@ -80,7 +73,9 @@ def run_local(group: str, variants: list[str], root: Path, overrides: list[str],
     jobs: list[Job] = []
     todo = list(variants)
     while todo:
-        cmd = command(group, todo, root, searchpath, overrides)
+        experiments = ",".join(f"{SCALED}/{group}/{v}" for v in todo)  # the multirun of the variants left
+        cmd = [sys.executable, str(REPO / "pretrain_jax.py"), "-m", f"hydra.searchpath=[file://{searchpath}]",
+               f"+experiment={experiments}", f"run.group={group}", f"run.root={root}", *overrides]
         print("$ " + " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)
         if dry_run:
             return [Job(v, v, None) for v in todo]
@@ -102,12 +97,10 @@ def _read_jobs(todo: list[str], variants: list[str], manifests: dict[str, dict],
         for name in runs:
             exit_code = manifests[name].get("exit_code")
             jobs.append(Job(variant, name, exit_code if isinstance(exit_code, int) else code or 1))
-        if code and (not runs or any(manifests[n].get("status") != "completed" for n in runs)):
-            if not runs:  # died before writing its manifest
-                jobs.append(Job(variant, variant, code))
-            return jobs  # this job ended the multirun; the caller goes on with the variants after it
-        if not runs:  # ran where we do not look (run.group / run.name overridden): the multirun's code
+        if not runs:  # died before writing its manifest, or ran where we do not look (run.group/run.name overridden)
             jobs.append(Job(variant, variant, code))
+        if code and (not runs or any(manifests[n].get("status") != "completed" for n in runs)):
+            return jobs  # this job ended the multirun; the caller goes on with the variants after it
     if code:  # every job completed, yet the multirun failed (e.g. on exit): say so on the last one
         jobs[-1] = Job(jobs[-1].variant, jobs[-1].run, code)
     return jobs

@@ -11,7 +11,9 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,22 @@ def test_cache_key_merges_values_not_shapes(tmp_path):
     assert same and key("optim.lr=0.123", "optim.b2=0.9", "train.seed=7", "train.steps=500") == same
     assert key("arch.hidden=96") != same
     assert key("train.global_batch_size=128") != same
+
+
+@pytest.mark.slow
+def test_compiles_run_in_fresh_pools_of_their_share(monkeypatch):
+    """More compiles than one pool's share all run, each share in fresh processes. (With
+    `max_tasks_per_child` the pool stops after the first share on Python 3.11 and waits forever,
+    cpython gh-115634: `plan all --executables` keeps about a hundred programs.)"""
+    monkeypatch.setattr(planner, "COMPILES_PER_PROCESS", 2)
+    calls = [((os.getpid,), i) for i in range(5)]
+    out: list[tuple[int, int]] = []
+    run = threading.Thread(target=lambda: out.extend((tag, f.result()) for f, tag in planner.in_fresh_pools(calls, 1)),
+                           daemon=True)
+    run.start()
+    run.join(600)  # a guard against the hang only: the five calls take seconds
+    assert sorted(tag for tag, _ in out) == [0, 1, 2, 3, 4]
+    assert len({pid for _, pid in out}) == 3  # a process for each share of 2
 
 
 @pytest.mark.slow

@@ -15,9 +15,8 @@ from typing import Any, Iterable, Mapping
 from experiments.launcher.ledger import (InFlight, LaunchRecord, LaunchTiming, Ledger, Mark, ReadyClock, SliceRecord,
                                          VariantRecord, VariantState)
 from runtime import goodput
-from runtime.goodput import Category
+from runtime.goodput import PRODUCTIVE, Category
 
-PRODUCTIVE = goodput.PRODUCTIVE  # train (kept steps) and eval
 TRAINER = tuple(c for c in goodput.CATEGORIES if c != Category.OTHER)  # the trainer's (its `other`: in the remainder)
 
 
@@ -59,9 +58,7 @@ def launch_timing(timings: list[Mapping[str, Any]], *, setup: float = 0.0, setup
     """A launch's account: its last `timing` event (of `timings`, in order; none: the trainer said
     nothing), the setup before it (`setup_ran`: setup ran, not only the versions check), and the
     part after `billed_until` (see `unpaid_part`)."""
-    last = next((t for t in reversed(timings) if _seconds(t)), None)
-    if last is None:
-        return LaunchTiming(setup=round(max(0.0, setup), 3), setup_ran=setup_ran)
+    last = next((t for t in reversed(timings) if _seconds(t)), {})
     count = lambda key: int(v) if (v := _number(last.get(key))) is not None else 0  # noqa: E731
     step = _number(last.get("step"))
     return LaunchTiming(setup=round(max(0.0, setup), 3), setup_ran=setup_ran, seconds=_seconds(last),
@@ -137,10 +134,8 @@ def variant_account(record: VariantRecord, paid: float) -> Account:
     launches = [*sup.launches, *([sup.launch] if record.state == VariantState.RUNNING and sup.launch else [])]
     account = Account(paid=paid)
     for launch, replayed in zip(launches, replayed_steps(launches)):
-        for name, seconds in launch_seconds(launch, replayed).items():
-            account.seconds[name] += seconds
-        account.measured = account.measured or bool(launch.timing and launch.timing.seconds)
-        account.replayed += replayed
+        measured = bool(launch.timing and launch.timing.seconds)
+        account += Account(launch_seconds(launch, replayed), 0.0, measured, replayed)
     account.seconds[Category.OTHER] = paid - sum(account.seconds.values())
     return account
 

@@ -115,9 +115,9 @@ class Controller:
     def clock(self, slice_name: str) -> ReadyClock:
         return self.ledger.slices[slice_name].clock
 
-    def spent_hours(self, now: float | None = None) -> float:
+    def spent_hours(self) -> float:
         """Pod-hours: the slices' READY hours so far."""
-        return sum(s.clock.ready_total(now) for s in self.ledger.slices.values()) / 3600
+        return sum(s.clock.ready_total() for s in self.ledger.slices.values()) / 3600
 
     def ahead_hours(self) -> float:
         """Pod-hours the running variants are still planned to take (their plan less what they spent):
@@ -131,11 +131,6 @@ class Controller:
 
     # -- the queue
 
-    def _queued(self) -> list[str]:
-        """The queued variants a slice may take, in queue order (call under the lock)."""
-        return sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
-                       and not self._held(v)), key=lambda v: self.ledger.variants[v].order)
-
     def take(self, slice_name: str) -> str | None:
         """The variant this slice runs next: its own that was running when the controller stopped
         (its processes may still run there), else the first queued one; None when nothing is left
@@ -146,30 +141,28 @@ class Controller:
             own = self.ledger.slices[slice_name].variant
             if own and self.ledger.variants[own].state in (VariantState.QUEUED, VariantState.RUNNING):
                 return self._start(own, slice_name)
-            queued = self._queued()
+            held = {s.variant for s in self.ledger.slices.values()}  # other slices' own: each resumes there
+            queued = sorted((v for v, r in self.ledger.variants.items() if r.state == VariantState.QUEUED
+                             and v not in held), key=lambda v: self.ledger.variants[v].order)
             if not queued:
                 return None
-            variant = queued[0]
+            variant, budget = queued[0], self.sub.budget
             planned = self.sub.planned_hours(variant) or 0.0
-            ahead = self.ahead_hours() if self.sub.budget is not None else 0.0
-            if self.sub.budget is not None and self.spent_hours() + planned <= self.sub.budget < (
-                    self.spent_hours() + ahead + planned):
-                # It fits only if the running variants end under their plans: this slice is given
-                # back, and the slice of the last one running takes it then, if it still fits.
-                self.state.event("budget-wait", variant=variant, slice=slice_name, ahead=f"{ahead:.3f}")
-                return None
-            if self.sub.budget is not None and self.spent_hours() + planned > self.sub.budget:
-                self.budget_line = (f"budget: {variant} not started: {self.spent_hours():.3f} pod-hours spent + "
-                                    f"{planned:.3f} planned > budget {self.sub.budget:g}; to go on, raise it: "
-                                    f"launch.py programme budget {self.state.name} HOURS")
-                self.state.event("budget-stop", variant=variant, spent=f"{self.spent_hours():.3f}",
-                                 planned=f"{planned:.3f}", budget=self.sub.budget)
-                return None
+            if budget is not None:
+                spent, ahead = self.spent_hours(), self.ahead_hours()
+                if spent + planned > budget:
+                    self.budget_line = (f"budget: {variant} not started: {spent:.3f} pod-hours spent + "
+                                        f"{planned:.3f} planned > budget {budget:g}; to go on, raise it: "
+                                        f"launch.py programme budget {self.state.name} HOURS")
+                    self.state.event("budget-stop", variant=variant, spent=f"{spent:.3f}",
+                                     planned=f"{planned:.3f}", budget=budget)
+                    return None
+                if spent + ahead + planned > budget:
+                    # It fits only if the running variants end under their plans: this slice is given
+                    # back, and the slice of the last one running takes it then, if it still fits.
+                    self.state.event("budget-wait", variant=variant, slice=slice_name, ahead=f"{ahead:.3f}")
+                    return None
             return self._start(variant, slice_name)
-
-    def _held(self, variant: str) -> bool:
-        """Another slice's own variant (it resumes there)."""
-        return any(s.variant == variant for s in self.ledger.slices.values())
 
     def _start(self, variant: str, slice_name: str) -> str:
         with self.lock:
@@ -267,7 +260,9 @@ class Controller:
             last = record.launches[-1] if record.launches else None
         if status == Status.COMPLETED:
             self.end(variant, slice_name, Move.COMPLETE, metrics=last.metrics if last else None)
-            self.streak_reset()
+            with self.lock:  # a run that completes ends the streak of infrastructure failures
+                self.ledger.controller.streak = Streak()
+            self.state.save()
         elif status == Status.INTERRUPTED:
             if last is not None and last.outcome == Outcome.STOPPED:
                 with self.lock:
@@ -326,11 +321,6 @@ class Controller:
         if count >= self.sub.infra_streak:
             raise Stop(f"the same infrastructure failure ended {count} variants in a row ({kind}: {line}); fix it, "
                        f"then `launch.py programme run {self.state.name}` carries on", EXIT_FAILURE)
-
-    def streak_reset(self) -> None:
-        with self.lock:
-            self.ledger.controller.streak = Streak()
-        self.state.save()
 
     # -- the slices
 
@@ -468,7 +458,7 @@ class Controller:
         slices it leaves READY, billing, with what they cost an hour."""
         said = []
         for variant, (saved, reached) in sorted(self.stopped.items()):
-            lost = lost_steps(saved, reached)
+            lost = max(0, reached - saved) if saved is not None and reached is not None else 0
             said.append(f"{variant} lost {lost} step{'s' * (lost != 1)} (it reached step {reached}, its last "
                         f"checkpoint is step {saved}: the --stop-grace of {self.sub.stop_grace_s:g} s ran out "
                         "before it saved)" if lost else f"{variant} stopped at its checkpoint of step {saved}")
@@ -518,11 +508,6 @@ class Controller:
         if status == ControllerStatus.STOPPED and code:
             self.alert(f"{self.state.name}: the controller stopped", line or "")
         return code
-
-
-def lost_steps(saved: int | None, reached: int | None) -> int:
-    """Steps a stopped launch ran past the step it can resume from (0: it stopped at its checkpoint)."""
-    return max(0, reached - saved) if saved is not None and reached is not None else 0
 
 
 class _SliceRecord(supervise.Supervision):

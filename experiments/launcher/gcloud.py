@@ -7,6 +7,7 @@ documented messages: missing or expired credentials (`auth_failure`), a refused 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import os
 import re
@@ -127,16 +128,11 @@ def auth_failure(output: str) -> str | None:
     return error_line(output) if any(sign in output for sign in AUTH_SIGNS) else None
 
 
-def not_found(output: str) -> bool:
-    return any(sign in output for sign in NOT_FOUND)
+def _any_of(signs: tuple[str, ...]) -> Callable[[str], bool]:
+    return lambda output: any(sign in output for sign in signs)
 
 
-def refused(output: str) -> bool:
-    return any(sign in output for sign in REFUSED)
-
-
-def quota(output: str) -> bool:
-    return any(sign in output for sign in QUOTA)
+not_found, refused, quota = _any_of(NOT_FOUND), _any_of(REFUSED), _any_of(QUOTA)  # whether gcloud's output says so
 
 
 # --- running gcloud ------------------------------------------------------------------------------
@@ -170,11 +166,8 @@ def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path
 
     def write(sink: TextIO | None, text: str) -> None:
         if sink is not None:
-            try:
-                sink.write(text)
-                sink.flush()
-            except (OSError, ValueError):
-                pass  # our stdout went away (`| head`): keep draining gcloud
+            with contextlib.suppress(OSError, ValueError):  # our stdout went away (`| head`): keep draining gcloud
+                print(text, end="", file=sink, flush=True)
 
     def line(text: str) -> None:
         if text and wire.for_people(text):  # "" between \r and \n
@@ -183,23 +176,19 @@ def run_streaming(argv: Sequence[str], *, stream: TextIO | None = None, log_path
             on_line(text)
 
     partial = ""
-
-    def emit(text: str) -> None:  # complete lines, split at \n or \r (tqdm redraws with \r), to `line`
-        nonlocal partial
-        if text:
-            write(log, text)
-        *complete, partial = re.split(r"[\r\n]", partial + text)
-        for each in complete:
-            line(each)
-
     try:
         fd = proc.stdout.fileno()
-        while chunk := os.read(fd, 65536):
-            emit(decoder.decode(chunk))
-        emit(decoder.decode(b"", final=True))
-        if partial:
-            line(partial)
-        return proc.wait()
+        while True:
+            chunk = os.read(fd, 65536)
+            text = decoder.decode(chunk, final=not chunk)
+            write(log, text)
+            *complete, partial = re.split(r"[\r\n]", partial + text)  # lines end at \n or \r (tqdm redraws with \r)
+            for each in complete:
+                line(each)
+            if not chunk:
+                if partial:
+                    line(partial)
+                return proc.wait()
     except KeyboardInterrupt:
         # In a terminal gcloud got the SIGINT too; send it anyway (a `kill -INT` of us alone).
         end(proc)

@@ -307,8 +307,7 @@ class VariantRecord(Strict):
 
     def said(self, name: str) -> Any:
         """last_step, total or wandb_run_id: as its launches said it (the step: or its run found complete)."""
-        said = self.supervision.said(name)
-        return self.found_step if name == "last_step" and self.found_step is not None else said
+        return self.found_step if name == "last_step" and self.found_step is not None else self.supervision.said(name)
 
     def verdict(self) -> str | None:
         """The line that ended it: its own, its supervision's, or its last launch's."""
@@ -389,11 +388,9 @@ class RecordError(UserError):
     where an intact copy may be (the mirror). One line (a UserError: exit 2)."""
 
     def __init__(self, what: str, file: object, problem: str, *, field: str | None = None,
-                 good_copy: str | None = None, fresh: str = "start anew", garbled: bool = False,
-                 wrong: str | None = None) -> None:
+                 good_copy: str | None = None, fresh: str = "start anew", wrong: str | None = None) -> None:
         self.what, self.file, self.field, self.problem, self.good_copy = what, str(file), field, problem, good_copy
-        wrong = wrong or (f"is truncated or garbled ({problem})" if garbled else
-                          f"is not a {what} this code reads ({field + ': ' if field else ''}{problem})")
+        wrong = wrong or f"is not a {what} this code reads ({field + ': ' if field else ''}{problem})"
         copy = f"restore it from {good_copy}" if good_copy else "restore it from a copy"
         super().__init__(f"the {what} {file} {wrong}; {copy}, or move it away to {fresh}")
 
@@ -406,10 +403,9 @@ class StateWriteError(UserError):
 
     def __init__(self, file: object, error: OSError, what: str = "state file", also: str = "") -> None:
         self.file, self.error = str(file), error
-        folder = str(Path(str(file)).parent)
         fault = storage_fault(error) or ("a file stands where a folder goes" if isinstance(error, FileExistsError)
                                          else error.strerror or type(error).__name__)
-        fix = storage_fix(fault, folder) + (f", {also}" if also else "")
+        fix = storage_fix(fault, str(Path(str(file)).parent)) + (f", {also}" if also else "")
         super().__init__(f"cannot write the {what} {file} ({fault}); {fix}, then run the same command again (the "
                          f"{what} on disk is as it was)")
 
@@ -441,22 +437,17 @@ def _adapter(kind: type) -> pydantic.TypeAdapter:
 def _path(loc: tuple) -> str:
     out = ""
     for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif str(part).isidentifier():
-            out += f".{part}" if out else str(part)
-        else:
+        if isinstance(part, str) and part.isidentifier():
+            out += f".{part}" if out else part
+        else:  # an index, or a key that is no name: as JSON, in brackets
             out += f"[{json.dumps(part)}]"
     return out
 
 
 def _problem(error: Mapping[str, Any]) -> str:
-    if error["type"] == "missing":
-        return "missing"
-    if error["type"] == "unexpected_keyword_argument":
-        return "a field this version does not know"
+    known = {"missing": "missing", "unexpected_keyword_argument": "a field this version does not know"}
     value = json.dumps(error.get("input"))
-    return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value[:80]}"
+    return known.get(error["type"]) or f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value[:80]}"
 
 
 def _each_fact_once(data: dict) -> dict:
@@ -528,7 +519,8 @@ def parse_json(text: str | bytes, *, what: str, file: object, good_copy: str | N
     try:
         data = json.loads(text)
     except ValueError as e:
-        raise RecordError(what, file, str(e), good_copy=good_copy, fresh=fresh, garbled=True) from None
+        raise RecordError(what, file, str(e), good_copy=good_copy, fresh=fresh,
+                          wrong=f"is truncated or garbled ({e})") from None
     return upgrade(data, what=what, file=file, good_copy=good_copy, fresh=fresh)
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Iterator, Sequence, TextIO
 
@@ -74,11 +74,6 @@ def process_env(process_id: int, processes: int, devices_per_process: int, port:
     return env
 
 
-def exit_code_of(returncode: int) -> int:
-    """Popen returncode -> shell-style exit code (-s, killed by signal s -> 128 + s)."""
-    return EXIT_SIGNAL_BASE - returncode if returncode < 0 else returncode
-
-
 def describe(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -97,39 +92,30 @@ class _Sink:
         self._lock = threading.Lock()
 
     def write_line(self, line: str) -> None:
-        with self._lock:
-            try:
-                self._stream.write(line)
-                self._stream.flush()
-            except (OSError, ValueError):
-                pass  # our stdout is gone (e.g. `| head`): keep draining the child's pipe anyway
+        with self._lock, suppress(OSError, ValueError):  # our stdout is gone (`| head`): keep draining the pipe
+            print(line, end="", file=self._stream, flush=True)
 
 
 def _pump(i: int, pipe: IO[bytes], sink: _Sink, log_path: Path | None) -> None:
     """Copy one child's merged stdout/stderr to the sink, prefixed, and to its log file."""
-    log = open(log_path, "w", encoding="utf-8") if log_path else None
-    try:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"  # last line without newline: keep the next prefix on its own line
-            if wire.for_people(line):  # library chatter stays in the process's log (--log-dir)
-                sink.write_line(f"[p{i}] {line}")
-            if log:
+    with open(log_path or os.devnull, "w", encoding="utf-8") as log:
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"  # last line without newline: keep the next prefix on its own line
+                if wire.for_people(line):  # library chatter stays in the process's log (--log-dir)
+                    sink.write_line(f"[p{i}] {line}")
                 log.write(line)
                 log.flush()
-    finally:
-        pipe.close()
-        if log:
-            log.close()
+        finally:
+            pipe.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """`sig` to the child's process group (pgid == pid: start_new_session)."""
-    try:
+    """`sig` to the child's process group (pgid == pid: start_new_session), unless the whole group is gone."""
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the whole group is already gone
 
 
 @contextmanager
@@ -160,13 +146,12 @@ class _Pod:
         return [p for p in self.procs if p.poll() is None]
 
     def kill_all(self) -> None:
+        """SIGKILL every group, then wait for the output pumps (so what is said next comes after the output)."""
         # Also groups whose leader already exited: grandchildren may still be there.
         for p in self.procs:
             _signal_group(p, signal.SIGKILL)
         for p in self.procs:
             p.wait()
-
-    def join_pumps(self) -> None:
         deadline = time.monotonic() + READER_JOIN_S
         for t in self.pumps:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -197,7 +182,6 @@ def run_local_pod(processes: int, devices_per_process: int, overrides: Sequence[
     port = port or find_free_port()
     sink = _Sink(stream or sys.stdout)
     if log_dir is not None:
-        log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [python, script, *overrides]
 
@@ -220,7 +204,6 @@ def run_local_pod(processes: int, devices_per_process: int, overrides: Sequence[
             return _supervise(pod, interrupts, timeout, grace_period)
         finally:
             pod.kill_all()  # no-op for a clean exit, except for stray grandchildren
-            pod.join_pumps()
 
 
 def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None, grace_period: float) -> int:
@@ -228,7 +211,6 @@ def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None, grace_pe
     while True:
         if interrupts:
             pod.shut_down(interrupts, grace_period)
-            pod.join_pumps()
             codes = ", ".join(f"p{i}: {describe(p.returncode)}" for i, p in enumerate(pod.procs))
             pod.say(f"interrupted ({codes})")
             return EXIT_SIGNAL_BASE + interrupts[0]
@@ -236,15 +218,13 @@ def _supervise(pod: _Pod, interrupts: list[int], timeout: float | None, grace_pe
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
         if failed:
             i, code = failed[0]
-            pod.kill_all()
-            pod.join_pumps()  # so the message below comes after the failing process's output
+            pod.kill_all()  # and its output is out before the message below
             pod.say(f"process {i} failed ({describe(code)}); killed the others")
-            return exit_code_of(code)
+            return EXIT_SIGNAL_BASE - code if code < 0 else code  # as a shell says it: a signal s is 128 + s
         if all(c in (0, EXIT_PREEMPTED) for c in codes):
             return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
         if deadline is not None and time.monotonic() > deadline:
             pod.kill_all()
-            pod.join_pumps()
             pod.say(f"timeout after {timeout:g} s; killed all processes")
             return EXIT_TIMEOUT
         time.sleep(POLL_S)

@@ -49,9 +49,7 @@ def run_gcloud(argv: Sequence[str], **kw) -> int:
 
 def remote_path(path: str) -> str:
     """`path` quoted for the worker's shell; a leading `~` becomes "$HOME" so it still expands."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
+    if path == "~" or path.startswith("~/"):
         rest = path[2:]
         return '"$HOME"' + ("/" + shlex.quote(rest) if rest else "")
     return shlex.quote(path)
@@ -253,10 +251,10 @@ def _run_pod(target: Target, command: str, secret: Mapping[str, str], secrets_fi
         code = run_gcloud(gcloud.ssh_argv(target, command), stream=stream, log_path=log_path, on_line=watch.line,
                           started=on_gcloud)
     except KeyboardInterrupt:
-        return _interrupted(target, stream, interrupt_grace, leave_running, repo_dir)
+        code = EXIT_INTERRUPTED
     if code in (EXIT_INTERRUPTED, -signal.SIGINT):
-        # gcloud alone took the Ctrl-C (a launcher started with SIGINT ignored, e.g. by `&` in a
-        # script, or `kill -INT` of gcloud): the ssh sessions are gone, the workers may not be.
+        # Ctrl-C here, or gcloud alone took it (a launcher started with SIGINT ignored, e.g. by `&` in
+        # a script, or `kill -INT` of gcloud): the ssh sessions are gone, the workers may not be.
         return _interrupted(target, stream, interrupt_grace, leave_running, repo_dir)
     if code == EXIT_PREEMPTED:
         _say(stream, "the run was preempted (SIGTERM) and saved its checkpoint; relaunch the same command to resume")
@@ -328,8 +326,8 @@ class _PodWatch:
     """The pod's output as it streams: warns once when workers run different commits, notes a busy
     TPU, and records the trainer's run id (its `started` event) in <run_dir>/run_id."""
 
-    def __init__(self, stream: TextIO, launch_id: str | None = None, run_dir: Path | None = None,
-                 also: Callable[[str], None] | None = None) -> None:
+    def __init__(self, stream: TextIO, launch_id: str, run_dir: Path,
+                 also: Callable[[str], None] | None) -> None:
         self.stream, self.commits, self.warned, self.tpu_busy = stream, {}, False, False
         self.launch_id, self.run_dir, self.run_id, self.also = launch_id, run_dir, None, also
 
@@ -339,7 +337,7 @@ class _PodWatch:
         event = wire.event(line)
         if event and event["event"] == events.Kind.FAILED and event.get("failure") == events.Failure.TPU_BUSY:
             self.tpu_busy = True
-        if event and event["event"] == "started" and self.run_id is None and self.run_dir is not None:
+        if event and event["event"] == "started" and self.run_id is None:
             self.run_id = str(event.get("run_id"))
             (self.run_dir / "run_id").write_text(self.run_id + "\n")
             if self.run_id != self.launch_id:
@@ -403,12 +401,11 @@ def check_versions(rows: Sequence[dict], stream: TextIO) -> int:
     if bad:
         return EXIT_FAILURE
     keys = list(compared(rows[0]))
-    distinct = {tuple(r.get(k) for k in keys) for r in rows}
-    if len(distinct) == 1:
+    differing = [k for k in keys if len({r.get(k) for r in rows}) > 1]
+    if not differing:
         same = ", ".join(f"{k}={rows[0].get(k)}" for k in keys)
         _say(stream, f"{len(rows)} workers set up, all identical: {same}")
         return 0
-    differing = [k for k in keys if len({r.get(k) for r in rows}) > 1]
     _say(stream, f"MISMATCH across workers in {', '.join(differing)}:")
     for r in sorted(rows, key=lambda r: r["host"]):
         _say(stream, f"  {r['host']}: " + ", ".join(f"{k}={r.get(k)}" for k in differing))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import functools
 import io
 import json
 import math
@@ -41,7 +42,7 @@ from experiments.launcher.ledger import (SCHEMA, Command, Ledger, RecordError, S
 from experiments.programme import groups_named
 from runtime import events
 from runtime.errors import EXIT_STORAGE, UserError, one_line
-from runtime.lease import LEASE_FILE, Lease, LeaseHeld
+from runtime.lease import LEASE_FILE, Lease
 from runtime.ranges import Rule, at_least, name_problem, range_problem
 
 SNAPSHOT = "state.json"  # the mirror's copy of the state: one object
@@ -349,18 +350,16 @@ class State:
         paths = {name: self.dir / name for name in FILES}
         if mirror and not paths["programme.json"].exists() and not paths["ledger.json"].exists():
             self.fetch(mirror)
-        raw: dict[str, bytes | None] = {}
+        raw: dict[str, bytes] = {}
         for name in ("programme.json", "ledger.json"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 raw[name] = read_state(paths[name], FILES[name], good_copy=good_copy,
                                        fresh="submit the programme again")
-            except FileNotFoundError:
-                raw[name] = None
-        if raw["programme.json"] is None and raw["ledger.json"] is None:
+        if not raw:
             raise UserError(f"no programme at {self.dir}" + (f" nor at {mirror}" if mirror else "") +
                             "; submit it first (launch.py programme submit)")
         for name, other in (("programme.json", "ledger.json"), ("ledger.json", "programme.json")):
-            if raw[name] is None:
+            if name not in raw:
                 raise RecordError(FILES[name], paths[name], "missing", good_copy=good_copy,
                                   fresh="submit the programme again", wrong=f"is missing beside its {other}")
         sub = submission_of(parse_json(raw["programme.json"], what="submission", file=paths["programme.json"],
@@ -547,22 +546,22 @@ def read_mirror(mirror: str) -> dict[str, str]:
     order they are written, programme.json last (a programme is there once it is)."""
     try:
         fs, root = fsspec.core.url_to_fs(mirror)
-        files: dict[str, str] = {}
         if fs.exists(f"{root}/{SNAPSHOT}"):
-            where = f"{mirror}/{SNAPSHOT}"
-            snapshot = load_snapshot(fs.cat_file(f"{root}/{SNAPSHOT}"), where)
-            sub = decode(Submission, snapshot.submission, what="programme snapshot", file=where,
+            sub_file = ledger_file = f"{mirror}/{SNAPSHOT}"
+            snapshot = load_snapshot(fs.cat_file(f"{root}/{SNAPSHOT}"), sub_file)
+            sub = decode(Submission, snapshot.submission, what="programme snapshot", file=sub_file,
                          fresh="take over from the directory's own files", prefix=("submission",))
-            check_fits(sub, snapshot.ledger, where, where, None)
-            files = {"ledger.json": to_text(snapshot.ledger), "programme.json": dumps(asdict(sub))}
+            ledger = snapshot.ledger
         elif fs.exists(f"{root}/programme.json") and fs.exists(f"{root}/ledger.json"):
             text = {name: fs.cat_file(f"{root}/{name}") for name in ("programme.json", "ledger.json")}
-            sub = submission_of(parse_json(text["programme.json"], what="submission", file=f"{mirror}/programme.json"),
-                                f"{mirror}/programme.json", None)
-            ledger = load_ledger(text["ledger.json"], f"{mirror}/ledger.json")
-            check_fits(sub, ledger, f"{mirror}/programme.json", f"{mirror}/ledger.json", None)
-            files = {"ledger.json": to_text(ledger), "programme.json": dumps(asdict(sub))}
-        if files and fs.exists(f"{root}/controller.log"):
+            sub_file, ledger_file = f"{mirror}/programme.json", f"{mirror}/ledger.json"
+            sub = submission_of(parse_json(text["programme.json"], what="submission", file=sub_file), sub_file, None)
+            ledger = load_ledger(text["ledger.json"], ledger_file)
+        else:
+            return {}
+        check_fits(sub, ledger, sub_file, ledger_file, None)
+        files = {"ledger.json": to_text(ledger), "programme.json": dumps(asdict(sub))}
+        if fs.exists(f"{root}/controller.log"):
             files = {"controller.log": fs.cat_file(f"{root}/controller.log").decode(errors="replace"), **files}
         return files
     except UserError:
@@ -588,27 +587,23 @@ def command_problem(command: Command) -> str | None:
 def check_fits(sub: Submission, ledger: Ledger, sub_file: object, file: object, good_copy: str | None) -> None:
     """The ledger (`file`) is the one of this submission (`sub_file`): the same variants and slices
     (each submitted once), and each slice's own variant one of them; else RecordError naming the field."""
+    fault = functools.partial(RecordError, good_copy=good_copy, fresh="submit the programme again")
     names = [("name", sub.name), *(("slices", n) for n in sub.slices),
              *(("variants", part) for v in sub.variants for part in v.split("/", 1))]
-    unsafe = next(((f, n) for f, n in names if name_problem(n)), None)  # checked as `programme submit` does
     problems = [("variants", "names a variant twice", len(set(sub.variants)) < len(sub.variants)),
                 ("slices", "names a slice twice", len(set(sub.slices)) < len(sub.slices)),
-                ("slices", "names no slice", not sub.slices)]
-    if unsafe:
-        problems.append((unsafe[0], f"{unsafe[1][:60]!r} is no safe name: {name_problem(unsafe[1])}", True))
+                ("slices", "names no slice", not sub.slices),  # then unsafe names, as `programme submit` checks
+                *((f, f"{n[:60]!r} is no safe name: {name_problem(n)}", True) for f, n in names if name_problem(n))]
     for field_, problem, bad in problems:
         if bad:
-            raise RecordError("submission", sub_file, problem, field=field_, good_copy=good_copy,
-                              fresh="submit the programme again")
+            raise fault("submission", sub_file, problem, field=field_)
     for field_, held, submitted in (("variants", ledger.variants, sub.variants), ("slices", ledger.slices, sub.slices)):
         if set(held) != set(submitted):
-            raise RecordError("ledger", file, f"{sorted(held)} where programme.json has {sorted(submitted)}",
-                              field=field_, good_copy=good_copy, fresh="submit the programme again")
+            raise fault("ledger", file, f"{sorted(held)} where programme.json has {sorted(submitted)}", field=field_)
     for name, record in ledger.slices.items():
         if record.variant is not None and record.variant not in ledger.variants:
-            raise RecordError("ledger", file, f"{record.variant!r} is no variant of the programme",
-                              field=f'slices["{name}"].variant', good_copy=good_copy,
-                              fresh="submit the programme again")
+            raise fault("ledger", file, f"{record.variant!r} is no variant of the programme",
+                        field=f'slices["{name}"].variant')
 
 
 def submission_of(data: dict, file: object, good_copy: str | None) -> Submission:
@@ -632,9 +627,7 @@ def hold_lease(state: State):
 
     try:
         return Lease(targets, run=f"programme/{state.name}", on_lost=lost).acquire()
-    except LeaseHeld:
-        raise
-    except UserError as e:
+    except UserError as e:  # a LeaseHeld has no cause: raised as it is
         if isinstance(e.__cause__, OSError):  # the state directory cannot be written: as any state write
             raise StateWriteError(state.dir / LEASE_FILE, e.__cause__, "controller's lease") from None
         raise
@@ -655,7 +648,10 @@ def repair(state_dir: Path, mirror: str | None) -> str:
                         f"{state.ledger.seq}); `programme status {state.name}` shows it")
     if state.dir.exists() and not state.dir.is_dir():
         state.check_layout()  # its line: move the file away
-    mirror = mirror or submitted_mirror(state.dir / "programme.json")
+    path = state.dir / "programme.json"
+    with contextlib.suppress(OSError, UserError):  # the mirror its programme.json names, when it reads
+        mirror = mirror or submission_of(parse_json(read_state(path, "submission"), what="submission", file=path),
+                                         path, None).mirror
     if not mirror:
         raise UserError(f"give the mirror to restore {state.dir} from: `programme repair {state.name} --mirror URI` "
                         "(its programme.json names none, or cannot be read)")
@@ -698,13 +694,3 @@ def repair(state_dir: Path, mirror: str | None) -> str:
     kept = f"; what was in the way is in {aside}" if moved else ""
     return (f"restored {state.dir} from the mirror {mirror} (ledger save {seq}){kept}; "
             f"`programme run {state.name}` carries on")
-
-
-def submitted_mirror(path: Path) -> str | None:
-    """The mirror a programme.json names, or None (none, or the file cannot be read)."""
-    try:
-        return submission_of(parse_json(read_state(path, "submission"), what="submission", file=path), path,
-                             None).mirror
-    except (OSError, UserError):
-        return None
-

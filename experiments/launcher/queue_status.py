@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -45,14 +46,10 @@ class Row:
 
 
 def primary_of(group: str) -> str:
-    try:
-        return GROUPS[group].primary
-    except KeyError:
-        return PRIMARY
+    return GROUPS[group].primary if group in GROUPS else PRIMARY
 
 
-def rows(sub: Submission, ledger: Ledger, now: float | None = None, accounts: Programme | None = None) -> list[Row]:
-    accounts = accounts or programme_account(ledger, now)
+def rows(sub: Submission, ledger: Ledger, accounts: Programme) -> list[Row]:
     out = []
     for variant, r in sorted(ledger.variants.items(), key=lambda item: item[1].order):
         sup = r.supervision
@@ -142,7 +139,7 @@ def failures(table: list[Row]) -> list[str]:
 
 def text(sub: Submission, ledger: Ledger, now: float | None = None, links: dict | None = None) -> str:
     accounts = programme_account(ledger, now)
-    table = rows(sub, ledger, now, accounts)
+    table = rows(sub, ledger, accounts)
     lines = [HEADER, *(columns(r, links) for r in table), *totals(table, accounts, links)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
@@ -187,7 +184,7 @@ def goodput_picture(table: list[Row], accounts: Programme) -> bytes:
     unit, scale = ("pod-hours", 3600) if hours else ("pod-minutes", 60)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(1, len(bars))))
     shown = set()
-    for y, (_, seconds, _) in enumerate(bars):
+    for y, (_, seconds, account) in enumerate(bars):
         left = 0.0
         for name in Category:
             width = max(0.0, seconds.get(name, 0.0)) / scale
@@ -196,9 +193,8 @@ def goodput_picture(table: list[Row], accounts: Programme) -> bytes:
             ax.barh(y, width, left=left, color=COLOURS[name], label=None if name in shown else name, height=0.7)
             shown.add(name)
             left += width
-    for y, (_, seconds, account) in enumerate(bars):
         note = "" if account is None else (f" goodput {goodput_text(account)}" if account.measured else " not measured")
-        ax.text(sum(max(0.0, v) for v in seconds.values()) / scale, y, note, va="center", fontsize=8)
+        ax.text(left, y, note, va="center", fontsize=8)  # at the bar's end
     ax.set_yticks(range(len(bars)), [name for name, _, _ in bars], fontsize=8)
     ax.invert_yaxis()  # the table's order, top down
     ax.set_xlim(right=ax.get_xlim()[1] * 1.15)  # room for the goodput notes
@@ -225,12 +221,9 @@ def picture(sub: Submission, ledger: Ledger, table: list[Row]) -> bytes:
         spent_ax.plot([(t - t0) / 3600 for t, _ in history], [h for _, h in history], label="spent (READY)")
         ended = sorted((r.ended, v) for v, r in ledger.variants.items()
                        if r.state == VariantState.COMPLETED and r.ended)
-        planned, acc = [], 0.0
-        for when, variant in ended:
-            acc += sub.planned_hours(variant) or 0.0
-            planned.append(((when - t0) / 3600, acc))
-        if planned:
-            spent_ax.step([t for t, _ in planned], [h for _, h in planned], where="post",
+        if ended:
+            spent_ax.step([(when - t0) / 3600 for when, _ in ended],
+                          list(itertools.accumulate(sub.planned_hours(v) or 0.0 for _, v in ended)), where="post",
                           label="planned for the variants completed")
     if sub.budget is not None and range_problem(sub.budget, BUDGET) is None:  # a ledger's older budget may not draw
         spent_ax.axhline(sub.budget, color="red", linestyle="--", label="budget")
@@ -250,7 +243,7 @@ def page(sub: Submission, ledger: Ledger, now: float | None = None, links: dict 
     """The static HTML page: the summary, the table (each run and group linked to W&B when `links`
     has them), the failed variants' lines, then the pictures."""
     accounts = programme_account(ledger, now)
-    table = rows(sub, ledger, now, accounts)
+    table = rows(sub, ledger, accounts)
     listed = HEADER.index("badput (top 3)")  # its items wrap between them, never inside one
 
     def cells(line: list[str], tag: str) -> str:

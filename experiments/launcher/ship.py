@@ -65,14 +65,8 @@ def tree_files(repo: Path) -> list[str]:
     top = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
     listed = _null_list(_git(top, "ls-files", "-z", "--cached", "--others", "--exclude-standard"))
     deleted = set(_null_list(_git(top, "ls-files", "-z", "--deleted")))
-    keep = []
-    for name in dict.fromkeys(listed):  # a file with merge conflicts is listed once per stage
-        if name in deleted:
-            continue
-        st = os.lstat(top / name)
-        if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-            keep.append(name)
-    return sorted(keep)
+    return sorted(name for name in dict.fromkeys(listed)  # a file with merge conflicts is listed once per stage
+                  if name not in deleted and stat.S_IFMT(os.lstat(top / name).st_mode) in (stat.S_IFREG, stat.S_IFLNK))
 
 
 def _check_size(top: Path, names: list[str], max_mb: float) -> None:

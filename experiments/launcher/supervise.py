@@ -47,9 +47,7 @@ class TpuState(enum.StrEnum):
     CREATING = "CREATING"
     PREEMPTED = "PREEMPTED"
     TERMINATED = "TERMINATED"
-    ACCEPTED = "ACCEPTED"  # a queued resource's, from here on
-    PROVISIONING = "PROVISIONING"
-    WAITING_FOR_RESOURCES = "WAITING_FOR_RESOURCES"
+    PROVISIONING = "PROVISIONING"  # a queued resource's, from here on
     ACTIVE = "ACTIVE"
     FAILED = "FAILED"
     SUSPENDED = "SUSPENDED"
@@ -58,8 +56,6 @@ class TpuState(enum.StrEnum):
 
 
 GONE = (TpuState.PREEMPTED, TpuState.TERMINATED)  # must be deleted before the name can be created again
-QUEUE_WAITING = (TpuState.CREATING, TpuState.ACCEPTED, TpuState.PROVISIONING, TpuState.WAITING_FOR_RESOURCES,
-                 TpuState.ACTIVE)
 QUEUE_DEAD = (TpuState.FAILED, TpuState.SUSPENDED)  # delete (--force: with its node) and queue again
 
 
@@ -198,13 +194,9 @@ class Unavailable(Exception):
 def tpu_state(spec: Spec, run: Runner) -> tuple[str, int, str | None]:
     """(state as gcloud says it, number of workers, its gcloud.OWNER_LABEL or None); MISSING when
     gcloud says NOT_FOUND."""
-    code, out = run(gcloud.describe_argv(spec.target))
-    if code != 0:
-        _check_credentials(out)
-        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), 0, None
-    node = _described(out)
-    if node is None:
-        return TpuState.UNKNOWN, 0, None
+    node = _described(run, gcloud.describe_argv(spec.target))
+    if not isinstance(node, dict):
+        return node, 0, None
     owner = (node.get("labels") or {}).get(gcloud.OWNER_LABEL)
     return node.get("state", TpuState.UNKNOWN), len(node.get("networkEndpoints") or []), owner
 
@@ -212,12 +204,10 @@ def tpu_state(spec: Spec, run: Runner) -> tuple[str, int, str | None]:
 def queue_state(spec: Spec, run: Runner) -> tuple[str, str | None]:
     """(the queued resource's state, the OWNER_LABEL it gives its node or None); MISSING when gcloud
     says NOT_FOUND."""
-    code, out = run(gcloud.queued_describe_argv(spec.target, spec.shape))
-    if code != 0:
-        _check_credentials(out)
-        return (TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN), None
-    queued = _described(out)
-    if queued is None or not isinstance(queued.get("state"), dict):
+    queued = _described(run, gcloud.queued_describe_argv(spec.target, spec.shape))
+    if not isinstance(queued, dict):
+        return queued, None
+    if not isinstance(queued.get("state"), dict):
         return TpuState.UNKNOWN, None
     try:
         owner = queued["tpu"]["nodeSpec"][0]["node"]["labels"].get(gcloud.OWNER_LABEL)
@@ -226,13 +216,18 @@ def queue_state(spec: Spec, run: Runner) -> tuple[str, str | None]:
     return queued["state"].get("state", TpuState.UNKNOWN), owner
 
 
-def _described(out: str) -> dict | None:
-    """A describe's JSON object (stdout's; a stderr notice may follow it), None when there is none."""
+def _described(run: Runner, argv: list[str]) -> dict | TpuState:
+    """A describe's JSON object (stdout's; a stderr notice may follow it); MISSING when gcloud says
+    NOT_FOUND, UNKNOWN when the describe failed or said no object."""
+    code, out = run(argv)
+    if code != 0:
+        _check_credentials(out)
+        return TpuState.MISSING if gcloud.not_found(out) else TpuState.UNKNOWN
     try:
         found = json.JSONDecoder().raw_decode(out, out.index("{"))[0]
     except ValueError:
-        return None
-    return found if isinstance(found, dict) else None
+        return TpuState.UNKNOWN
+    return found if isinstance(found, dict) else TpuState.UNKNOWN
 
 
 def _check_credentials(out: str) -> None:
@@ -299,12 +294,9 @@ class Supervisor:
         `preempted` event, beside the checkpoints: a supervisor started again after that sees it
         only now), else `seen`."""
         since = self.clock.ready_since
-        if since is None or not self.spec.events_file:
+        if since is None:
             return seen
-        try:
-            noticed = [e.get("noticed") for e in events.read(self.spec.events_file) if e.get("event") == Kind.PREEMPTED]
-        except Exception:  # noqa: BLE001 - storage out of reach: what was seen stands
-            return seen
+        noticed = [e.get("noticed") for e in self.run_events() if e.get("event") == Kind.PREEMPTED]
         return min([seen, *(t for t in noticed if isinstance(t, (int, float)) and t > since)])
 
     def theirs(self, owner: str | None) -> bool:
@@ -386,13 +378,12 @@ class Supervisor:
             sup.event("setup-skipped", reason="versions-match", workers=len(rows))
             self.record_commit(rows)
             return 0
-        problem = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), None)
         if sup.record.setup_pending:
             why = "the last setup failed"
         elif len(rows) != hosts:
             why = f"{len(rows)} of {hosts} workers answered"
         else:
-            why = problem or "versions differ"
+            why = next((f"{r.get('host')}: {r['problem']}" for r in rows if r.get("problem")), "versions differ")
         git_ref = sup.record.commit
         self.setup_ran = True
         sup.event("setup-started", workers_answering=len(rows), commit=git_ref or "as-cloned",
@@ -482,7 +473,7 @@ class Supervisor:
                 record.preemptions += 1 if down else 0
                 record.in_flight = False
             return None
-        said = self.run_events(since=was.started)
+        said = [e for e in self.run_events() if isinstance(t := e.get("time"), (int, float)) and t >= was.started]
         newest = max((e["time"] for e in said if e.get("event") == Kind.TIMING), default=None)
         if was.timing and (newest is None or newest < (was.timing.time or 0)):  # the file is behind (or unread)
             said.append({**as_json(was.timing), "event": Kind.TIMING})
@@ -506,15 +497,14 @@ class Supervisor:
         self.end_launch(launch, preempted=down)
         return launch
 
-    def run_events(self, since: float) -> list[dict]:
-        """The run's events beside its checkpoints said at or after `since` ([] when they cannot be read)."""
+    def run_events(self) -> list[dict]:
+        """The run's events beside its checkpoints ([] when there are none or they cannot be read)."""
         if not self.spec.events_file:
             return []
         try:
-            said = events.read(self.spec.events_file)
-        except Exception:  # noqa: BLE001 - storage out of reach: what the supervisor knew stands
+            return events.read(self.spec.events_file)
+        except Exception:  # noqa: BLE001 - storage out of reach: what the supervisor knew or saw stands
             return []
-        return [e for e in said if isinstance(e.get("time"), (int, float)) and e["time"] >= since]
 
     def _gcloud_started(self, proc: subprocess.Popen) -> None:
         self.gcloud_proc = proc
@@ -606,32 +596,28 @@ class Supervisor:
             round_started = time.time()
             try:
                 hosts = self.ensure_ready()
-            except NoCredentials as e:
+            except GiveUp as e:  # without credentials, gcloud cannot delete the TPU either
                 self.report(str(e))
-                return self.finish(Status.FAILED, EXIT_USER_ERROR, release=False, line=str(e),
-                                   cause=Cause.GCLOUD_CREDENTIALS)
-            except GiveUp as e:
-                self.report(str(e))
-                return self.finish(Status.FAILED, EXIT_USER_ERROR, line=str(e), cause=Cause.GCLOUD_REFUSED)
+                creds = isinstance(e, NoCredentials)
+                return self.finish(Status.FAILED, EXIT_USER_ERROR, release=not creds, line=str(e),
+                                   cause=Cause.GCLOUD_CREDENTIALS if creds else Cause.GCLOUD_REFUSED)
             if self.stop.is_set():
                 return self.finish(Status.INTERRUPTED, EXIT_INTERRUPTED)
             ready_at = max(round_started, self.clock.ready_since or round_started)
             unwatched = None
-            if orphaned and self.seen_down:  # the slice went down under the launch left in flight:
-                orphaned = False  # a preemption no supervisor saw end, counted here (once)
-                unwatched = self.record_unwatched(down=True)
-                sup.event("preempted-unwatched", last_step=sup.record.said("last_step"))
-            if orphaned:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
+            if orphaned:  # the launch the supervisor before left in flight: recorded here, once
                 orphaned = False
-                code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream,
-                                    repo_dir=spec.repo_dir, run=spec.run_id)
-                sup.event("stopped-stale-processes", code=code, reason="supervisor-restarted")
-                unwatched = self.record_unwatched(down=False)
-                ready_at = time.time()  # the time until now was that launch's
-            if unwatched is not None and unwatched.outcome == Outcome.COMPLETED:  # it ran to the end meanwhile
-                return self.finish(Status.COMPLETED, 0)
+                if self.seen_down:  # the slice went down under it: a preemption no supervisor saw end
+                    unwatched = self.record_unwatched(down=True)
+                    sup.event("preempted-unwatched", last_step=sup.record.said("last_step"))
+                else:  # its launch may still run: stop it (it checkpoints) rather than race it for the lease
+                    self.stop_stale(reason="supervisor-restarted")
+                    unwatched = self.record_unwatched(down=False)
+                    ready_at = time.time()  # the time until now was that launch's
             self.setup_from = ready_at
-            if self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
+            if unwatched is not None and unwatched.outcome == Outcome.COMPLETED:  # it ran to the end meanwhile
+                outcome, code = Outcome.COMPLETED, 0
+            elif self.ensure_setup(hosts) != 0:  # a failing setup (a network blip) waits before the next try
                 self.setup_carry += max(0.0, time.time() - ready_at)
                 outcome, code = Outcome.BACKOFF, EXIT_FAILURE
             else:
@@ -651,17 +637,16 @@ class Supervisor:
                 return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="max-restarts", max_restarts=spec.max_restarts)
             if stuck:
                 return self.finish(Status.GAVE_UP, EXIT_FAILURE, reason="no-progress")
-            self.recover(outcome)
+            if outcome == Outcome.BACKOFF:  # after a storage or setup failure, wait before the relaunch
+                sup.event("backoff", seconds=spec.storage_backoff_s)
+                self.sleep(spec.storage_backoff_s)
+            self.stop_stale(restarts=restarts)
 
-    def recover(self, outcome: Outcome) -> None:
-        """Before a relaunch: free the TPU of stale processes; after a storage or setup failure, wait first."""
-        spec, sup = self.spec, self.sup
-        if outcome == Outcome.BACKOFF:
-            sup.event("backoff", seconds=spec.storage_backoff_s)
-            self.sleep(spec.storage_backoff_s)
-        code = pod.stop_pod(spec.target, grace=spec.stop_grace_s, stream=sup.stream, repo_dir=spec.repo_dir,
-                            run=spec.run_id)
-        sup.event("stopped-stale-processes", code=code, restarts=sup.record.restarts)
+    def stop_stale(self, **why: object) -> None:
+        """Free the TPU of the run's stale processes (they checkpoint, then stop) before a launch."""
+        code = pod.stop_pod(self.spec.target, grace=self.spec.stop_grace_s, stream=self.sup.stream,
+                            repo_dir=self.spec.repo_dir, run=self.spec.run_id)
+        self.sup.event("stopped-stale-processes", code=code, **why)
 
 
 class LaunchEvents:
@@ -802,39 +787,29 @@ def dry_run(spec: Spec) -> str:
     """The exact gcloud commands the supervisor issues in each state of the TPU."""
     t, shape, q = spec.target, spec.shape, spec.queued_resource
     j = shlex.join
-    ready = [j(gcloud.describe_argv(t)),
-             "# versions check (setup is skipped when every worker's .venv fits and all match):",
+    describe, create, delete = j(gcloud.describe_argv(t)), j(gcloud.create_argv(t, shape)), j(gcloud.delete_argv(t))
+    q_describe, q_create, q_delete = (j(argv(t, shape)) if q else "" for argv in (
+        gcloud.queued_describe_argv, gcloud.queued_create_argv, gcloud.queued_delete_argv))
+    launch = io.StringIO()
+    pod.launch_pod(t, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
+                   forward_env=spec.forward_env, ship=spec.ship or False, dry_run=True, stream=launch)
+    ready = [describe, "# versions check (setup is skipped when every worker's .venv fits and all match):",
              j(gcloud.ssh_argv(t, pod.versions_command(spec.repo_dir))),
              "# otherwise setup:", j(gcloud.ssh_argv(t, pod.setup_command(spec.repo_dir, clone_url=spec.clone_url))),
-             "# the launch (every launch resumes the run's checkpoint):"]
+             "# the launch (every launch resumes the run's checkpoint):", launch.getvalue()]
     sections = {
-        "missing": [j(gcloud.describe_argv(t)),
-                    *([j(gcloud.queued_describe_argv(t, shape)), j(gcloud.queued_create_argv(t, shape))] if q
-                      else [j(gcloud.create_argv(t, shape))])],
-        "CREATING (or queued: " + ", ".join(QUEUE_WAITING[:-1]) + "): wait with backoff, then again":
-            [j(gcloud.describe_argv(t)), *([j(gcloud.queued_describe_argv(t, shape))] if q else [])],
+        "missing": [describe, *([q_describe, q_create] if q else [create])],
+        "CREATING (or queued: CREATING, ACCEPTED, PROVISIONING, WAITING_FOR_RESOURCES): wait with backoff, then again":
+            [describe, *([q_describe] if q else [])],
         TpuState.READY: ready,
-        "PREEMPTED or TERMINATED": [j(gcloud.describe_argv(t)),
-                                    *([j(gcloud.queued_describe_argv(t, shape)), j(gcloud.queued_delete_argv(t, shape)),
-                                       j(gcloud.queued_create_argv(t, shape))] if q
-                                      else [j(gcloud.delete_argv(t)), j(gcloud.create_argv(t, shape))])],
+        "PREEMPTED or TERMINATED": [describe, *([q_describe, q_delete, q_create] if q else [delete, create])],
         "after a hang, a lost worker or an unknown failure (before the relaunch)":
             [j(gcloud.ssh_argv(t, pod.stop_command(spec.stop_grace_s, spec.repo_dir, spec.run_id)))],
-        "when the run has ended, with --at-end delete": [*([j(gcloud.queued_describe_argv(t, shape)),
-                                                            j(gcloud.queued_delete_argv(t, shape))] if q else []),
-                                                         j(gcloud.delete_argv(t))],
+        "when the run has ended, with --at-end delete": [*([q_describe, q_delete] if q else []), delete],
     }
     if q:
-        sections["queued resource FAILED or SUSPENDED"] = [j(gcloud.queued_delete_argv(t, shape)),
-                                                           j(gcloud.queued_create_argv(t, shape))]
-    out = []
-    for state, lines in sections.items():
-        out += [f"# TPU {state}:", *lines]
-        if state == TpuState.READY:
-            shown = io.StringIO()
-            pod.launch_pod(t, spec.overrides, repo_dir=spec.repo_dir, run_id=spec.run_id, env=spec.env,
-                           forward_env=spec.forward_env, ship=spec.ship or False, dry_run=True, stream=shown)
-            out.append(shown.getvalue())
+        sections["queued resource FAILED or SUSPENDED"] = [q_delete, q_create]
+    out = [line for state, lines in sections.items() for line in (f"# TPU {state}:", *lines)]
     return "\n".join(line.rstrip("\n") for line in out) + "\n"
 
 

@@ -198,18 +198,16 @@ def price(v: Variant, figures: Mapping[str, Figure] = FIGURES, mtbf_s: float | N
     hit = f["compile_cache_hit"]
     saves, interval = save_count(v)
     eval_s = v.eval_s
-    s = dict.fromkeys(Category, 0.0)
-    s[Category.TRAIN], s[Category.EVAL] = v.train_s, eval_s or 0.0
-    s[Category.SETUP] = f["setup_fresh" if v.start is Start.FRESH_SLICE else "setup_check"] + f["launch"]
-    s[Category.RUNTIME_STARTUP] = f["runtime_init"]
-    s[Category.DATA_LOADING], s[Category.OTHER], s[Category.IDLE] = f["data_load"], f["other"], f["between_variants"]
-    s[Category.PROGRAM_STARTUP] = v.program_s(v.train, v.eval, hit)
     periodic = (saves - 1) * f["save"]
-    s[Category.CHECKPOINT_SAVE] = f["final_save"] + periodic
+    cold = {Category.RUNTIME_STARTUP: f["runtime_init"], Category.DATA_LOADING: f["data_load"],
+            Category.OTHER: f["other"]}  # every cold launch's: the first start's and each restart's
+    s = dict.fromkeys(Category, 0.0) | cold | {
+        Category.TRAIN: v.train_s, Category.EVAL: eval_s or 0.0, Category.IDLE: f["between_variants"],
+        Category.SETUP: f["setup_fresh" if v.start is Start.FRESH_SLICE else "setup_check"] + f["launch"],
+        Category.PROGRAM_STARTUP: v.program_s(v.train, v.eval, hit),
+        Category.CHECKPOINT_SAVE: f["final_save"] + periodic}
     # a restart after a preemption: a fresh slice, a cold launch, the checkpoint read back
-    restart = {Category.SETUP: f["setup_fresh"] + f["launch"], Category.RUNTIME_STARTUP: f["runtime_init"],
-               Category.DATA_LOADING: f["data_load"], Category.OTHER: f["other"],
-               Category.CHECKPOINT_RESTORE: f["restore"],
+    restart = {Category.SETUP: f["setup_fresh"] + f["launch"], **cold, Category.CHECKPOINT_RESTORE: f["restore"],
                Category.PROGRAM_STARTUP: v.program_s(v.restart_program(v.train), v.restart_program(v.eval), hit)}
     restart_s = sum(restart.values())
     preemptions = recovery = 0.0

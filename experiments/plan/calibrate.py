@@ -11,22 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from experiments.launcher.ledger import LaunchTiming, Ledger, RecordError, load_ledger, read_state
+from experiments.launcher.ledger import LaunchTiming, RecordError, load_ledger, read_state
 from experiments.plan.bill import FIGURES, Figure
 from runtime.errors import UserError
 from runtime.goodput import Category
-
-
-def ledger_timings(book: Ledger) -> dict[str, list[LaunchTiming]]:
-    """{variant: the `timing` of each of its launches that ended with one} (the trainer's last
-    `timing` event, with the supervisor's `setup` and `setup_ran` beside it); a launch without one,
-    or under way, is left out."""
-    out = {}
-    for name, record in book.variants.items():
-        timings = [launch.timing for launch in record.supervision.launches if launch.timing is not None]
-        if timings:
-            out[name] = timings
-    return out
 
 
 @dataclass
@@ -42,18 +30,6 @@ class Calibration:
     platform: str | None = None  # the doctor's workers' devices: tpu or cpu
 
 
-def read_ledger(state_dir: Path) -> Ledger:
-    """A programme's ledger.json, read as the controller reads it; UserError naming the fix."""
-    path = Path(state_dir) / "ledger.json"
-    try:
-        return load_ledger(read_state(path, "ledger"), path)
-    except FileNotFoundError:
-        raise UserError(f"--calibrate-from {state_dir}: no ledger.json there; give a programme's state directory "
-                        "(outputs/programmes/<name>)") from None
-    except RecordError as e:
-        raise UserError(f"--calibrate-from {state_dir}: {e}") from None
-
-
 def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calibration:
     """The figures with the medians of a programme's ledger, each over the launches (or idle
     stretches) where it was above zero: `setup_check` and `setup_fresh` from the supervisor's
@@ -63,8 +39,17 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
     slices' idle stretches; and each variant's median program start-up of the launches that
     compiled. The rest keep their figures. UserError for a directory without a readable ledger."""
     path = Path(state_dir) / "ledger.json"
-    book = read_ledger(state_dir)
-    runs = ledger_timings(book)
+    try:  # read as the controller reads it
+        book = load_ledger(read_state(path, "ledger"), path)
+    except FileNotFoundError:
+        raise UserError(f"--calibrate-from {state_dir}: no ledger.json there; give a programme's state directory "
+                        "(outputs/programmes/<name>)") from None
+    except RecordError as e:
+        raise UserError(f"--calibrate-from {state_dir}: {e}") from None
+    # {variant: the `timing` of each launch that ended with one (the trainer's last `timing` event, with the
+    # supervisor's `setup` and `setup_ran` beside it)}: a launch without one, or under way, is left out
+    runs = {name: timings for name, record in book.variants.items()
+            if (timings := [launch.timing for launch in record.supervision.launches if launch.timing is not None])}
     every = [t for timings in runs.values() for t in timings]
     out = dict(figures)
 
@@ -72,14 +57,12 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
         return t.seconds.get(category, 0.0)
 
     measured = {
-        "setup_check": ([t.setup for t in every if t.setup > 0 and not t.setup_ran],
-                        "launches' setup (the workers checked)"),
-        "setup_fresh": ([t.setup for t in every if t.setup > 0 and t.setup_ran],
-                        "launches' setup (the workers set up)"),
+        **{name: ([t.setup for t in every if t.setup > 0 and t.setup_ran == ran],
+                  f"launches' setup (the workers {what})")
+           for name, ran, what in (("setup_check", False, "checked"), ("setup_fresh", True, "set up"))},
         **{name: ([seconds(t, c) for t in every if seconds(t, c) > 0], f"launches' {c}") for name, c in (
-            ("data_load", Category.DATA_LOADING), ("restore", Category.CHECKPOINT_RESTORE), ("other", Category.OTHER))},
-        "runtime_init": ([x for t in every if (x := seconds(t, Category.RUNTIME_STARTUP)) > 0],
-                         f"launches' {Category.RUNTIME_STARTUP}"),
+            ("data_load", Category.DATA_LOADING), ("restore", Category.CHECKPOINT_RESTORE), ("other", Category.OTHER),
+            ("runtime_init", Category.RUNTIME_STARTUP))},
         "save": ([seconds(t, Category.CHECKPOINT_SAVE) / t.saves for t in every
                   if t.saves > 0 and Category.CHECKPOINT_SAVE in t.seconds], "launches' checkpoint_save per save"),
         "compile_cache_hit": ([seconds(t, Category.PROGRAM_STARTUP) / t.hits for t in every

@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, TypeVar
 
 import jax
 
@@ -50,8 +50,9 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / "outputs" / "plan" / "cache"
 CSV_DIR = REPO / "outputs" / "plan"
 # A compiling process only grows (5-7 GB after some 25 steps at v4-64): its pool is replaced after this
-# many compiles per process, by the Planner (max_tasks_per_child hangs the executor, Python 3.11).
+# many compiles per process (the Planner; `in_fresh_pools`, whose docstring says why not max_tasks_per_child).
 COMPILES_PER_PROCESS = 8
+T = TypeVar("T")
 
 # Literals kept in the key: those XLA's simplifier treats specially (x*1, x+0, x**2, x**0.5).
 _KEPT_VALUES = {0.0, 1.0, -1.0, 2.0, 0.5, -0.5}
@@ -159,7 +160,7 @@ def hlo_key(stablehlo: str, topology: str) -> str:
             line = _CONSTANT.sub(lambda m: m.group(0) if _kept(m.group(2), m.group(4)) else f"{m.group(1)}_{m.group(3)}",
                                  line)
         lines.append(line)
-    return hashlib.sha256(("\n".join(lines) + "\n" + topology).encode()).hexdigest()[:24]
+    return exact_key("\n".join(lines), topology)
 
 
 def _kept(value: str, element: str) -> bool:
@@ -180,7 +181,7 @@ def _topology(name: str):
 
 def _build(job: Job, topology: str):
     """(config, plan, mesh, steps, abstract batch, data shape) of the job on the topology's devices."""
-    gen, devices, hosts = _topology(topology)
+    _, devices, hosts = _topology(topology)
     config = validate(compose(job.experiment, job.overrides), job.experiment)
     return planned_steps(config, devices=devices, num_processes=hosts)  # "auto" dtype: the TPU's, not this host's
 
@@ -362,6 +363,20 @@ def programs_to_keep(rows: list[Row]) -> dict[str, tuple[int, str]]:
     return todo
 
 
+def in_fresh_pools(calls: list[tuple[tuple, T]], workers: int) -> Iterator[tuple[Future, T]]:
+    """Each `((function, *args), tag)` run in a compiling process; (its future, tag) as each ends. A
+    pool runs `workers * COMPILES_PER_PROCESS` calls, then a fresh one the next: its processes only
+    grow. (Not `max_tasks_per_child`: on Python 3.11 the pool then stops starting the calls queued
+    once a process has been replaced, and waits forever: cpython issue gh-115634.)"""
+    share = workers * COMPILES_PER_PROCESS
+    for start in range(0, len(calls), share):
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=ctrl_c_to_the_parent) as pool:
+            futures = {pool.submit(*call): tag for call, tag in calls[start:start + share]}
+            for future in as_completed(futures):
+                yield future, futures[future]
+
+
 def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, workers: int = 1,
                progress: Callable[[str], None] = lambda line: None, cache_root: Path = CACHE_DIR) -> frozenset[str]:
     """`programs_to_keep` compiled into `folder` with its manifest (`plan --executables`): the exact
@@ -373,22 +388,18 @@ def keep_ahead(jobs: list[Job], rows: list[Row], topology: str, folder: str, wor
         return frozenset()
     progress(f"keeping {len(todo)} programs compiled for {topology} in {folder} ({workers} process"
              f"{'es' if workers > 1 else ''})")
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=COMPILES_PER_PROCESS,
-                             initializer=ctrl_c_to_the_parent) as pool:
-        futures = {pool.submit(keep_job, job, topology, folder, kind, cache_root): (exact, job, kind)
-                   for exact, (job, kind) in todo.items()}
-        for future in as_completed(futures):
-            exact, job, kind = futures[future]
-            try:
-                if result := future.result():
-                    manifest.setdefault(*result)
-                    kept.add(exact)
-                    progress(f"kept [{len(kept)}/{len(todo)}] {kind} {job.experiment}")
-                else:
-                    progress(f"not kept: {kind} {job.experiment} (its runs compile it)")
-            except Exception as e:  # noqa: BLE001 - one program its runs compile; the plan goes on
-                progress(f"not kept: {kind} {job.experiment} ({str(e).splitlines()[0][:200]})")
+    calls = [((keep_job, job, topology, folder, kind, cache_root), (exact, job, kind))
+             for exact, (job, kind) in todo.items()]
+    for future, (exact, job, kind) in in_fresh_pools(calls, workers):
+        try:
+            if result := future.result():
+                manifest.setdefault(*result)
+                kept.add(exact)
+                progress(f"kept [{len(kept)}/{len(todo)}] {kind} {job.experiment}")
+            else:
+                progress(f"not kept: {kind} {job.experiment} (its runs compile it)")
+        except Exception as e:  # noqa: BLE001 - one program its runs compile; the plan goes on
+            progress(f"not kept: {kind} {job.experiment} ({str(e).splitlines()[0][:200]})")
     digest = executables.write_manifest(folder, manifest) if manifest else ""
     if digest:
         progress(f"kept {len(kept)} programs: the runs read them with run.executables={folder} "
@@ -427,7 +438,7 @@ class Planner:
         self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         self.lowered: dict[Job, Lowered] = {}
         self.errors: dict[str, str] = {}  # key -> why its compile failed (not for lack of memory)
-        self.fixes: dict[Job, Job | None] = {}  # a job that does not fit -> the first candidate that does
+        self.fixes: dict[Job, Job] = {}  # a job that does not fit -> the first candidate that does
         self._candidates: dict[Job, list[tuple[str, ...]]] = {}
         self._waiting: dict[str, list[tuple[Job, Job | None, str]]] = {}  # key -> (job, its trial or None, kind)
         self._running: dict[Future, tuple[str, Job, str]] = {}  # at most `workers` compiles in the pool at once
@@ -467,7 +478,7 @@ class Planner:
         """Submit queued compiles while a process is free. A pool that had its share of compiles, or
         whose process died (e.g. killed for memory), is drained and replaced by a fresh one."""
         while self._queued and len(self._running) < self.workers:
-            spent = self._pool_compiles >= max(1, round(self.workers * COMPILES_PER_PROCESS))
+            spent = self._pool_compiles >= self.workers * COMPILES_PER_PROCESS
             if self._pool is not None and (spent or self._pool_broken):
                 if self._running and not self._pool_broken:
                     return  # drain the old pool first: never more than `workers` compiling processes
@@ -531,11 +542,10 @@ class Planner:
         ends its origin's search, one that does not tries the next."""
         if kind == EVAL:
             return  # an eval step that does not fit is its row's note (a smaller train.eval_batch_size)
-        fits = self.lowered[job].key not in self.errors and self.compiled(job).fits
-        if origin is None and not fits and job not in self._candidates:
-            self.fixes[job] = None
-            self._candidates[job] = fix_candidates(self.lowered[job], self.compiled(job)) \
-                if self.lowered[job].key not in self.errors else []
+        failed = self.lowered[job].key in self.errors  # its row's note: no change is searched for
+        fits = not failed and self.compiled(job).fits
+        if origin is None and not failed and not fits and job not in self._candidates:
+            self._candidates[job] = fix_candidates(self.lowered[job], self.compiled(job))
             self._next_candidate(job)
         elif origin is not None and fits:
             self.fixes[origin] = job
@@ -599,5 +609,3 @@ class Planner:
             row.eval_note = "eval step compiled as configured, without the change"
         if low.protocol.examples is None:
             row.eval_note = "; ".join(n for n in (row.eval_note, f"eval set size unknown: {low.protocol.source}") if n)
-
-

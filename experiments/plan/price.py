@@ -43,15 +43,15 @@ class Programme:
     def priced(self) -> Programme:
         """One pass in plan order: each variant takes the slice that frees first (as the controller
         does); a step is cached when an earlier variant ran its program with run.compile_cache."""
-        free, last, seen = [0.0] * self.slices, {}, set()
+        free, started, seen = [0.0] * self.slices, set(), set()
         for row in self.rows:
             row.bill = None
             costs = variant_costs(row, self.compiles)
             if costs is None:
                 continue
-            where = min(range(self.slices), key=lambda j: (free[j], j))
+            where = free.index(min(free))
             low = row.lowered
-            start = Start.FRESH_SLICE if where not in last else Start.COLD
+            start = Start.COLD if where in started else Start.FRESH_SLICE
 
             def source(exact: str) -> Program:
                 return Program.AHEAD if exact in self.ahead else \
@@ -62,7 +62,7 @@ class Programme:
                              self.mtbf_s)
             if costs.compile_cache:
                 seen |= {low.exact, low.eval_exact}
-            last[where] = row
+            started.add(where)
             free[where] += row.bill.total_s / 3600
         self.slice_hours = free
         return self

@@ -123,13 +123,9 @@ def markdown(programme: Programme, topology: str, command: str, calibrated: str 
         + " | ".join(COLUMNS) + " | goodput | to fit / note |",
         "|---|---|---|---|---|---|---|" + "---|" * len(COLUMNS) + "---|---|",
     ]
-    sums, group = totals(rows), None
-    for row in rows + [None]:
-        if group is not None and (row is None or row.group != group):
-            lines.append(_total_line(f"{group} total", sums[group]))
-        if row is None:
-            break
-        group, star = row.group, "*" if row.change else ""
+    sums = totals(rows)
+    for i, row in enumerate(rows):
+        star = "*" if row.change else ""
         fits = "-" if row.fits is None else f"{'yes' if row.fits else 'no'} {row.total_gib:.2f}"
         mfu = getattr(row.estimate, "mfu", None)
         note = "; ".join(n for n in (f"`{row.change}`" if row.change else "", row.note, row.eval_note) if n)
@@ -142,6 +138,8 @@ def markdown(programme: Programme, topology: str, command: str, calibrated: str 
                      f"{_cell(None if mfu is None else 100 * mfu, '.0f', '%')} | {_cell(row.steps, ',')}{star} | "
                      f"{_seconds(getattr(row.eval_estimate, 'total_s', None))} | {_evals(row)} | {cells} | "
                      f"{_percent(goodput)} | {note} |")
+        if i + 1 == len(rows) or rows[i + 1].group != row.group:  # the group's last row
+            lines.append(_total_line(f"{row.group} total", sums[row.group]))
     lines += [_total_line("programme total", sums.get("all", Total({}))), "", summary(programme, calibrated)]
     return "\n".join(lines) + "\n"
 
@@ -198,9 +196,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
             est, p, b = row.estimate, row.lowered.protocol, row.bill
             line = {"group": row.group, "variant": row.variant, "fits": "" if row.fits is None else row.fits,
                     "total_gib": _g(row.total_gib), "hbm_gib": _g(row.hbm_gib), "steps": row.steps or "",
-                    **{k: _g(getattr(est, a, None)) for k, a in (("compute_s", "compute_s"), ("kernel_s", "kernel_s"),
-                                                                 ("collective_s", "collective_s"),
-                                                                 ("step_s", "total_s"), ("mfu", "mfu"))},
+                    **{k: _g(getattr(est, k, None)) for k in ("compute_s", "kernel_s", "collective_s", "mfu")},
+                    "step_s": _g(getattr(est, "total_s", None)),
                     "eval_step_s": _g(getattr(row.eval_estimate, "total_s", None)), "eval_gib": _g(row.eval_gib),
                     "eval_batch": p.eval_batch or "", "evaluations": p.evaluations if row.steps else "",
                     "eval_batches": p.batches or "", "final_eval_batches": p.final_batches or "",

@@ -16,16 +16,15 @@ def git(*args, quiet=False):
 
 
 def checkout(host, ref):
-    problem = None
     if git("fetch", "--quiet", "--tags", "origin") != 0:
         problem = "git fetch failed"
     elif (git("checkout", "--quiet", "--detach", f"origin/{ref}", quiet=True) != 0
           and git("checkout", "--quiet", "--detach", ref) != 0):
         problem = "cannot check out --git-ref"
-    if problem:
-        print(f"podrunner: {host}: {problem}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    return 0
+    else:
+        return 0
+    print(f"podrunner: {host}: {problem}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -36,19 +36,13 @@ from runtime import events, wire
 
 POLL_S = 0.1
 EXIT_FILE, PID_FILE, OFFSET_FILE = "exit", "pid", "offset"
-_told = {"sigterm": None}  # when the first SIGTERM came (the handler only notes it; `follow` says it)
-
-
-def _note_sigterm(_sig, _frame):
-    if _told["sigterm"] is None:
-        _told["sigterm"] = time.time()
+_told: dict[str, float] = {}  # "sigterm": when the first SIGTERM came (the handler only notes it; `follow` says it)
 
 
 def say(text):
     """Onto this ssh's stdout, which a dropped connection may have closed."""
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print(text, end="", flush=True)
         return True
     except (OSError, ValueError):
         return False
@@ -67,13 +61,6 @@ def read_secrets(path):
     return values
 
 
-def discard(path):
-    """Remove the secrets file of a launch that will not start its trainer."""
-    if path:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
 def follow(log, offset, done, replay_events_from=None, host=""):
     """Copy LOG from `offset` to stdout until `done()` and nothing more is written. A re-run first
     replays the launch's events from `replay_events_from` (what the launcher may have missed)."""
@@ -84,7 +71,7 @@ def follow(log, offset, done, replay_events_from=None, host=""):
         say("".join(line + "\n" for line in chunk.splitlines() if wire.replayed(line)))
     talking, said = True, False
     while True:
-        if _told["sigterm"] is not None and not said:
+        if "sigterm" in _told and not said:
             said = True
             talking = say(wire.event_line({"event": events.Kind.SIGTERM, "time": round(_told["sigterm"], 3),
                                            "host": host}) + "\n") and talking
@@ -104,9 +91,7 @@ def follow(log, offset, done, replay_events_from=None, host=""):
 def trainer_env(args, secrets):
     """The trainer's environment: this one unbuffered (its lines reach LOG as printed; its events
     too, `main`), the --env variables, the secrets, and with --ship the shipped tree on PYTHONPATH."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.update(args.env)
-    env.update(secrets)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(args.env), **secrets}
     if args.ship:
         env["PYTHONPATH"] = args.ship
     return env
@@ -115,7 +100,7 @@ def trainer_env(args, secrets):
 def first_run(args, claim):
     for sig in (signal.SIGHUP, signal.SIGINT):  # see the module docstring
         signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _note_sigterm)
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: _told.setdefault("sigterm", time.time()))
     secrets = {}
     if args.secrets:
         try:
@@ -150,7 +135,8 @@ def first_run(args, claim):
             return record(claim, EXIT_USER_ERROR, f"podrunner: {args.host}: cannot start {args.argv[0]} ({e.strerror})\n")
     write_atomic(os.path.join(claim, PID_FILE), str(trainer.pid))
     follow(args.log, offset, lambda: trainer.poll() is not None, host=args.host)
-    return record(claim, _code(trainer.returncode))
+    code = trainer.returncode  # as a shell says it: a signal N is EXIT_SIGNAL_BASE + N
+    return record(claim, code if code >= 0 else EXIT_SIGNAL_BASE - code)
 
 
 def _read_code(path):
@@ -162,19 +148,13 @@ def _read_code(path):
         return None
 
 
-def _code(returncode):
-    """A process's exit code as a shell says it (a signal N: EXIT_SIGNAL_BASE + N)."""
-    return returncode if returncode >= 0 else EXIT_SIGNAL_BASE - returncode
-
-
 def _default_signals():
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
 
 
 def record(claim, code, line=""):
-    if line:
-        say(line)
+    say(line)
     write_atomic(os.path.join(claim, EXIT_FILE), str(code))
     return code
 
@@ -240,7 +220,9 @@ def main(argv):
     try:
         os.makedirs(os.path.dirname(claim), exist_ok=True)
     except OSError as e:
-        discard(args.secrets)
+        if args.secrets:  # this launch will not start its trainer: its secrets file goes now
+            with contextlib.suppress(OSError):
+                os.remove(args.secrets)
         say(f"podrunner: {args.host}: cannot create the log directory ({e.strerror})\n")
         return EXIT_USER_ERROR
     try:

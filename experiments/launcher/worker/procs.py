@@ -52,10 +52,6 @@ def _environ(pid):
         return dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
 
 
-def _holds_tpu(pid, devices):
-    return any(fnmatch(target, d) for target in _open_files(pid) for d in devices)
-
-
 def processes(with_fds):
     """(pid, argv, ours, holds_tpu) of every live process except this one and its ancestors.
     "Ours": started with this HOME, i.e. by this login, the ones it may kill."""
@@ -77,7 +73,7 @@ def processes(with_fds):
             ours = bool(proc_home) and os.path.realpath(proc_home) == HOME
         except OSError:
             ours = False
-        yield pid, argv, ours, with_fds and ours and _holds_tpu(pid, devices)
+        yield pid, argv, ours, with_fds and ours and any(fnmatch(f, d) for f in _open_files(pid) for d in devices)
 
 
 def is_training(argv):

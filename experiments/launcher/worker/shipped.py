@@ -60,12 +60,6 @@ def unpack(pack, tree):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def link_venv(tree, venv):
-    """`tree`/.venv -> `venv`, replacing a link that is there (a new link renamed over it)."""
-    with replacing(os.path.join(tree, ".venv")) as tmp:
-        os.symlink(venv, tmp)
-
-
 def prepare(pack, tree, venv):
     """The shipped tree at `tree`, ready to run with `venv`; ShipFailed says which step failed."""
     try:
@@ -75,8 +69,9 @@ def prepare(pack, tree, venv):
     finally:
         with contextlib.suppress(OSError):
             os.remove(pack)
-    try:
-        link_venv(tree, venv)
+    try:  # `tree`/.venv -> `venv`, replacing a link that is there (a new link renamed over it)
+        with replacing(os.path.join(tree, ".venv")) as tmp:
+            os.symlink(venv, tmp)
     except OSError as e:
         raise ShipFailed(f"cannot link the .venv of --repo-dir into the shipped tree: {e}") from None
 
@@ -91,17 +86,14 @@ def _pins(path):
     return project.get("dependencies"), project.get("optional-dependencies"), data.get("build-system")
 
 
-def same_pins(shipped, repo):
-    """Whether the shipped pyproject.toml pins what the repo's (whose .venv runs it) pins."""
-    try:
-        return _pins(shipped) == _pins(repo)
-    except (OSError, ValueError):
-        return False
-
-
 def warn_if_pins_differ(tree, repo, host):
-    """One line on stderr when the shipped tree pins other packages than the repo's .venv has."""
-    if not same_pins(os.path.join(tree, "pyproject.toml"), os.path.join(repo, "pyproject.toml")):
+    """One line on stderr when the shipped pyproject.toml pins other packages than the repo's (whose
+    .venv runs it); one that cannot be read counts as different."""
+    try:
+        same = _pins(os.path.join(tree, "pyproject.toml")) == _pins(os.path.join(repo, "pyproject.toml"))
+    except (OSError, ValueError):
+        same = False
+    if not same:
         print(f"podrunner: {host}: WARNING: the shipped pyproject.toml pins other packages than the one in "
               "--repo-dir; the run uses the .venv there (shipping installs nothing): run launch.py setup",
               file=sys.stderr, flush=True)

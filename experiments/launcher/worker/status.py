@@ -5,6 +5,7 @@ OUTPUTS (process 0's), else the newest event with a step in the newest worker lo
 given).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -17,10 +18,8 @@ from runtime import wire  # standard library only, like this
 def newest(paths):
     stamped = []
     for p in paths:
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile
             stamped.append((os.path.getmtime(p), p))
-        except OSError:
-            pass
     return max(stamped)[1] if stamped else None
 
 
@@ -49,10 +48,8 @@ def last_step(metrics, log):
 
 def worker_id(host):
     """TPU_WORKER_ID, else the `-w-<i>` at the end of a TPU VM's hostname."""
-    if os.environ.get("TPU_WORKER_ID"):
-        return os.environ["TPU_WORKER_ID"]
-    head, sep, number = host.rpartition("-w-")
-    return number if sep and number.isdigit() else None
+    _, sep, number = host.rpartition("-w-")
+    return os.environ.get("TPU_WORKER_ID") or (number if sep and number.isdigit() else None)
 
 
 def status(host, repo, outputs, run_id):
@@ -60,10 +57,8 @@ def status(host, repo, outputs, run_id):
     running = []
     for pid, argv, ours, _ in procs.processes(False):
         if ours and procs.is_trainer(argv):
-            try:
+            with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile, or an odd stat line
                 running.append([pid, int(uptime - int(procs.stat(pid)[19]) / tick)])
-            except (OSError, ValueError, IndexError):
-                pass
     metrics = newest(glob.glob(os.path.join(repo, outputs, "**", "metrics.jsonl"), recursive=True))
     log = newest(glob.glob(os.path.join(procs.HOME, "podrunner-logs", glob.escape(run_id) if run_id else "*",
                                         "worker-*.log")))

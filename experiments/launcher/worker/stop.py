@@ -8,6 +8,7 @@ a launcher never ends a job that is not its own. Another login's processes are n
 PODRUNNER_LIBTPU_LOCKFILE (default /tmp/libtpu_lockfile) names the lockfile for tests.
 """
 
+import contextlib
 import glob
 import os
 import signal
@@ -19,10 +20,8 @@ from runtime.errors import EXIT_FAILURE  # standard library only, like this
 
 def _signal(pids, sig):
     for p in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, sig)
-        except ProcessLookupError:
-            pass
 
 
 def stop(host, grace, run=None):
@@ -47,13 +46,12 @@ def stop(host, grace, run=None):
     for pid, cmd, _ in foreign:
         print(f"[{host}] not killed: pid {pid} of user {procs.owner(pid)} (another login): {cmd[:300]}; "
               f"`sudo kill -9 {pid}` if it is stale", flush=True)
-    code = EXIT_FAILURE if left else 0
     lock_note, lock_code = free_lockfile()
     summary = f"killed {len(targets)} process(es)" if targets else "nothing running"
     if left:
         summary += f", still alive: {left}"
     print(f"[{host}] {summary}; {lock_note}{remove_secrets()}", flush=True)
-    return max(code, lock_code)
+    return max(EXIT_FAILURE if left else 0, lock_code)
 
 
 def free_lockfile():
@@ -74,11 +72,9 @@ def remove_secrets():
     """The secrets files of launches that never started (a run removes its own at once)."""
     removed = 0
     for path in glob.glob(os.path.join(glob.escape(procs.HOME), SECRETS_PREFIX + "*")):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(path)
             removed += 1
-        except OSError:
-            pass
     return f"; removed {removed} leftover secrets file(s)" if removed else ""
 
 

@@ -19,10 +19,8 @@ VERSIONS = ("jax", "jaxlib", "libtpu")
 
 def accelerator_type(env):
     """This slice's accelerator type (v4-64), or None where nothing says it."""
-    if env.get("TPU_ACCELERATOR_TYPE"):
-        return env["TPU_ACCELERATOR_TYPE"]
     try:
-        return metadata_attribute("accelerator-type", env)
+        return env.get("TPU_ACCELERATOR_TYPE") or metadata_attribute("accelerator-type", env)
     except OSError:
         return None
 
