@@ -167,8 +167,9 @@ def load_group(folder: Path) -> Group:
         elif key == "readme":
             if not isinstance(value, dict):
                 raise GroupFileError(f"{where}: readme must be a mapping of its README's facts (experiments/readmes.py), got {value!r}")
-        elif (key != "baseline_variant" or value is not None) and not (isinstance(value, str) and value):
-            raise GroupFileError(f"{where}: {key} must be a non-empty string, got {value!r}")
+        elif not isinstance(value, str) or not value:
+            if key != "baseline_variant" or value is not None:  # a group may have no baseline (null)
+                raise GroupFileError(f"{where}: {key} must be a non-empty string, got {value!r}")
     if not spec["varies_keys"]:
         raise GroupFileError(f"{where}: varies_keys is empty; name the config keys the variants change")
     _check_names(where, name, spec)

@@ -128,11 +128,16 @@ def auth_failure(output: str) -> str | None:
     return error_line(output) if any(sign in output for sign in AUTH_SIGNS) else None
 
 
-def _any_of(signs: tuple[str, ...]) -> Callable[[str], bool]:
-    return lambda output: any(sign in output for sign in signs)
+def not_found(output: str) -> bool:
+    return any(sign in output for sign in NOT_FOUND)
 
 
-not_found, refused, quota = _any_of(NOT_FOUND), _any_of(REFUSED), _any_of(QUOTA)  # whether gcloud's output says so
+def refused(output: str) -> bool:
+    return any(sign in output for sign in REFUSED)
+
+
+def quota(output: str) -> bool:
+    return any(sign in output for sign in QUOTA)
 
 
 # --- running gcloud ------------------------------------------------------------------------------

@@ -57,9 +57,10 @@ def calibrate(state_dir: Path, figures: Mapping[str, Figure] = FIGURES) -> Calib
         return t.seconds.get(category, 0.0)
 
     measured = {
-        **{name: ([t.setup for t in every if t.setup > 0 and t.setup_ran == ran],
-                  f"launches' setup (the workers {what})")
-           for name, ran, what in (("setup_check", False, "checked"), ("setup_fresh", True, "set up"))},
+        "setup_check": ([t.setup for t in every if t.setup > 0 and not t.setup_ran],
+                        "launches' setup (the workers checked)"),
+        "setup_fresh": ([t.setup for t in every if t.setup > 0 and t.setup_ran],
+                        "launches' setup (the workers set up)"),
         **{name: ([seconds(t, c) for t in every if seconds(t, c) > 0], f"launches' {c}") for name, c in (
             ("data_load", Category.DATA_LOADING), ("restore", Category.CHECKPOINT_RESTORE), ("other", Category.OTHER),
             ("runtime_init", Category.RUNTIME_STARTUP))},
